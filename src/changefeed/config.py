@@ -1,0 +1,106 @@
+"""Feed definitions: what to capture, where to deliver, and how big a batch may be."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import ConfigError
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+_TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """One named changefeed. Slot and publication names derive from the feed name."""
+
+    name: str
+    source: str
+    sink: str
+    tables: tuple[str, ...]
+    max_bytes_per_batch: int = DEFAULT_MAX_BYTES
+    max_changes_per_batch: int = 0
+    trigger_interval_s: float = 0.0
+
+    @property
+    def slot(self) -> str:
+        return f"changefeed_{self.name}"
+
+    @property
+    def publication(self) -> str:
+        return f"changefeed_{self.name}"
+
+    def validate(self) -> "FeedSpec":
+        if not _NAME.match(self.name):
+            raise ConfigError(f"feed name {self.name!r} is not allowed",
+                              "use 1-40 lowercase letters, digits or _, starting with a letter")
+        for role, uri in (("source", self.source), ("sink", self.sink)):
+            if not uri:
+                raise ConfigError(f"--{role} is required", "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+            if not uri.startswith(("postgresql://", "postgres://")):
+                raise ConfigError(f"--{role} must be a postgresql:// URI, got {uri.split('://')[0]!r}",
+                                  "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        if not self.tables:
+            raise ConfigError("--tables is required", "e.g. --tables public.accounts,public.transfers")
+        bad = [t for t in self.tables if not _TABLE.match(t)]
+        if bad:
+            raise ConfigError(f"table names must be schema.table: {', '.join(bad)}", "e.g. public.accounts")
+        if len(set(self.tables)) != len(self.tables):
+            raise ConfigError("--tables lists a table twice", "list each table once")
+        if self.max_bytes_per_batch < 0 or self.max_changes_per_batch < 0 or self.trigger_interval_s < 0:
+            raise ConfigError("batch limits and the trigger interval must not be negative", "use 0 for no limit")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, origin: str) -> "FeedSpec":
+        try:
+            data = json.loads(text)
+            known = {f.name for f in fields(cls)}
+            unknown = set(data) - known
+            if unknown:
+                raise ConfigError(f"{origin}: unknown keys {sorted(unknown)}", f"known keys: {sorted(known)}")
+            data["tables"] = tuple(data["tables"])
+            return cls(**data).validate()
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None
+
+
+def parse_tables(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() if "." in t else f"public.{t.strip()}" for t in text.split(",") if t.strip())
+
+
+def parse_size(text: str) -> int:
+    """'64MB', '1g', '1000' -> bytes."""
+    m = re.match(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", text.lower())
+    if not m:
+        raise ConfigError(f"not a size: {text!r}", "use e.g. 64MB, 1GB or a number of bytes")
+    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+
+
+class FeedState:
+    """A feed's folder under the state directory: its definition and Spark checkpoint."""
+
+    def __init__(self, root: Path | str, name: str) -> None:
+        self.dir = Path(root).absolute() / name
+        self.spec_file = self.dir / "feed.json"
+        self.checkpoint = self.dir / "checkpoint"
+        self.lock_file = self.dir / "run.lock"
+
+    def load(self) -> FeedSpec | None:
+        return FeedSpec.from_json(self.spec_file.read_text(), str(self.spec_file)) if self.spec_file.exists() else None
+
+    def save(self, spec: FeedSpec) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.spec_file.with_suffix(".tmp")
+        tmp.write_text(spec.to_json())
+        tmp.replace(self.spec_file)
+
+    def has_checkpoint(self) -> bool:
+        offsets = self.checkpoint / "offsets"
+        return offsets.is_dir() and any(offsets.iterdir())

@@ -1,0 +1,84 @@
+"""The change record: one row change (or control row) as it flows from source to sinks.
+
+Rows travel as Arrow record batches with `SCHEMA`. Data rows have op c (insert), u (update),
+d (delete), t (truncate), r (snapshot read) or m (logical decoding message). Two control rows
+keep the stream self-describing for sinks: `R` describes a table's columns (meta = JSON) before
+that table's first change in a partition, and `P` closes each partition with its progress
+(meta = JSON with end LSN, resolved ts and last commit time).
+
+`lsn` is the end LSN of the transaction's commit record: unique per transaction, increasing in
+commit order, and the position batch windows are cut at. `seq` orders rows within it.
+
+Values are COPY text lines in the table's column order (see core.copytext): `after` is the new
+row, `before` the old row (deletes; updates when the source sends it), `old_key` the old primary
+key when an update changed it. `unchanged` lists (as a PostgreSQL int array literal) the 0-based
+columns whose TOASTed value the update left unchanged; they hold NULL in `after`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+FIELDS: tuple[tuple[str, str], ...] = (
+    ("op", "string"), ("schema", "string"), ("table", "string"), ("lsn", "bigint"), ("seq", "int"),
+    ("xid", "bigint"), ("commit_time", "bigint"), ("commit_ts", "bigint"), ("after", "binary"),
+    ("before", "binary"), ("old_key", "binary"), ("unchanged", "string"), ("meta", "string"),
+)
+SPARK_DDL = ", ".join(f"`{n}` {t}" for n, t in FIELDS)
+NAMES = tuple(n for n, _ in FIELDS)
+
+DATA_OPS = frozenset("cudtrm")
+RELATION = "R"
+PROGRESS = "P"
+
+
+def arrow_schema() -> Any:
+    import pyarrow as pa
+
+    types = {"string": pa.string(), "bigint": pa.int64(), "int": pa.int32(), "binary": pa.binary()}
+    return pa.schema([pa.field(n, types[t]) for n, t in FIELDS])
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """What an `R` row says about a table: column names, SQL types, key columns.
+
+    `missing` holds, per column, the value rows written before the column was added read as
+    (PostgreSQL's `attmissingval`, from ADD COLUMN ... DEFAULT): such rows have no WAL of it.
+    """
+
+    schema: str
+    table: str
+    columns: tuple[str, ...]
+    types: tuple[str, ...]
+    key: tuple[str, ...]
+    replica_identity: str
+    missing: tuple[str | None, ...] = ()
+
+    def to_meta(self) -> str:
+        return json.dumps({"columns": self.columns, "types": self.types, "key": self.key,
+                           "identity": self.replica_identity, "missing": self.missing})
+
+    @classmethod
+    def from_meta(cls, schema: str, table: str, meta: str) -> "TableShape":
+        d = json.loads(meta)
+        return cls(schema, table, tuple(d["columns"]), tuple(d["types"]), tuple(d["key"]), d["identity"],
+                   tuple(d.get("missing") or ()))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a `P` row says: this partition delivered every commit up to `end_lsn`."""
+
+    end_lsn: int
+    resolved_ts: int
+    last_commit_time: int | None  # Unix µs of the last delivered commit, None if none
+    changes: int
+
+    def to_meta(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_meta(cls, meta: str) -> "Progress":
+        return cls(**json.loads(meta))

@@ -1,0 +1,199 @@
+"""A feed's life on one runner: check, create what is missing, run the query, report status.
+
+Everything that can fail on bad input is checked before anything is created or advanced.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .config import FeedSpec, FeedState
+from .core.hlc import physical_ms
+from .core.lsn import format_lsn
+from .errors import ChangefeedError, FeedBusy, SinkError
+from .postgres import source as src
+from .postgres.connect import connect
+from .sinks import postgres_replica as replica
+
+
+@contextmanager
+def state_lock(state: FeedState) -> Iterator[None]:
+    """An exclusive lock on the feed's state folder for this process's lifetime."""
+    state.dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise FeedBusy(f"feed {state.dir.name} is already running: held by {holder}",
+                           "stop the other runner first, or use another --name or --state") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Prepared:
+    spec: FeedSpec
+    state: FeedState
+    source_conn: Any  # holds the feed's advisory lock while the feed runs
+    created_slot: bool
+
+
+def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
+    """Check everything, then create publication, slot and target tables if missing."""
+    spec.validate()
+    stack.enter_context(state_lock(state))
+    source = stack.enter_context(connect(spec.source, "source"))
+    src.check_wal_level(source)
+    tables = src.describe_tables(source, list(spec.tables))
+    src.lock_feed(source, spec.name)
+    sink = stack.enter_context(connect(spec.sink, "sink"))
+    slot = src.slot_state(source, spec.slot)
+    if state.has_checkpoint() or slot is not None:
+        src.check_slot_usable(slot, spec.slot, None, spec.name)
+    # -- nothing was created up to here --
+    src.ensure_publication(source, spec.publication, tables)
+    created = False
+    if slot is None:
+        src.create_slot(source, spec.slot)
+        created = True
+    try:
+        replica.ensure_meta(sink)
+        replica.ensure_tables(sink, tables)
+        replica.drop_stale_staging(sink, spec.name)
+    except Exception:
+        if created:  # leave nothing half-made behind: the next run starts clean
+            source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
+        raise
+    state.save(spec)
+    return Prepared(spec, state, source, created)
+
+
+@dataclass
+class FeedStatus:
+    name: str
+    slot: str
+    slot_state: str
+    checkpoint_lsn: str | None
+    checkpoint_commit_time: str | None
+    lag_bytes: int | None
+    lag_seconds: float | None
+    batches: int
+
+    def lines(self) -> list[str]:
+        return [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()]
+
+
+def status(spec: FeedSpec) -> FeedStatus:
+    with connect(spec.source, "source") as source, connect(spec.sink, "sink") as sink:
+        slot = src.slot_state(source, spec.slot)
+        current = src.flush_lsn(source)
+        row = None
+        if sink.execute("SELECT to_regclass('changefeed.progress')").fetchone()[0]:  # type: ignore[index]
+            row = sink.execute(
+                "SELECT end_lsn::text, commit_time::text, resolved_ts, end_lsn - '0/0'::pg_lsn, "
+                "(SELECT count(*) FROM changefeed.progress WHERE feed = %s) "
+                "FROM changefeed.progress WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1",
+                (spec.name, spec.name)).fetchone()
+    if slot is None:
+        state = "missing"
+    elif slot.wal_status == "lost" or slot.invalidation:
+        state = f"invalidated ({slot.invalidation or 'WAL removed'})"
+    else:
+        state = f"{'active' if slot.active_pid else 'inactive'}, wal {slot.wal_status}, " \
+                f"confirmed {format_lsn(slot.confirmed_flush or 0)}"
+    lag_bytes = lag_s = None
+    if row:
+        applied = int(row[3])
+        lag_bytes = max(0, current[0] - applied)
+        lag_s = 0.0 if lag_bytes == 0 else max(0.0, (current[1] - physical_ms(int(row[2]))) / 1000)
+    elif slot and slot.confirmed_flush:
+        lag_bytes = max(0, current[0] - slot.confirmed_flush)
+    return FeedStatus(spec.name, spec.slot, state, row[0] if row else None, row[1] if row else None,
+                      lag_bytes, lag_s, int(row[4]) if row else 0)
+
+
+def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
+        report: Callable[[str], None] = print, report_every_s: float = 2.0,
+        stop_event: threading.Event | None = None) -> None:
+    """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`."""
+    from .spark.job import spark_session, start_query
+
+    stop = stop_event or threading.Event()
+    with ExitStack() as stack:
+        prepare(spec, state, stack)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+        spark = spark_session(master)
+        query = start_query(spark, spec, state, available_now=available_now)
+        report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
+               f"checkpoint in {state.checkpoint}")
+        meter = _Meter(report)
+        try:
+            while query.isActive and not stop.is_set():
+                query.awaitTermination(report_every_s)
+                meter.update(query)
+            if query.exception() is not None:
+                raise _query_error(query.exception())
+        finally:
+            if query.isActive:
+                report(f"feed {spec.name}: stopping")
+                query.stop()
+            meter.update(query)
+        report(f"feed {spec.name}: stopped cleanly after {meter.changes} changes in {meter.batches} batches")
+
+
+def _query_error(exc: Any) -> ChangefeedError:
+    """Re-raise a query failure as the typed error it carries, if any."""
+    text = str(exc)
+    import re
+
+    from . import errors
+
+    for name in ("SlotLost", "SinkError", "SourceNotReady", "ConnectionFailed", "AuthenticationFailed",
+                 "TransientError", "FeedBusy", "ConfigError"):
+        m = re.search(rf"changefeed\.errors\.{name}: (.*)", text)
+        if m:
+            return getattr(errors, name)(m.group(1).strip())  # type: ignore[no-any-return]
+    return SinkError(f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
+                     "see the log above; the feed resumes from its checkpoint when run again")
+
+
+class _Meter:
+    """Turns Spark's query progress into one human line every few seconds."""
+
+    def __init__(self, report: Callable[[str], None]) -> None:
+        self.report, self.changes, self.batches, self._seen = report, 0, 0, -1
+        self._t0 = time.monotonic()
+
+    def update(self, query: Any) -> None:
+        for p in query.recentProgress:
+            if p["batchId"] <= self._seen:
+                continue
+            self._seen = p["batchId"]
+            self.batches += 1
+            self.changes += int(p.get("numInputRows", 0))
+        last = query.lastProgress
+        if not last:
+            return
+        dur = last.get("durationMs", {}).get("triggerExecution", 0) / 1000
+        end = (last.get("sources") or [{}])[0].get("endOffset") or {}
+        lag = ""
+        if isinstance(end, dict) and end.get("ts"):
+            lag = f", resolved lag {max(0.0, time.time() - physical_ms(int(end['ts'])) / 1000):.1f}s"
+        elapsed = time.monotonic() - self._t0
+        self.report(f"  {self.changes} rows in {self.batches} batches, {self.changes / max(elapsed, 1e-9):,.0f} rows/s "
+                    f"overall, last batch {dur:.2f}s{lag}")

@@ -1,0 +1,1 @@
+"""The PostgreSQL side: pgoutput decoding, source administration, reading changes."""

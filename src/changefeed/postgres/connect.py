@@ -1,0 +1,45 @@
+"""Open PostgreSQL connections, turning driver failures into typed, actionable errors."""
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from ..errors import AuthenticationFailed, ConfigError, ConnectionFailed
+
+
+def redact(uri: str) -> str:
+    """The URI with its password hidden, fit for messages and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "<unparsable URI>"
+    if parts.password is None:
+        return uri
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection[Any]:
+    """Connect to `uri`; `role` ("source", "sink") names the server in error messages."""
+    if not uri.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"{role} URI {redact(uri)!r} is not a PostgreSQL URI",
+                          "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
+    try:
+        return psycopg.connect(uri, autocommit=autocommit, connect_timeout=10, application_name="changefeed",
+                               **kwargs)
+    except psycopg.ProgrammingError as e:
+        raise ConfigError(f"{role} URI {redact(uri)!r} is malformed: {e}",
+                          "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME") from None
+    except psycopg.OperationalError as e:
+        text = str(e)
+        if "password authentication failed" in text or "no password supplied" in text \
+                or "authentication failed" in text or "role \"" in text and "does not exist" in text:
+            raise AuthenticationFailed(f"{role} {redact(uri)} refused the credentials: {text.strip()}",
+                                       "check the user and password in the URI") from None
+        if "database \"" in text and "does not exist" in text:
+            raise ConfigError(f"{role} {redact(uri)}: {text.strip()}", "create the database or fix the URI") from None
+        raise ConnectionFailed(f"cannot reach {role} {redact(uri)}: {text.strip()}",
+                               "check host and port, and that the server is running and accepts TCP connections") from None

@@ -1,0 +1,257 @@
+"""Sans-I/O decoder of PostgreSQL's pgoutput logical replication protocol (version 1).
+
+Bytes of one pgoutput message in, one message object out; no sockets, no state. Tuple values stay
+as the server sent them: `bytes` in PostgreSQL text form, `None` for NULL, and `UNCHANGED` for a
+TOASTed value the update did not touch (the server does not resend it; the replica keeps its own).
+Message layouts: PostgreSQL docs, "Logical Replication Message Formats".
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Final, Union
+
+from ..core.hlc import PG_EPOCH_US
+
+
+class DecodeError(ValueError):
+    """The bytes are not a pgoutput message this decoder understands."""
+
+
+class _Unchanged:
+    """Marker for an unchanged TOASTed column (pgoutput 'u')."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+UNCHANGED: Final = _Unchanged()
+Value = Union[bytes, None, _Unchanged]
+
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+_U32 = struct.Struct(">I")
+_I64 = struct.Struct(">q")
+_U64 = struct.Struct(">Q")
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    name: str
+    type_oid: int
+    typmod: int
+    is_key: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Begin:
+    final_lsn: int
+    commit_time_us: int  # Unix epoch microseconds
+    xid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    flags: int
+    commit_lsn: int
+    end_lsn: int
+    commit_time_us: int
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    commit_lsn: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Relation:
+    oid: int
+    schema: str
+    name: str
+    replica_identity: str  # d default, n nothing, f full, i index
+    columns: tuple[Column, ...]
+
+    @property
+    def key_indexes(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.columns) if c.is_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Type:
+    oid: int
+    schema: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Insert:
+    relation_oid: int
+    new: list[Value]
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    relation_oid: int
+    old: list[Value] | None  # key columns only ('K') or the whole row ('O'); None if not sent
+    old_is_key: bool
+    new: list[Value]
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    relation_oid: int
+    old: list[Value]
+    old_is_key: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Truncate:
+    relation_oids: tuple[int, ...]
+    cascade: bool
+    restart_identity: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    transactional: bool
+    lsn: int
+    prefix: str
+    content: bytes
+
+
+PgOutputMessage = Union[Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message]
+
+
+def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
+    end = buf.index(b"\0", pos)
+    return buf[pos:end].decode(), end + 1
+
+
+def _pg_time(us: int) -> int:
+    return us + PG_EPOCH_US
+
+
+def decode_tuple(buf: bytes, pos: int) -> tuple[list[Value], int]:
+    """TupleData at `pos` -> (values, position after it)."""
+    (n,) = _I16.unpack_from(buf, pos)
+    pos += 2
+    values: list[Value] = []
+    append = values.append
+    for _ in range(n):
+        kind = buf[pos]
+        pos += 1
+        if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
+            (length,) = _I32.unpack_from(buf, pos)
+            pos += 4
+            append(buf[pos:pos + length])
+            pos += length
+        elif kind == 0x6E:  # 'n'
+            append(None)
+        elif kind == 0x75:  # 'u'
+            append(UNCHANGED)
+        else:
+            raise DecodeError(f"unknown tuple column kind {chr(kind)!r} at byte {pos - 1}")
+    return values, pos
+
+
+def decode(data: bytes) -> PgOutputMessage:
+    """Decode one pgoutput message."""
+    try:
+        return _DECODERS[data[0]](data)
+    except KeyError:
+        raise DecodeError(f"unknown pgoutput message type {chr(data[0])!r}") from None
+    except (IndexError, struct.error, ValueError, UnicodeDecodeError) as e:
+        if isinstance(e, DecodeError):
+            raise
+        raise DecodeError(f"truncated or malformed {chr(data[0]) if data else 'empty'!r} message: {e}") from e
+
+
+def _begin(b: bytes) -> Begin:
+    final_lsn, ts = _U64.unpack_from(b, 1)[0], _I64.unpack_from(b, 9)[0]
+    return Begin(final_lsn, _pg_time(ts), _U32.unpack_from(b, 17)[0])
+
+
+def _commit(b: bytes) -> Commit:
+    return Commit(b[1], _U64.unpack_from(b, 2)[0], _U64.unpack_from(b, 10)[0], _pg_time(_I64.unpack_from(b, 18)[0]))
+
+
+def _origin(b: bytes) -> Origin:
+    name, _ = _cstring(b, 9)
+    return Origin(_U64.unpack_from(b, 1)[0], name)
+
+
+def _relation(b: bytes) -> Relation:
+    (oid,) = _U32.unpack_from(b, 1)
+    schema, pos = _cstring(b, 5)
+    name, pos = _cstring(b, pos)
+    ident = chr(b[pos])
+    (n,) = _I16.unpack_from(b, pos + 1)
+    pos += 3
+    cols = []
+    for _ in range(n):
+        flags = b[pos]
+        cname, pos = _cstring(b, pos + 1)
+        type_oid, typmod = _U32.unpack_from(b, pos)[0], _I32.unpack_from(b, pos + 4)[0]
+        pos += 8
+        cols.append(Column(cname, type_oid, typmod, bool(flags & 1)))
+    return Relation(oid, schema, name, ident, tuple(cols))
+
+
+def _type(b: bytes) -> Type:
+    schema, pos = _cstring(b, 5)
+    name, _ = _cstring(b, pos)
+    return Type(_U32.unpack_from(b, 1)[0], schema, name)
+
+
+def _insert(b: bytes) -> Insert:
+    if b[5] != 0x4E:
+        raise DecodeError(f"Insert: expected 'N', got {chr(b[5])!r}")
+    new, _ = decode_tuple(b, 6)
+    return Insert(_U32.unpack_from(b, 1)[0], new)
+
+
+def _update(b: bytes) -> Update:
+    pos = 5
+    old: list[Value] | None = None
+    kind = b[pos]
+    if kind in (0x4B, 0x4F):  # 'K' key, 'O' old row
+        old, pos = decode_tuple(b, pos + 1)
+    if b[pos] != 0x4E:
+        raise DecodeError(f"Update: expected 'N', got {chr(b[pos])!r}")
+    new, _ = decode_tuple(b, pos + 1)
+    return Update(_U32.unpack_from(b, 1)[0], old, kind == 0x4B, new)
+
+
+def _delete(b: bytes) -> Delete:
+    kind = b[5]
+    if kind not in (0x4B, 0x4F):
+        raise DecodeError(f"Delete: expected 'K' or 'O', got {chr(kind)!r}")
+    old, _ = decode_tuple(b, 6)
+    return Delete(_U32.unpack_from(b, 1)[0], old, kind == 0x4B)
+
+
+def _truncate(b: bytes) -> Truncate:
+    (n,) = _I32.unpack_from(b, 1)
+    opts = b[5]
+    oids = struct.unpack_from(f">{n}I", b, 6)
+    return Truncate(tuple(oids), bool(opts & 1), bool(opts & 2))
+
+
+def _message(b: bytes) -> Message:
+    flags = b[1]
+    (lsn,) = _U64.unpack_from(b, 2)
+    prefix, pos = _cstring(b, 10)
+    (length,) = _I32.unpack_from(b, pos)
+    content = b[pos + 4:pos + 4 + length]
+    if len(content) != length:
+        raise DecodeError("Message: content shorter than its length")
+    return Message(bool(flags & 1), lsn, prefix, content)
+
+
+_DECODERS = {
+    ord("B"): _begin, ord("C"): _commit, ord("O"): _origin, ord("R"): _relation, ord("Y"): _type,
+    ord("I"): _insert, ord("U"): _update, ord("D"): _delete, ord("T"): _truncate, ord("M"): _message,
+}

@@ -1,0 +1,237 @@
+"""The source database: checks, publication, replication slot, and reading decoded changes.
+
+Reading uses the SQL interface of logical decoding (`pg_logical_slot_peek_binary_changes`): it
+decodes inside the server, faster than the walsender, over an ordinary connection, and it never
+consumes the slot. The slot moves only through `advance`, called once the sink has committed.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..core.lsn import format_lsn, parse_lsn
+from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError
+
+PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
+
+
+@dataclass(frozen=True)
+class SourceTable:
+    schema: str
+    name: str
+    columns: tuple[str, ...]
+    types: tuple[str, ...]
+    key: tuple[str, ...]
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True)
+class SlotState:
+    name: str
+    plugin: str
+    confirmed_flush: int | None
+    restart_lsn: int | None
+    active_pid: int | None
+    wal_status: str | None
+    invalidation: str | None
+
+
+def split_table(qualified: str) -> tuple[str, str]:
+    schema, _, name = qualified.rpartition(".")
+    return (schema or "public"), name
+
+
+def check_wal_level(conn: psycopg.Connection[Any]) -> None:
+    level = conn.execute("SHOW wal_level").fetchone()[0]  # type: ignore[index]
+    if level != "logical":
+        raise SourceNotReady(
+            f"the source has wal_level={level}; logical decoding needs wal_level=logical",
+            "run ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL")
+
+
+def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[SourceTable]:
+    """Columns, SQL types and key of each table; typed errors for missing or keyless tables."""
+    out = []
+    for qualified in tables:
+        schema, name = split_table(qualified)
+        row = conn.execute(
+            "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')", (schema, name)).fetchone()
+        if row is None:
+            raise SourceNotReady(f"table {schema}.{name} does not exist on the source",
+                                 "create it, or fix --tables (names are schema.table, case-sensitive)")
+        oid = row[0]
+        cols = conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
+            (oid,)).fetchall()
+        key = [r[0] for r in conn.execute(
+            "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
+            "CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord) "
+            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+            "WHERE i.indrelid = %s AND (i.indisprimary OR (c.relreplident = 'i' AND i.indisreplident)) "
+            "ORDER BY i.indisprimary DESC, k.ord", (oid,)).fetchall()]
+        if not key:
+            raise SourceNotReady(
+                f"table {schema}.{name} has no primary key (nor a replica identity index)",
+                f"add one (ALTER TABLE {schema}.{name} ADD PRIMARY KEY (...)), or leave the table out of --tables")
+        out.append(SourceTable(schema, name, tuple(c[0] for c in cols), tuple(c[1] for c in cols),
+                               tuple(dict.fromkeys(key))))
+    return out
+
+
+def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> list[tuple[str, str | None]]:
+    """Per column of a pgoutput Relation: SQL type name, and the value rows predating it read as."""
+    missing = dict(conn.execute(
+        "SELECT attname, (attmissingval::text::text[])[1] FROM pg_attribute "
+        "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND atthasmissing", (rel.oid,)).fetchall())
+    types = conn.execute(
+        "SELECT format_type(t, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY u(t, m, i) ORDER BY i",
+        ([c.type_oid for c in rel.columns], [c.typmod for c in rel.columns])).fetchall()
+    return [(t[0], missing.get(c.name)) for t, c in zip(types, rel.columns)]
+
+
+def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> None:
+    """Create the publication, or add tables it lacks."""
+    exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
+    idents = [sql.Identifier(t.schema, t.name) for t in tables]
+    if not exists:
+        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+            sql.Identifier(publication), sql.SQL(", ").join(idents)))
+        return
+    have = {(r[0], r[1]) for r in conn.execute(
+        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
+    missing = [sql.Identifier(t.schema, t.name) for t in tables if (t.schema, t.name) not in have]
+    if missing:
+        conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
+            sql.Identifier(publication), sql.SQL(", ").join(missing)))
+
+
+def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
+    row = conn.execute(
+        "SELECT slot_name, plugin, confirmed_flush_lsn::text, restart_lsn::text, active_pid, wal_status, "
+        "to_jsonb(s) ->> 'invalidation_reason' FROM pg_replication_slots s WHERE slot_name = %s",
+        (slot,)).fetchone()
+    if row is None:
+        return None
+    lsn = lambda v: None if v is None else parse_lsn(v)  # noqa: E731
+    return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6])
+
+
+def create_slot(conn: psycopg.Connection[Any], slot: str) -> int:
+    """Create the pgoutput slot; returns the LSN from which it will deliver commits."""
+    row = conn.execute("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
+                       (slot,)).fetchone()
+    return parse_lsn(row[0])  # type: ignore[index]
+
+
+def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | None, feed: str) -> None:
+    """Fail loudly when a slot the checkpoint depends on is gone or can no longer deliver."""
+    if state is None:
+        raise SlotLost(
+            f"replication slot {slot} is missing but feed {feed} has a checkpoint at "
+            f"{format_lsn(checkpoint_lsn or 0)}; changes after it may be lost",
+            f"re-create the feed from a fresh snapshot: changefeed remove --name {feed}, then run it again "
+            "(changefeed never re-creates a slot silently)")
+    if state.wal_status == "lost" or state.invalidation:
+        raise SlotLost(
+            f"replication slot {slot} was invalidated by PostgreSQL "
+            f"({state.invalidation or 'WAL removed'}); WAL needed after {format_lsn(state.restart_lsn or 0)} is gone",
+            f"re-create the feed from a fresh snapshot: changefeed remove --name {feed}, then run it again")
+    if state.plugin != "pgoutput":
+        raise SlotLost(f"replication slot {slot} uses plugin {state.plugin}, not pgoutput",
+                       "drop it or choose another feed name")
+
+
+def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """(WAL flush position, server clock in Unix ms): everything at or before it is decodable."""
+    row = conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
+                       "(extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetchone()
+    return parse_lsn(row[0]), int(row[1])  # type: ignore[index]
+
+
+def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
+                      changes: int) -> int:
+    """End LSN of the first transaction that completes `changes` decoded messages (or `upto`).
+
+    Decodes inside the server and returns only an LSN: no change data leaves the server.
+    """
+    row = conn.execute(
+        "SELECT max(lsn)::text FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
+        "'proto_version', '1', 'publication_names', %s)",
+        (slot, format_lsn(upto), changes, publication)).fetchone()
+    return min(upto, parse_lsn(row[0])) if row and row[0] else upto  # type: ignore[index]
+
+
+def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
+         fetch: int = 20000) -> Iterator[bytes]:
+    """pgoutput messages of transactions committed at or before `upto`, in commit order."""
+    try:
+        with conn.transaction(), conn.cursor(name="changefeed_peek", binary=True) as cur:
+            cur.itersize = fetch
+            cur.execute(
+                "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
+                "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
+                (slot, format_lsn(upto), publication))
+            while rows := cur.fetchmany(fetch):
+                for (data,) in rows:
+                    yield data
+    except psycopg.errors.ObjectInUse as e:
+        raise TransientError(f"replication slot {slot} is in use: {e}", "wait for the other reader to finish") from None
+    except psycopg.errors.UndefinedObject as e:
+        raise SlotLost(f"replication slot {slot} disappeared: {e}", "re-create the feed") from None
+    except psycopg.errors.ObjectNotInPrerequisiteState as e:
+        raise SlotLost(f"replication slot {slot} can no longer deliver changes: {e}",
+                       "re-create the feed from a fresh snapshot (changefeed remove, then run)") from None
+
+
+def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
+    """Move the slot (the feed's WAL safe point) to `lsn`; never backwards."""
+    conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
+
+
+def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
+    """Hold a session advisory lock for `feed` on the source: one runner per feed, anywhere."""
+    key = f"changefeed:{feed}"
+    conn.execute("SELECT set_config('application_name', %s, false)",
+                 (f"changefeed:{feed}@{socket.gethostname()}:{os.getpid()}"[:63],))
+    if conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()[0]:  # type: ignore[index]
+        return
+    holder = conn.execute(
+        "SELECT a.pid, a.application_name, a.client_addr::text, a.backend_start::text FROM pg_locks l "
+        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid", (key,)).fetchone()
+    who = f"{holder[1] or 'unknown'} (backend pid {holder[0]}, from {holder[2] or 'local socket'}, since {holder[3]})" \
+        if holder else "another session"
+    raise FeedBusy(f"feed {feed} is already running: held by {who}",
+                   "stop the other runner first, or use another --name")
+
+
+def heartbeat(conn: psycopg.Connection[Any], prefix: str) -> tuple[int, int]:
+    """Write a non-transactional logical decoding message and wait until it is flushed.
+
+    Returns (the LSN just past it, server clock in Unix ms). That LSN is a WAL record boundary,
+    which is what a slot may safely be advanced to: PostgreSQL skips a transaction whose commit
+    record starts before the slot's confirmed position, so a position inside a record would lose it.
+    The message also keeps an idle slot moving.
+    """
+    if conn.info.server_version >= 170000:
+        row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''::text, true)::text", (prefix,)).fetchone()
+        lsn = parse_lsn(row[0])  # type: ignore[index]
+    else:
+        row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''::text)::text", (prefix,)).fetchone()
+        lsn = parse_lsn(row[0])  # type: ignore[index]
+        while flush_lsn(conn)[0] < lsn:
+            import time
+
+            time.sleep(0.02)
+    return lsn, flush_lsn(conn)[1]

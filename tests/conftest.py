@@ -1,0 +1,85 @@
+"""Shared fixtures: one pair of real PostgreSQL servers and one SparkSession per test session.
+
+Each test gets its own source and sink databases on those servers (`dbs`), so tests stay
+isolated without paying for new servers.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from changefeed.local_postgres import LocalPostgres
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPostgres, LocalPostgres]]:
+    root = tmp_path_factory.mktemp("pg")
+    source = LocalPostgres.start(root / "source")
+    sink = LocalPostgres.start(root / "sink")
+    yield source, sink
+    source.stop("immediate")
+    sink.stop("immediate")
+
+
+@dataclass
+class Dbs:
+    source: str
+    sink: str
+    name: str  # a fresh name for the feed of this test
+
+    def src(self) -> psycopg.Connection:
+        return psycopg.connect(self.source, autocommit=True)
+
+    def dst(self) -> psycopg.Connection:
+        return psycopg.connect(self.sink, autocommit=True)
+
+
+@pytest.fixture
+def dbs(servers: tuple[LocalPostgres, LocalPostgres]) -> Dbs:
+    """A fresh empty database on each server, and a fresh feed name."""
+    n = next(_counter)
+    name = f"t{os.getpid()}_{n}"
+    source, sink = servers
+    for server in servers:
+        with psycopg.connect(server.uri(), autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {name}")
+    return Dbs(source.uri(name), sink.uri(name), name)
+
+
+@pytest.fixture(scope="session")
+def spark() -> object:
+    from changefeed.spark.job import spark_session
+
+    return spark_session("local[2]")
+
+
+def fingerprint(uri: str, table: str) -> tuple[int, str]:
+    """(row count, md5 over the rows' text in key order): equal fingerprints = equal tables."""
+    with psycopg.connect(uri) as c:
+        row = c.execute(f"SELECT count(*), coalesce(md5(string_agg(x::text, '|' ORDER BY x::text)), '') "
+                        f"FROM {table} x").fetchone()
+    assert row is not None
+    return int(row[0]), str(row[1])
+
+
+def changefeed_cli(*args: str, timeout: float = 600, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Run `python -m changefeed ARGS` as its own process; returns the completed process."""
+    return subprocess.run([sys.executable, "-m", "changefeed", *args], capture_output=True, text=True,
+                          timeout=timeout, **kwargs)  # type: ignore[call-overload]
+
+
+def start_changefeed(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    """Start `python -m changefeed ARGS` in its own process group (so a test can SIGKILL all of it)."""
+    out = open(log, "ab")
+    return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
