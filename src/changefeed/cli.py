@@ -61,9 +61,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo(Path(args.workdir), seconds=args.seconds, master=args.master)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Malformed options exit like every other bad input: typed message, hint, exit 64."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"changefeed: error: {message}\n  hint: see '{self.prog} --help'", file=sys.stderr)
+        sys.exit(ConfigError.exit_code)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="changefeed", description="Change data capture for PostgreSQL on Spark.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="changefeed", description="Change data capture for PostgreSQL on Spark.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a feed until stopped (SIGINT/SIGTERM), or until caught up")
     run.add_argument("--name", required=True, help="feed name: lowercase letters, digits, _")

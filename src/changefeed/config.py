@@ -41,7 +41,8 @@ class FeedSpec:
             if not uri:
                 raise ConfigError(f"--{role} is required", "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
             if not uri.startswith(("postgresql://", "postgres://")):
-                raise ConfigError(f"--{role} must be a postgresql:// URI, got {uri.split('://')[0]!r}",
+                scheme = uri.split("://")[0] if "://" in uri else "<no scheme>"
+                raise ConfigError(f"--{role} must be a postgresql:// URI, got scheme {scheme!r}",
                                   "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
         if not self.tables:
             raise ConfigError("--tables is required", "e.g. --tables public.accounts,public.transfers")

@@ -15,6 +15,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from . import faults
 from .config import FeedSpec, FeedState
 from .core.hlc import physical_ms
 from .core.lsn import format_lsn
@@ -62,7 +63,7 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
     sink = stack.enter_context(connect(spec.sink, "sink"))
     slot = src.slot_state(source, spec.slot)
     if state.has_checkpoint() or slot is not None:
-        src.check_slot_usable(slot, spec.slot, None, spec.name)
+        src.check_slot_usable(slot, spec.slot, replica.checkpoint_lsn(sink, spec.name), spec.name)
     # -- nothing was created up to here --
     src.ensure_publication(source, spec.publication, tables)
     created = False
@@ -127,14 +128,15 @@ def status(spec: FeedSpec) -> FeedStatus:
 
 def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
         report: Callable[[str], None] = print, report_every_s: float = 2.0,
-        stop_event: threading.Event | None = None) -> None:
+        stop_event: threading.Event | None = None, handle_signals: bool = True) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`."""
     from .spark.job import spark_session, start_query
 
     stop = stop_event or threading.Event()
     with ExitStack() as stack:
-        prepare(spec, state, stack)
-        if threading.current_thread() is threading.main_thread():
+        prepared = prepare(spec, state, stack)
+        faults.reach("startup")
+        if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
         spark = spark_session(master)
@@ -148,12 +150,31 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 meter.update(query)
             if query.exception() is not None:
                 raise _query_error(query.exception())
+            _release_wal(prepared, query)
         finally:
             if query.isActive:
                 report(f"feed {spec.name}: stopping")
                 query.stop()
             meter.update(query)
         report(f"feed {spec.name}: stopped cleanly after {meter.changes} changes in {meter.batches} batches")
+
+
+def _release_wal(prepared: Prepared, query: Any) -> None:
+    """Advance the slot past the last batch the sink committed.
+
+    Spark commits a batch to the source only when it plans the next one, so without this the slot
+    would hold one batch of WAL more than needed after an AvailableNow run or a stop.
+    """
+    import json
+
+    for p in reversed(query.recentProgress):
+        end = (p["sources"] or [{}])[0].get("endOffset")
+        if end:
+            end = json.loads(end) if isinstance(end, str) else end
+            slot = src.slot_state(prepared.source_conn, prepared.spec.slot)
+            if slot and slot.confirmed_flush is not None and end["safe"] > slot.confirmed_flush:
+                src.advance(prepared.source_conn, prepared.spec.slot, int(end["safe"]))
+            return
 
 
 def _query_error(exc: Any) -> ChangefeedError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..core import change as ch
@@ -16,14 +17,27 @@ from ..core.copytext import NULL, escape
 from ..core.hlc import next_commit_ts
 from . import pgoutput as po
 
-# For a relation: per column (SQL type name, value of rows that predate the column or None).
-Catalog = Callable[[po.Relation], list[tuple[str, str | None]]]
+
+
+@dataclass(frozen=True)
+class RelationInfo:
+    """What pgoutput does not say about a relation: SQL type names, the primary key (pgoutput
+    flags every column as key under REPLICA IDENTITY FULL), and the value rows that predate a
+    column read as (None where there is none)."""
+
+    types: tuple[str, ...]
+    key: tuple[int, ...]
+    missing: tuple[str | None, ...]
+
+
+Catalog = Callable[[po.Relation], RelationInfo]
 HEARTBEAT_PREFIX = "changefeed.heartbeat"
 
 
-def offline_catalog(rel: po.Relation) -> list[tuple[str, str | None]]:
-    """Type names without a database: good enough for tests and non-PostgreSQL sinks."""
-    return [(f"oid:{c.type_oid}", None) for c in rel.columns]
+def offline_catalog(rel: po.Relation) -> RelationInfo:
+    """Without a database: type OIDs for names, the key as pgoutput flags it."""
+    return RelationInfo(tuple(f"oid:{c.type_oid}" for c in rel.columns), rel.key_indexes,
+                        (None,) * len(rel.columns))
 
 
 def _line(values: list[po.Value]) -> tuple[bytes, str | None]:
@@ -50,6 +64,7 @@ class ChangeBuilder:
         self.last_ts = start_ts
         self.catalog = catalog
         self.relations: dict[int, po.Relation] = {}
+        self._info: dict[int, RelationInfo] = {}
         self._described: set[int] = set()
         self._txn: list[tuple[Any, ...]] | None = None
         self._begin: po.Begin | None = None
@@ -75,6 +90,7 @@ class ChangeBuilder:
             self._commit(msg)  # type: ignore[arg-type]
         elif kind is po.Relation:
             self.relations[msg.oid] = msg  # type: ignore[union-attr]
+            self._info.pop(msg.oid, None)  # type: ignore[union-attr]
             self._described.discard(msg.oid)  # type: ignore[union-attr]
         elif kind is po.Truncate:
             for oid in msg.relation_oids:  # type: ignore[union-attr]
@@ -88,7 +104,7 @@ class ChangeBuilder:
         before = old_key = None
         if msg.old is not None:
             before, _ = _line(msg.old)
-            keys = self.relations[msg.relation_oid].key_indexes
+            keys = self.info(msg.relation_oid).key
             if any(msg.old[i] != msg.new[i] for i in keys if msg.new[i] is not po.UNCHANGED):
                 old_key = b"\t".join(NULL if msg.old[i] is None else escape(msg.old[i]) for i in keys)  # type: ignore[arg-type]
         self._row(msg.relation_oid, "u", after, unchanged, before, old_key)
@@ -105,11 +121,16 @@ class ChangeBuilder:
             self._txn.append((ch.RELATION, rel.schema, rel.name, None, None, None, None, self._describe(rel)))
         self._txn.append((op, rel.schema, rel.name, after, before, old_key, unchanged, None))
 
+    def info(self, oid: int) -> RelationInfo:
+        if oid not in self._info:
+            self._info[oid] = self.catalog(self.relations[oid])
+        return self._info[oid]
+
     def _describe(self, rel: po.Relation) -> str:
-        info = self.catalog(rel)
+        info = self.info(rel.oid)
         return ch.TableShape(
-            rel.schema, rel.name, tuple(c.name for c in rel.columns), tuple(t for t, _ in info),
-            tuple(c.name for c in rel.columns if c.is_key), rel.replica_identity, tuple(m for _, m in info),
+            rel.schema, rel.name, tuple(c.name for c in rel.columns), info.types,
+            tuple(rel.columns[i].name for i in info.key), rel.replica_identity, info.missing,
         ).to_meta()
 
     def _message(self, msg: po.Message) -> None:

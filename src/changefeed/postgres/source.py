@@ -16,9 +16,19 @@ import psycopg
 from psycopg import sql
 
 from ..core.lsn import format_lsn, parse_lsn
+from .changes import RelationInfo
 from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
+
+
+# Key columns of a table: its primary key, else its replica identity index.
+_KEY_SQL = (
+    "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
+    "CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord) "
+    "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
+    "WHERE i.indrelid = %s AND (i.indisprimary OR (c.relreplident = 'i' AND i.indisreplident)) "
+    "ORDER BY i.indisprimary DESC, k.ord")
 
 
 @dataclass(frozen=True)
@@ -74,12 +84,7 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[So
             "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
             (oid,)).fetchall()
-        key = [r[0] for r in conn.execute(
-            "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
-            "CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord) "
-            "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
-            "WHERE i.indrelid = %s AND (i.indisprimary OR (c.relreplident = 'i' AND i.indisreplident)) "
-            "ORDER BY i.indisprimary DESC, k.ord", (oid,)).fetchall()]
+        key = [r[0] for r in conn.execute(_KEY_SQL, (oid,)).fetchall()]
         if not key:
             raise SourceNotReady(
                 f"table {schema}.{name} has no primary key (nor a replica identity index)",
@@ -89,15 +94,18 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[So
     return out
 
 
-def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> list[tuple[str, str | None]]:
-    """Per column of a pgoutput Relation: SQL type name, and the value rows predating it read as."""
+def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> RelationInfo:
+    """Type names, primary key and missing values of a pgoutput Relation, from the catalog."""
     missing = dict(conn.execute(
         "SELECT attname, (attmissingval::text::text[])[1] FROM pg_attribute "
         "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND atthasmissing", (rel.oid,)).fetchall())
     types = conn.execute(
         "SELECT format_type(t, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY u(t, m, i) ORDER BY i",
         ([c.type_oid for c in rel.columns], [c.typmod for c in rel.columns])).fetchall()
-    return [(t[0], missing.get(c.name)) for t, c in zip(types, rel.columns)]
+    names = [c.name for c in rel.columns]
+    key = [r[0] for r in conn.execute(_KEY_SQL, (rel.oid,)).fetchall()]
+    key_idx = tuple(names.index(k) for k in dict.fromkeys(key) if k in names) or rel.key_indexes
+    return RelationInfo(tuple(t[0] for t in types), key_idx, tuple(missing.get(n) for n in names))
 
 
 def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> None:
@@ -136,20 +144,21 @@ def create_slot(conn: psycopg.Connection[Any], slot: str) -> int:
 
 def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | None, feed: str) -> None:
     """Fail loudly when a slot the checkpoint depends on is gone or can no longer deliver."""
+    fresh_start = (f"start the feed afresh: drop publication {slot} on the source, delete its state folder "
+                   f"and its rows in changefeed.progress on the sink, then run it again "
+                   "(changefeed never re-creates a slot silently)")
     if state is None:
-        raise SlotLost(
-            f"replication slot {slot} is missing but feed {feed} has a checkpoint at "
-            f"{format_lsn(checkpoint_lsn or 0)}; changes after it may be lost",
-            f"re-create the feed from a fresh snapshot: changefeed remove --name {feed}, then run it again "
-            "(changefeed never re-creates a slot silently)")
+        at = f" at {format_lsn(checkpoint_lsn)}" if checkpoint_lsn else ""
+        raise SlotLost(f"replication slot {slot} is missing but feed {feed} has a checkpoint{at}; "
+                       "changes after it may have been lost", fresh_start)
     if state.wal_status == "lost" or state.invalidation:
         raise SlotLost(
             f"replication slot {slot} was invalidated by PostgreSQL "
             f"({state.invalidation or 'WAL removed'}); WAL needed after {format_lsn(state.restart_lsn or 0)} is gone",
-            f"re-create the feed from a fresh snapshot: changefeed remove --name {feed}, then run it again")
+            f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then {fresh_start}")
     if state.plugin != "pgoutput":
-        raise SlotLost(f"replication slot {slot} uses plugin {state.plugin}, not pgoutput",
-                       "drop it or choose another feed name")
+        raise SlotLost(f"replication slot {slot} exists but uses plugin {state.plugin}, not pgoutput",
+                       "drop that slot or choose another feed --name")
 
 
 def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
@@ -159,17 +168,29 @@ def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     return parse_lsn(row[0]), int(row[1])  # type: ignore[index]
 
 
-def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
+def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: int, upto: int,
                       changes: int) -> int:
-    """End LSN of the first transaction that completes `changes` decoded messages (or `upto`).
+    """End LSN of the first commit after `start` by which `changes` messages were decoded, or `upto`.
 
-    Decodes inside the server and returns only an LSN: no change data leaves the server.
+    Decodes inside the server; only (LSN, is-commit) pairs come back, never change data. The slot
+    may lag `start` by a batch (Spark commits a batch to the source after planning the next), so
+    the peek widens until it reaches past `start`.
     """
-    row = conn.execute(
-        "SELECT max(lsn)::text FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
-        "'proto_version', '1', 'publication_names', %s)",
-        (slot, format_lsn(upto), changes, publication)).fetchone()
-    return min(upto, parse_lsn(row[0])) if row and row[0] else upto  # type: ignore[index]
+    want = changes
+    while True:
+        rows = conn.execute(
+            "SELECT lsn - '0/0'::pg_lsn, get_byte(data, 0) = 67 FROM pg_logical_slot_peek_binary_changes("
+            "%s, %s::pg_lsn, %s, 'proto_version', '1', 'publication_names', %s)",
+            (slot, format_lsn(upto), want, publication)).fetchall()
+        seen = 0
+        for lsn, is_commit in rows:
+            if int(lsn) > start:
+                seen += 1
+                if is_commit and seen >= changes:
+                    return min(int(lsn), upto)
+        if len(rows) < want:
+            return upto  # decoded all there is up to `upto`
+        want *= 2
 
 
 def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,

@@ -21,6 +21,7 @@ from psycopg import sql
 from ..core import change as ch
 from ..core.copytext import NULL
 from ..core.lsn import format_lsn
+from .. import faults
 from ..errors import SinkError
 
 STAGE_SCHEMA = "changefeed_stage"
@@ -169,6 +170,13 @@ def stage(conn: psycopg.Connection[Any], feed: str, batches: Iterator[Any]) -> S
 
 # -- driver: apply one batch -------------------------------------------------------------------
 
+def checkpoint_lsn(conn: psycopg.Connection[Any], feed: str) -> int | None:
+    """The feed's checkpoint on this sink, None if it has none (read-only: creates nothing)."""
+    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.progress')").fetchone()[0]:  # type: ignore[index]
+        return None
+    return applied_upto(conn, feed) or None
+
+
 def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
     row = conn.execute(f"SELECT max(end_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.progress WHERE feed = %s",
                        (feed,)).fetchone()
@@ -197,7 +205,9 @@ def apply_batch(conn: psycopg.Connection[Any], feed: str, batch_id: int, staged:
                 (feed, batch_id, format_lsn(end), max(p.resolved_ts for p in progress),
                  max(times) if times else None, sum(p.changes for p in progress)))
             applied = True
+            faults.reach("before_sink_commit")
         drop_staging(conn, parts)
+    faults.reach("after_sink_commit")
     return applied
 
 

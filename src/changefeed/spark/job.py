@@ -36,6 +36,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False) -> Any:
     reader = (spark.readStream.format("changefeed")
               .option("uri", spec.source).option("slot", spec.slot).option("publication", spec.publication)
+              .option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
               .option("max_changes_per_batch", str(spec.max_changes_per_batch)))
     writer = (reader.load().writeStream.format("changefeed-postgres")

@@ -13,6 +13,7 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
+from .. import faults
 from ..core import change as ch
 from ..core.hlc import ceiling_of_ms
 from ..postgres import source as src
@@ -35,7 +36,7 @@ class WindowPartition(InputPartition):
 
 
 class ChangefeedSource(DataSource):
-    """Options: uri, slot, publication, max_bytes_per_batch, max_changes_per_batch."""
+    """Options: uri, slot, publication, feed, max_bytes_per_batch, max_changes_per_batch."""
 
     @classmethod
     def name(cls) -> str:
@@ -53,6 +54,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.uri = options["uri"]
         self.slot = options["slot"]
         self.publication = options["publication"]
+        self.feed = options.get("feed", self.slot)
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
@@ -67,7 +69,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     def initialOffset(self) -> dict[str, int]:
         state = src.slot_state(self.conn, self.slot)
-        src.check_slot_usable(state, self.slot, None, self.slot)
+        src.check_slot_usable(state, self.slot, None, self.feed)
         assert state is not None and state.confirmed_flush is not None
         return {"lsn": state.confirmed_flush, "ts": 0, "safe": state.confirmed_flush}
 
@@ -88,6 +90,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         if self._available_now is not None:
             end = self._available_now
+            if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
+                limit = self.getDefaultReadLimit()
         else:
             flushed, _ = src.flush_lsn(self.conn)
             if flushed <= start["lsn"]:
@@ -100,7 +104,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             # A bound inside a record is fine for windows, not for the slot: keep the old safe point.
             return {"lsn": start["lsn"] + limit.max_bytes, "ts": end["ts"], "safe": start["safe"]}
         if isinstance(limit, ReadMaxRows):
-            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, end["lsn"], limit.max_rows)
+            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], end["lsn"],
+                                         limit.max_rows)
             if start["lsn"] < lsn < end["lsn"]:
                 return {"lsn": lsn, "ts": end["ts"], "safe": lsn}  # a commit's end: a record boundary
         return end
@@ -116,7 +121,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
                                     partition.end["ts"], lambda rel: src.column_catalog(conn, rel))
             messages = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
-            yield from builder.batches(messages, partition.rows_per_batch)
+            for rb in builder.batches(messages, partition.rows_per_batch):
+                yield rb
+                faults.reach("read")
         finally:
             conn.close()
 

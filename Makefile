@@ -1,0 +1,26 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test bench install clean
+
+$(BIN)/changefeed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(BIN)/changefeed
+
+demo: install
+	$(BIN)/changefeed demo
+
+test: install
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python bench/replica_throughput.py
+
+clean:
+	rm -rf $(VENV) changefeed-demo changefeed-state .pytest_cache

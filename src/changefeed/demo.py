@@ -1,0 +1,136 @@
+"""`changefeed demo`: source and replica servers, a bank-like workload, a live feed, a verdict.
+
+Starts two embedded PostgreSQL servers, creates accounts / transfers / outbox tables, starts the
+feed (Spark local[*]), runs concurrent transfers while it streams, waits until the replica has
+caught up, and compares every table by row fingerprint. Exit 0 only if replica == source.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+from .config import FeedSpec, FeedState
+from .local_postgres import LocalPostgres
+
+SCHEMA = """
+CREATE TABLE accounts (id bigint PRIMARY KEY, owner text NOT NULL, balance numeric(14,2) NOT NULL,
+                       tags text[], updated_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE transfers (id bigserial PRIMARY KEY, from_id bigint NOT NULL, to_id bigint NOT NULL,
+                        amount numeric(14,2) NOT NULL, memo text, created_at timestamptz NOT NULL DEFAULT now());
+CREATE TABLE outbox (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), aggregate_type text NOT NULL,
+                     aggregate_id text NOT NULL, event_type text NOT NULL, payload jsonb NOT NULL,
+                     created_at timestamptz NOT NULL DEFAULT now());
+"""
+TABLES = ("public.accounts", "public.transfers", "public.outbox")
+ACCOUNTS = 2000
+
+
+def _transfer(conn: psycopg.Connection, rng: random.Random) -> None:
+    a, b = rng.sample(range(1, ACCOUNTS + 1), 2)
+    amount = round(rng.uniform(1, 500), 2)
+    with conn.transaction():
+        conn.execute("UPDATE accounts SET balance = balance - %s, updated_at = now() WHERE id = %s", (amount, a))
+        conn.execute("UPDATE accounts SET balance = balance + %s, updated_at = now() WHERE id = %s", (amount, b))
+        tid = conn.execute("INSERT INTO transfers (from_id, to_id, amount, memo) VALUES (%s, %s, %s, %s) "
+                           "RETURNING id", (a, b, amount, rng.choice([None, "rent", "coffee\tand cake", "a\nb"]))
+                           ).fetchone()[0]  # type: ignore[index]
+        conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                     "VALUES ('transfer', %s, 'TransferMade', %s)",
+                     (str(tid), psycopg.types.json.Jsonb({"from": a, "to": b, "amount": str(amount)})))
+        if rng.random() < 0.05:  # the app prunes old outbox rows itself sometimes
+            conn.execute("DELETE FROM outbox WHERE id IN (SELECT id FROM outbox ORDER BY created_at LIMIT 5)")
+
+
+def _writer(uri: str, seed: int, stop: threading.Event, counts: list[int]) -> None:
+    rng = random.Random(seed)
+    with psycopg.connect(uri, autocommit=True) as conn:
+        while not stop.is_set():
+            _transfer(conn, rng)
+            counts[seed] += 1
+
+
+def _fingerprint(uri: str, table: str) -> tuple[int, str]:
+    with psycopg.connect(uri) as c:
+        row = c.execute(f"SELECT count(*), coalesce(md5(string_agg(x::text, '|' ORDER BY x::text)), '') "
+                        f"FROM {table} x").fetchone()
+    return int(row[0]), str(row[1])  # type: ignore[index]
+
+
+def _caught_up(source: str, sink: str, feed: str, target_lsn: int) -> bool:
+    with psycopg.connect(sink) as c:
+        row = c.execute("SELECT max(end_lsn) - '0/0'::pg_lsn FROM changefeed.progress WHERE feed = %s",
+                        (feed,)).fetchone()
+    return row is not None and row[0] is not None and int(row[0]) >= target_lsn
+
+
+def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writers: int = 2) -> int:
+    from .feed import run
+
+    workdir = workdir.absolute()
+    for sub in ("source", "replica", "state"):
+        shutil.rmtree(workdir / sub, ignore_errors=True)
+    print(f"demo: starting PostgreSQL source and replica under {workdir}")
+    source, replica = LocalPostgres.start(workdir / "source"), LocalPostgres.start(workdir / "replica")
+    stop_feed = threading.Event()
+    try:
+        with psycopg.connect(source.uri(), autocommit=True) as c:
+            c.execute(SCHEMA)
+        spec = FeedSpec("demo", source.uri(), replica.uri(), TABLES, trigger_interval_s=1.0).validate()
+        state = FeedState(workdir / "state", spec.name)
+        failure: list[BaseException] = []
+
+        def feed() -> None:
+            try:
+                run(spec, state, master=master, stop_event=stop_feed, report=lambda s: print(s, flush=True))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failure.append(e)
+
+        feed_thread = threading.Thread(target=feed, name="feed")
+        feed_thread.start()
+        with psycopg.connect(source.uri(), autocommit=True) as c:
+            while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (spec.slot,)).fetchone():
+                if failure or not feed_thread.is_alive():
+                    raise RuntimeError(f"the feed failed to start: {failure[0] if failure else 'unknown'}")
+                time.sleep(0.2)
+            c.execute("INSERT INTO accounts (id, owner, balance, tags) SELECT g, 'owner ' || g, 1000, "
+                      "ARRAY['demo', 'n' || g %% 7] FROM generate_series(1, %s) g", (ACCOUNTS,))
+        print(f"demo: feed started; {writers} writers run transfers for {seconds:.0f} s")
+        stop, counts = threading.Event(), [0] * writers
+        threads = [threading.Thread(target=_writer, args=(source.uri(), i, stop, counts)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        with psycopg.connect(source.uri(), autocommit=True) as c:
+            target = int(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])  # type: ignore[index]
+        print(f"demo: workload done ({sum(counts)} transfers); waiting for the replica to catch up")
+        deadline = time.monotonic() + 300
+        while not _caught_up(source.uri(), replica.uri(), spec.name, target):
+            if failure or not feed_thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the feed did not catch up: {failure[0] if failure else 'timeout'}")
+            time.sleep(0.5)
+        stop_feed.set()
+        feed_thread.join()
+        if failure:
+            raise failure[0]
+        print("demo: comparing replica with source")
+        ok = True
+        for table in TABLES:
+            a, b = _fingerprint(source.uri(), table), _fingerprint(replica.uri(), table)
+            same = a == b
+            ok &= same
+            print(f"  {table:20} source {a[0]:>7} rows {a[1][:12]}  replica {b[0]:>7} rows {b[1][:12]}  "
+                  f"{'equal' if same else 'DIFFERENT'}")
+        print(f"demo: verdict: {'replica == source' if ok else 'replica DIFFERS from source'}")
+        return 0 if ok else 1
+    finally:
+        stop_feed.set()
+        source.stop("fast")
+        replica.stop("fast")

@@ -1,0 +1,30 @@
+"""Named fault points for crash tests: SIGKILL the whole feed at an awkward moment.
+
+`CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the
+n-th time (default 1st) execution reaches `point`. Counting uses a file next to the feed state
+(`CHANGEFEED_FAULT_DIR`), because the points run in different processes. Unset: no cost.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = ("startup", "read", "after_sink_commit", "before_sink_commit")
+
+
+def reach(point: str) -> None:
+    spec = os.environ.get("CHANGEFEED_KILL_AT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    counter = os.path.join(os.environ.get("CHANGEFEED_FAULT_DIR", "."), f".fault-{point}")
+    fd = os.open(counter, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"x")
+        hits = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if hits == int(nth or 1):
+        os.killpg(int(os.environ.get("CHANGEFEED_PGID", os.getpgrp())), signal.SIGKILL)

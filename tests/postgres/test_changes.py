@@ -1,0 +1,636 @@
+"""ChangeBuilder fed REAL pgoutput streams: window membership, split windows vs one window, row content.
+
+A module-scoped capture runs a scripted workload on a fresh database of the session's source
+server (as the `dbs` fixture does) and peeks the whole slot once. As in production, every window
+is built by a fresh ChangeBuilder fed the WHOLE stream (the server re-sends from the slot's
+position, which lags the window) and must pick out exactly its own transactions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, note, settings, strategies as st
+
+from changefeed.core import change as ch
+from changefeed.core.copytext import split_line
+from changefeed.core.hlc import ceiling_of_ms, from_millis
+from changefeed.postgres import pgoutput as po
+from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
+from changefeed.postgres.source import column_catalog
+
+pytestmark = pytest.mark.timeout(300)
+
+SLOT = "chg_slot"
+PUB = "chg_pub"
+DATA = ch.DATA_OPS
+N = b"\\N"
+
+
+@dataclass(repr=False)
+class Stream:
+    conn: psycopg.Connection[Any]   # open on the source database (for the real column catalog)
+    raw: list[bytes]
+    msgs: list[Any]                 # decoded, in stream order
+    start_lsn: int                  # the slot's start: nothing at or before it is in the stream
+    end_lsn: int                    # past everything in the stream
+    commits: list[tuple[po.Begin, po.Commit]]
+    xids: dict[str, int]            # step name -> xid
+    message_lsns: dict[str, int]    # non-transactional message -> LSN returned by pg_logical_emit_message
+    big: tuple[str, str]            # the two TOASTed values
+
+    def __repr__(self) -> str:
+        return f"<Stream of {len(self.raw)} messages, {len(self.commits)} commits>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
+    def commit_of(self, step: str) -> po.Commit:
+        return next(c for b, c in self.commits if b.xid == self.xids[step])
+
+
+def _lsn(conn: psycopg.Connection[Any], sql: str) -> int:
+    return int(conn.execute(f"SELECT ({sql} - '0/0'::pg_lsn)::bigint").fetchone()[0])
+
+
+@pytest.fixture(scope="module")
+def stream(servers: Any) -> Iterator[Stream]:
+    source = servers[0]
+    db = f"chg_{os.getpid()}_{secrets.token_hex(4)}"
+    with psycopg.connect(source.uri(), autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {db}")
+    conn = psycopg.connect(source.uri(db), autocommit=True)
+    conn.execute("SET synchronous_commit = on")
+    conn.execute("""
+        CREATE TABLE a (id int PRIMARY KEY, v text);
+        CREATE TABLE b (id int PRIMARY KEY, doc text, doc2 text, n int);
+        CREATE TABLE f (id int PRIMARY KEY, v text, n int);
+        ALTER TABLE f REPLICA IDENTITY FULL;
+        CREATE TABLE p (id int PRIMARY KEY);
+        CREATE TABLE c (id int PRIMARY KEY, p int REFERENCES p);
+    """)
+    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE a, b, f, p, c")
+    start = _lsn(conn, f"(SELECT lsn FROM pg_create_logical_replication_slot('{SLOT}', 'pgoutput'))")
+    xids: dict[str, int] = {}
+    message_lsns: dict[str, int] = {}
+
+    def txn(name: str, *statements: str) -> list[Any]:
+        out = []
+        with conn.transaction():
+            for s in statements:
+                cur = conn.execute(s)
+                out.append(cur.fetchall() if cur.description else None)
+            xids[name] = int(conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0])
+        return out
+
+    def message(name: str, prefix: str, content: str) -> None:
+        message_lsns[name] = _lsn(conn, f"pg_logical_emit_message(false, '{prefix}', '{content}', true)")
+
+    try:
+        txn("insert_a", "INSERT INTO a VALUES (1, 'x'), (2, 'y'), (3, NULL)")
+        big = txn("insert_b", "INSERT INTO b SELECT 1, string_agg(md5(random()::text), ''), "
+                              "string_agg(md5(random()::text), ''), 1 FROM generate_series(1, 3200) "
+                              "RETURNING doc, doc2")[0][0]
+        message("hb1", HEARTBEAT_PREFIX, "")
+        txn("toast_update", "UPDATE b SET n = 2 WHERE id = 1")
+        txn("key_update", "UPDATE a SET id = 10 WHERE id = 1")
+        txn("delete_a", "DELETE FROM a WHERE id = 2")
+        message("note", "note", "hi there")
+        txn("multi", "INSERT INTO a VALUES (4, 'multi')",
+            "SELECT pg_logical_emit_message(true, 'audit', 'who=me')",
+            "UPDATE b SET id = 5, n = 3 WHERE id = 1")
+        message("hb2", HEARTBEAT_PREFIX, "")
+        conn.execute("ALTER TABLE a ADD COLUMN w int DEFAULT 42")
+        txn("after_alter", "INSERT INTO a VALUES (20, E'tab\\there', 7)")
+        txn("escape_update", "UPDATE a SET v = E'back\\\\slash\\nnl' WHERE id = 20")
+        txn("insert_f", "INSERT INTO f VALUES (1, 'p', NULL)")
+        txn("update_f", "UPDATE f SET v = 'q' WHERE id = 1")
+        txn("delete_f", "DELETE FROM f WHERE id = 1")
+        txn("insert_pc", "INSERT INTO p VALUES (1)", "INSERT INTO c VALUES (1, 1)")
+        txn("truncate", "TRUNCATE p CASCADE")
+        for i in range(8):
+            txn(f"loop{i}", f"INSERT INTO a VALUES ({100 + i}, 'loop')", f"UPDATE a SET v = 'l{i}' WHERE id = 3")
+            if i == 3:
+                message("hb3", HEARTBEAT_PREFIX, "")
+            if i == 5:
+                message("note2", "note", "second")
+        txn("txn_heartbeat", f"SELECT pg_logical_emit_message(true, '{HEARTBEAT_PREFIX}', 'x')",
+            "DELETE FROM a WHERE id = 100")
+        message("hb_end", HEARTBEAT_PREFIX, "")
+        target = _lsn(conn, "pg_current_wal_insert_lsn()")
+        deadline = time.monotonic() + 30
+        while _lsn(conn, "pg_current_wal_flush_lsn()") < target:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        raw = [bytes(r[0]) for r in conn.execute(
+            f"SELECT data FROM pg_logical_slot_peek_binary_changes('{SLOT}', NULL, NULL, 'proto_version', '1', "
+            f"'publication_names', '{PUB}', 'messages', 'true')").fetchall()]
+        msgs = [po.decode(r) for r in raw]
+        commits = []
+        begin = None
+        for m in msgs:
+            if isinstance(m, po.Begin):
+                begin = m
+            elif isinstance(m, po.Commit):
+                assert begin is not None
+                commits.append((begin, m))
+        yield Stream(conn, raw, msgs, start, target + 1, commits, xids, message_lsns, (big[0], big[1]))
+    finally:
+        conn.execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
+        conn.close()
+        with psycopg.connect(source.uri(), autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE {db}")
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def build(s: Stream, start: int, end: int, start_ts: int = 0, end_ts: int | None = None,
+          catalog: Any = offline_catalog, rows_per_batch: int = 65536) -> list[dict[str, Any]]:
+    """One window as production builds it: the whole stream into `batches`; rows as dicts."""
+    builder = ChangeBuilder(start, end, start_ts, start_ts if end_ts is None else end_ts, catalog)
+    out: list[dict[str, Any]] = []
+    for rb in builder.batches(iter(s.raw), rows_per_batch):
+        assert rb.schema == ch.arrow_schema()
+        out.extend(rb.to_pylist())
+    return out
+
+
+def data_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["op"] in DATA]
+
+
+def strip(rows: list[dict[str, Any]], *fields: str) -> list[tuple[Any, ...]]:
+    return [tuple(v for k, v in r.items() if k not in fields) for r in rows]
+
+
+def rows_of(rows: list[dict[str, Any]], lsn: int) -> list[dict[str, Any]]:
+    return [r for r in rows if r["lsn"] == lsn and r["op"] != ch.PROGRESS]
+
+
+def expected_lsns(s: Stream, start: int, end: int) -> set[int]:
+    """LSNs that must carry data rows in (start, end], from the decoded stream alone."""
+    out = set()
+    for begin, commit in s.commits:
+        if start < commit.end_lsn <= end:
+            out.add(commit.end_lsn)
+    for m in s.msgs:
+        if isinstance(m, po.Message) and not m.transactional and m.prefix != HEARTBEAT_PREFIX \
+                and start < m.lsn <= end:
+            out.add(m.lsn)
+    return out
+
+
+def check_window(s: Stream, rows: list[dict[str, Any]], start: int, end: int, start_ts: int, end_ts: int) -> None:
+    """Invariants every window must hold on its own."""
+    assert rows, "a window always ends with its P row"
+    progress_row = rows[-1]
+    assert progress_row["op"] == ch.PROGRESS
+    assert [r["op"] for r in rows].count(ch.PROGRESS) == 1
+    progress = ch.Progress.from_meta(progress_row["meta"])
+    data = data_rows(rows)
+    txn_data = [r for r in data if r["xid"] != 0]
+    assert progress.end_lsn == end == progress_row["lsn"]
+    assert progress.resolved_ts == end_ts == progress_row["commit_ts"]
+    assert progress.changes == len(data)
+    assert progress.last_commit_time == (txn_data[-1]["commit_time"] if txn_data else None)
+    assert {r["lsn"] for r in data} == expected_lsns(s, start, end)
+
+    by_commit = {c.end_lsn: (b, c) for b, c in s.commits}
+    shapes: dict[tuple[str, str], ch.TableShape] = {}
+    last_lsn, last_seq, last_ts = start, -1, start_ts
+    for r in rows[:-1]:
+        assert start < r["lsn"] <= end
+        if r["lsn"] == last_lsn:  # more rows of the same transaction: seq counts on, same ts
+            assert r["seq"] == last_seq + 1
+            assert r["commit_ts"] == last_ts
+        else:  # the next transaction (or non-transactional message), in LSN order
+            assert r["lsn"] > last_lsn and r["seq"] == 0
+            if r["xid"] != 0:
+                assert r["commit_ts"] > last_ts  # strictly after everything before it in the window
+            else:  # a non-transactional message takes the window's current time
+                assert r["op"] == "m" and r["commit_time"] is None and r["commit_ts"] == last_ts
+        last_lsn, last_seq, last_ts = r["lsn"], r["seq"], r["commit_ts"]
+        if r["xid"] != 0:
+            begin, commit = by_commit[r["lsn"]]
+            assert (r["xid"], r["commit_time"]) == (begin.xid, commit.commit_time_us)
+            assert r["commit_ts"] > start_ts
+            assert r["commit_ts"] >= from_millis(commit.commit_time_us // 1000)
+        if r["op"] == ch.RELATION:
+            shapes[(r["schema"], r["table"])] = ch.TableShape.from_meta(r["schema"], r["table"], r["meta"])
+            assert r["after"] is None and r["before"] is None
+        elif r["schema"] is not None:
+            shape = shapes.get((r["schema"], r["table"]))
+            assert shape is not None, f"{r['op']} row for {r['table']} before its R row in this window"
+            for line in (r["after"], r["before"]):
+                if line is not None:
+                    assert len(split_line(line)) == len(shape.columns)
+            if r["old_key"] is not None:
+                assert len(split_line(r["old_key"])) == len(shape.key)
+    for r in txn_data:
+        assert r["commit_ts"] <= end_ts  # nothing above the resolved ts the window reports
+
+
+def cut_points(s: Stream) -> list[int]:
+    """Interesting window bounds: every commit's LSNs and every message LSN, and their neighbours."""
+    pts = set()
+    for b, c in s.commits:
+        pts |= {c.commit_lsn, c.end_lsn - 1, c.end_lsn, c.end_lsn + 1}
+    for m in s.msgs:
+        if isinstance(m, po.Message):
+            pts |= {m.lsn - 1, m.lsn, m.lsn + 1}
+    return sorted(p for p in pts if s.start_lsn < p < s.end_lsn)
+
+
+CUTS = st.data()
+WINDOW_SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def draw_cuts(s: Stream, data: st.DataObject) -> list[int]:
+    pts = cut_points(s)
+    cuts = data.draw(st.lists(st.sampled_from(pts) | st.integers(s.start_lsn + 1, s.end_lsn - 1),
+                              unique=True, max_size=8), label="cuts")
+    return sorted(cuts)
+
+
+# -- the stream itself ----------------------------------------------------------------------------
+
+def test_capture_has_what_the_tests_need(stream: Stream) -> None:
+    assert len(stream.commits) == len(stream.xids)
+    assert [b.xid for b, _ in stream.commits] == list(stream.xids.values())
+    ends = [c.end_lsn for _, c in stream.commits]
+    assert ends == sorted(ends) and len(set(ends)) == len(ends)
+    assert stream.start_lsn < ends[0] and ends[-1] < stream.end_lsn
+    for name, lsn in stream.message_lsns.items():
+        assert any(isinstance(m, po.Message) and m.lsn == lsn and not m.transactional for m in stream.msgs), name
+
+
+# -- window membership ----------------------------------------------------------------------------
+
+def test_one_window_over_everything(stream: Stream) -> None:
+    rows = build(stream, stream.start_lsn, stream.end_lsn, 0, ceiling_of_ms(10**13))
+    check_window(stream, rows, stream.start_lsn, stream.end_lsn, 0, ceiling_of_ms(10**13))
+    assert {r["xid"] for r in data_rows(rows)} - {0} == set(stream.xids.values())
+
+
+def test_window_takes_exactly_the_commits_ending_inside_it(stream: Stream) -> None:
+    ends = [c.end_lsn for _, c in stream.commits]
+    start, end = ends[2], ends[6]
+    rows = build(stream, start, end)
+    got = {r["lsn"] for r in data_rows(rows) if r["xid"] != 0}
+    assert got == set(ends[3:7])
+    # A bound one byte short of a commit's end leaves that commit to the next window.
+    assert {r["lsn"] for r in data_rows(build(stream, start, end - 1)) if r["xid"]} == set(ends[3:6])
+    assert {r["lsn"] for r in data_rows(build(stream, start - 1, end)) if r["xid"]} == set(ends[2:7])
+    # A window with no commit in it: just the P row.
+    empty = build(stream, ends[4], ends[4] + 1, 5, 9)
+    assert [r["op"] for r in empty] == [ch.PROGRESS]
+    assert ch.Progress.from_meta(empty[0]["meta"]) == ch.Progress(ends[4] + 1, 9, None, 0)
+
+
+@WINDOW_SETTINGS
+@given(CUTS)
+def test_any_window_holds_its_invariants(stream: Stream, data: st.DataObject) -> None:
+    pts = cut_points(stream)
+    start = data.draw(st.sampled_from([stream.start_lsn, *pts]), label="start")
+    end = data.draw(st.sampled_from([p for p in [*pts, stream.end_lsn] if p >= start]), label="end")
+    inside = [c.commit_time_us // 1000 for _, c in stream.commits if start < c.end_lsn <= end]
+    if inside:
+        # The window's start ts was read from the clock before its first commit; its end ts after the last.
+        start_ts = data.draw(st.integers(0, from_millis(inside[0]) - 1), label="start_ts")
+        end_ts = ceiling_of_ms(max(inside) + data.draw(st.integers(0, 5), label="slack"))
+    else:
+        start_ts = end_ts = data.draw(st.integers(0, 1 << 60), label="start_ts")
+    rows = build(stream, start, end, start_ts, end_ts)
+    check_window(stream, rows, start, end, start_ts, end_ts)
+
+
+def test_rebuilding_a_window_gives_identical_rows(stream: Stream) -> None:
+    ends = [c.end_lsn for _, c in stream.commits]
+    for start, end in [(stream.start_lsn, stream.end_lsn), (ends[3], ends[12])]:
+        first = ChangeBuilder(start, end, 77, 1 << 59)
+        second = ChangeBuilder(start, end, 77, 1 << 59)
+        for d in stream.raw:
+            first.feed(d)
+        for d in stream.raw:
+            second.feed(d)
+        a, b = first.finish(), second.finish()
+        assert a.equals(b)
+        assert a.num_rows > 1
+
+
+# -- split windows vs one window ------------------------------------------------------------------
+
+@WINDOW_SETTINGS
+@given(CUTS)
+def test_split_windows_chained_on_last_ts_equal_one_window(stream: Stream, data: st.DataObject) -> None:
+    """Each window starting at the previous one's last emitted commit_ts reproduces one window exactly."""
+    cuts = draw_cuts(stream, data)
+    note(f"cuts {cuts}")
+    bounds = [stream.start_lsn, *cuts, stream.end_lsn]
+    start_ts0 = data.draw(st.integers(0, 1 << 60), label="start_ts")
+    whole = data_rows(build(stream, stream.start_lsn, stream.end_lsn, start_ts0))
+    split: list[dict[str, Any]] = []
+    ts = start_ts0
+    for lo, hi in zip(bounds, bounds[1:]):
+        rows = data_rows(build(stream, lo, hi, ts))
+        split.extend(rows)
+        ts = max([ts] + [r["commit_ts"] for r in rows])
+    # Identical except `seq`, which counts the R rows a window adds before a table's first change.
+    assert strip(split, "seq") == strip(whole, "seq")
+
+
+@WINDOW_SETTINGS
+@given(CUTS)
+def test_split_windows_as_in_production(stream: Stream, data: st.DataObject) -> None:
+    """Window k+1 starts at window k's END ts (a server clock reading at the cut, as a ceiling of its ms)."""
+    cuts = draw_cuts(stream, data)
+    bounds = [stream.start_lsn, *cuts, stream.end_lsn]
+    first_ms = stream.commits[0][1].commit_time_us // 1000
+    whole_rows = build(stream, stream.start_lsn, stream.end_lsn, 0, ceiling_of_ms(first_ms + 10**6))
+    split: list[dict[str, Any]] = []
+    start_ts = 0
+    clock_ms = first_ms - 1
+    for lo, hi in zip(bounds, bounds[1:]):
+        # The clock reading at the cut: not before any commit up to it, and later than the previous reading.
+        latest_ms = max([clock_ms + 1] + [c.commit_time_us // 1000 for _, c in stream.commits if c.end_lsn <= hi])
+        clock_ms = latest_ms + data.draw(st.integers(0, 3), label="clock slack ms")
+        end_ts = max(start_ts, ceiling_of_ms(clock_ms))  # as ChangeStreamReader.latestOffset plans it
+        rows = build(stream, lo, hi, start_ts, end_ts)
+        check_window(stream, rows, lo, hi, start_ts, end_ts)
+        split.extend(data_rows(rows))
+        start_ts = end_ts
+    whole = data_rows(whole_rows)
+    # No loss, no duplicates, same rows in the same order.
+    assert strip(split, "seq", "commit_ts") == strip(whole, "seq", "commit_ts")
+    # One commit_ts per transaction, strictly increasing from one transaction to the next.
+    txn_ts: dict[int, int] = {}
+    for r in split:
+        if r["xid"] != 0:
+            assert txn_ts.setdefault(r["lsn"], r["commit_ts"]) == r["commit_ts"]
+    ordered = list(txn_ts.values())
+    assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)
+    assert len(ordered) == len(stream.commits)
+
+
+@WINDOW_SETTINGS
+@given(CUTS)
+def test_commit_ts_keeps_increasing_when_the_clock_stalls_or_steps_back(stream: Stream, data: st.DataObject) -> None:
+    """The HLC exists for clocks that do not move forward; windows must not undo that.
+
+    Offsets are planned as in ChangeStreamReader.latestOffset: end ts = max(ceiling of the server
+    clock's ms at the cut, start ts). When the clock reading at a cut is not past the previous one
+    (same millisecond, or an NTP step back), the window's transactions still get fresh timestamps
+    above its start ts, so they must stay at or below the resolved ts the window reports (the next
+    window starts from it) - else the next window hands out the same timestamps again.
+    """
+    cuts = draw_cuts(stream, data)
+    bounds = [stream.start_lsn, *cuts, stream.end_lsn]
+    split: list[dict[str, Any]] = []
+    start_ts = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        latest_ms = max([0] + [c.commit_time_us // 1000 for _, c in stream.commits if c.end_lsn <= hi])
+        clock_ms = latest_ms + data.draw(st.integers(-2000, 3), label="clock offset ms")
+        end_ts = max(start_ts, ceiling_of_ms(clock_ms))
+        rows = build(stream, lo, hi, start_ts, end_ts)
+        window_ts = [r["commit_ts"] for r in data_rows(rows) if r["xid"] != 0]
+        resolved = ch.Progress.from_meta(rows[-1]["meta"]).resolved_ts
+        assert all(ts <= resolved for ts in window_ts), (
+            f"window ({lo}, {hi}] reports resolved ts {resolved} but emitted commit_ts up to {max(window_ts)}")
+        split.extend(data_rows(rows))
+        start_ts = end_ts
+    per_txn = list(dict.fromkeys((r["lsn"], r["commit_ts"]) for r in split if r["xid"] != 0))
+    ts = [t for _, t in per_txn]
+    assert all(a < b for a, b in zip(ts, ts[1:])), "commit_ts not strictly increasing across windows"
+
+
+def test_clock_step_back_hands_out_the_same_commit_ts_twice(stream: Stream) -> None:
+    """Concrete case of the property above: the server clock was an hour fast when the previous batch
+    was planned (resolved ts S), then got corrected; the next cuts read the right time."""
+    ends = [c.end_lsn for _, c in stream.commits]
+    now_ms = stream.commits[-1][1].commit_time_us // 1000
+    start_ts = ceiling_of_ms(now_ms + 3_600_000)  # S, from the fast clock
+    seen: dict[int, int] = {}
+    for lo, hi in [(stream.start_lsn, ends[0]), (ends[0], ends[2]), (ends[2], ends[4])]:
+        end_ts = max(start_ts, ceiling_of_ms(now_ms))  # ChangeStreamReader.latestOffset: stays S
+        for r in data_rows(build(stream, lo, hi, start_ts, end_ts)):
+            assert seen.setdefault(r["commit_ts"], r["lsn"]) == r["lsn"], (
+                f"commit_ts {r['commit_ts']} given to the transactions at LSN {seen[r['commit_ts']]} and {r['lsn']}")
+        start_ts = end_ts
+
+
+# -- content of the rows ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def whole(stream: Stream) -> list[dict[str, Any]]:
+    return build(stream, stream.start_lsn, stream.end_lsn)
+
+
+def txn_rows(stream: Stream, rows: list[dict[str, Any]], step: str) -> list[dict[str, Any]]:
+    return rows_of(rows, stream.commit_of(step).end_lsn)
+
+
+def test_relation_rows_describe_tables_before_first_change(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    first = txn_rows(stream, whole, "insert_a")
+    assert [r["op"] for r in first] == ["R", "c", "c", "c"]
+    shape = ch.TableShape.from_meta("public", "a", first[0]["meta"])
+    assert (first[0]["schema"], first[0]["table"]) == ("public", "a")
+    assert shape.columns == ("id", "v") and shape.key == ("id",) and shape.replica_identity == "d"
+    assert [r["after"] for r in first[1:]] == [b"1\tx", b"2\ty", b"3\t\\N"]
+    assert all(r["before"] is None and r["old_key"] is None and r["unchanged"] is None for r in first[1:])
+    # Already described in this window: no second R row for the same shape.
+    assert [r["op"] for r in txn_rows(stream, whole, "key_update")] == ["u"]
+
+
+def test_relation_rows_with_the_real_catalog(stream: Stream) -> None:
+    rows = build(stream, stream.start_lsn, stream.end_lsn, catalog=lambda rel: column_catalog(stream.conn, rel))
+    shapes = [ch.TableShape.from_meta(r["schema"], r["table"], r["meta"]) for r in rows
+              if r["op"] == ch.RELATION and r["table"] == "a"]
+    assert shapes[0].types == ("integer", "text")
+    # After ADD COLUMN w int DEFAULT 42 the table is described again, wider, with the value old rows read as.
+    wide = [s for s in shapes if len(s.columns) == 3]
+    assert wide and wide[0].columns == ("id", "v", "w") and wide[0].types == ("integer", "text", "integer")
+    assert wide[0].missing == (None, None, "42")
+    b_shape = next(ch.TableShape.from_meta(r["schema"], r["table"], r["meta"]) for r in rows
+                   if r["op"] == ch.RELATION and r["table"] == "b")
+    assert b_shape.types == ("integer", "text", "text", "integer") and b_shape.key == ("id",)
+
+
+def test_unchanged_toast_columns(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    doc, doc2 = stream.big
+    assert len(doc) == len(doc2) == 3200 * 32
+    ins = [r for r in txn_rows(stream, whole, "insert_b") if r["op"] == "c"]
+    assert [r["after"] for r in ins] == [f"1\t{doc}\t{doc2}\t1".encode()]
+    (upd,) = txn_rows(stream, whole, "toast_update")
+    assert upd["op"] == "u"
+    assert split_line(upd["after"]) == [b"1", None, None, b"2"]
+    assert upd["unchanged"] == "{1,2}"
+    assert upd["before"] is None and upd["old_key"] is None
+
+
+def test_key_change_fills_old_key(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    (upd,) = txn_rows(stream, whole, "key_update")
+    assert upd["op"] == "u" and upd["after"] == b"10\tx"
+    assert upd["old_key"] == b"1"
+    assert split_line(upd["before"]) == [b"1", None]
+    # A key change of a row with TOASTed values: old key, and the values still unchanged.
+    (upd_b,) = [r for r in txn_rows(stream, whole, "multi") if r["table"] == "b" and r["op"] == "u"]
+    assert split_line(upd_b["after"]) == [b"5", None, None, b"3"]
+    assert upd_b["unchanged"] == "{1,2}"
+    assert upd_b["old_key"] == b"1"
+
+
+def test_delete_puts_old_tuple_in_before(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    (dele,) = txn_rows(stream, whole, "delete_a")
+    assert dele["op"] == "d" and dele["after"] is None and dele["old_key"] is None
+    assert split_line(dele["before"]) == [b"2", None]
+    f_rows = txn_rows(stream, whole, "delete_f")
+    assert [(r["op"], r["before"]) for r in f_rows] == [("d", b"1\tq\t\\N")]
+
+
+def test_full_identity_table_is_keyed_by_its_primary_key(stream: Stream) -> None:
+    """A REPLICA IDENTITY FULL table with a primary key: pgoutput flags ALL columns as identity.
+
+    change.py documents `old_key` as "the old primary key when an update changed it" and the R row's
+    `key` as the key columns; the replica is created with the source's PRIMARY KEY (describe_tables)
+    and applied with ON CONFLICT (key). So the R row must say key=(id,) and an update that leaves id
+    alone must not carry an old_key.
+    """
+    rows = build(stream, stream.start_lsn, stream.end_lsn, catalog=lambda rel: column_catalog(stream.conn, rel))
+    (r_row,) = [r for r in rows if r["op"] == ch.RELATION and r["table"] == "f"]
+    shape = ch.TableShape.from_meta("public", "f", r_row["meta"])
+    assert shape.replica_identity == "f"
+    (upd,) = rows_of(rows, stream.commit_of("update_f").end_lsn)
+    assert upd["after"] == b"1\tq\t\\N"
+    assert upd["before"] == b"1\tp\t\\N"  # FULL identity: the whole old row
+    assert (shape.key, upd["old_key"]) == (("id",), None)
+
+
+def test_escaping_in_after(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    ins = [r for r in txn_rows(stream, whole, "after_alter") if r["op"] == "c"]
+    assert [r["after"] for r in ins] == [b"20\ttab\\there\t7"]
+    (upd,) = txn_rows(stream, whole, "escape_update")
+    assert upd["after"] == b"20\tback\\\\slash\\nnl\t7"
+    assert split_line(upd["after"]) == [b"20", b"back\\slash\nnl", b"7"]
+
+
+def test_add_column_redescribes_the_table(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    rows = txn_rows(stream, whole, "after_alter")
+    assert [r["op"] for r in rows] == ["R", "c"]
+    assert json.loads(rows[0]["meta"])["columns"] == ["id", "v", "w"]
+
+
+def test_truncate_rows(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    rows = txn_rows(stream, whole, "truncate")
+    truncs = [r for r in rows if r["op"] == "t"]
+    assert sorted(r["table"] for r in truncs) == ["c", "p"]
+    assert all(r["after"] is None and r["before"] is None for r in truncs)
+
+
+def test_messages(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    multi = txn_rows(stream, whole, "multi")
+    (audit,) = [r for r in multi if r["op"] == "m"]
+    assert (audit["after"], json.loads(audit["meta"])) == (b"who=me", {"prefix": "audit"})
+    assert audit["xid"] == stream.xids["multi"] and audit["schema"] is None
+    # Transactional rows keep statement order: insert a, message, update b.
+    assert [(r["op"], r["table"]) for r in multi if r["op"] != "R"] == [("c", "a"), ("m", None), ("u", "b")]
+    notes = [r for r in whole if r["op"] == "m" and r["xid"] == 0]
+    assert [(r["lsn"], r["after"], json.loads(r["meta"])["prefix"]) for r in notes] == [
+        (stream.message_lsns["note"], b"hi there", "note"), (stream.message_lsns["note2"], b"second", "note")]
+    assert all(r["commit_time"] is None and r["schema"] is None for r in notes)
+    # Heartbeats, transactional or not, never become rows.
+    assert all(json.loads(r["meta"])["prefix"] != HEARTBEAT_PREFIX for r in whole if r["op"] == "m")
+    assert [r["op"] for r in txn_rows(stream, whole, "txn_heartbeat")] == ["d"]
+    progress = ch.Progress.from_meta(whole[-1]["meta"])
+    assert progress.changes == len(data_rows(whole))
+
+
+def test_batches_never_split_a_transaction(stream: Stream) -> None:
+    one = build(stream, stream.start_lsn, stream.end_lsn, 3, 10**15)
+    builder = ChangeBuilder(stream.start_lsn, stream.end_lsn, 3, 10**15)
+    batches = list(builder.batches(iter(stream.raw), rows_per_batch=1))
+    assert len(batches) > 10
+    assert [r for rb in batches for r in rb.to_pylist()] == one
+    seen: set[int] = set()
+    for rb in batches:
+        lsns = set(rb.column("lsn").to_pylist())
+        assert not lsns & seen, "a transaction's rows spread over two batches"
+        seen |= lsns
+
+
+def test_batches_stop_reading_after_the_window(stream: Stream) -> None:
+    ends = [c.end_lsn for _, c in stream.commits]
+    end = ends[5]
+    consumed = 0
+
+    def counted() -> Iterator[bytes]:
+        nonlocal consumed
+        for d in stream.raw:
+            consumed += 1
+            yield d
+
+    rows = [r for rb in ChangeBuilder(stream.start_lsn, end, 0, 0).batches(counted()) for r in rb.to_pylist()]
+    # It stops at the first commit past the end: the Commit of transaction 7.
+    seventh_commit = [i for i, m in enumerate(stream.msgs) if isinstance(m, po.Commit)][6]
+    assert consumed == seventh_commit + 1
+    assert rows[-1]["op"] == ch.PROGRESS
+    assert max(r["lsn"] for r in data_rows(rows)) <= end
+
+
+# -- malformed streams -------------------------------------------------------------------------------
+
+def _first(stream: Stream, pred: Any) -> bytes:
+    return next(raw for raw, m in zip(stream.raw, stream.msgs) if pred(m))
+
+
+@pytest.mark.parametrize("what", ["insert", "update", "update_key", "update_full", "delete", "truncate"])
+def test_change_before_its_relation_raises_decode_error(stream: Stream, what: str) -> None:
+    picks = {
+        "insert": lambda m: isinstance(m, po.Insert),
+        "update": lambda m: isinstance(m, po.Update) and m.old is None,
+        "update_key": lambda m: isinstance(m, po.Update) and m.old_is_key,
+        "update_full": lambda m: isinstance(m, po.Update) and m.old is not None and not m.old_is_key,
+        "delete": lambda m: isinstance(m, po.Delete),
+        "truncate": lambda m: isinstance(m, po.Truncate),
+    }
+    begin = _first(stream, lambda m: isinstance(m, po.Begin))
+    builder = ChangeBuilder(0, 1 << 62, 0, 0)
+    builder.feed(begin)
+    with pytest.raises(po.DecodeError):
+        builder.feed(_first(stream, picks[what]))
+
+
+def test_change_outside_a_transaction_raises_decode_error(stream: Stream) -> None:
+    builder = ChangeBuilder(0, 1 << 62, 0, 0)
+    builder.feed(_first(stream, lambda m: isinstance(m, po.Relation) and m.name == "a"))
+    with pytest.raises(po.DecodeError):
+        builder.feed(_first(stream, lambda m: isinstance(m, po.Insert)))
+
+
+def test_feed_all_equals_batches(stream: Stream) -> None:
+    """Feeding past the window's end (ignoring `done`) adds nothing."""
+    ends = [c.end_lsn for _, c in stream.commits]
+    builder = ChangeBuilder(ends[1], ends[9], 11, 1 << 59)
+    for d in stream.raw:
+        builder.feed(d)
+    assert builder.done
+    assert builder.finish().to_pylist() == build(stream, ends[1], ends[9], 11, 1 << 59)
+
+
+def test_take_returns_arrow_schema(stream: Stream) -> None:
+    builder = ChangeBuilder(stream.start_lsn, stream.end_lsn, 0, 0)
+    rb = builder.take()
+    assert isinstance(rb, pa.RecordBatch) and rb.num_rows == 0 and rb.schema == ch.arrow_schema()
+    for d in stream.raw:
+        builder.feed(d)
+    assert builder.pending() > 0
+    rb = builder.take()
+    assert builder.pending() == 0 and rb.num_rows > 0
+    assert rb.schema.names == list(ch.NAMES)
