@@ -78,8 +78,8 @@ def changefeed_cli(*args: str, timeout: float = 600, **kwargs: object) -> subpro
                           timeout=timeout, **kwargs)  # type: ignore[call-overload]
 
 
-def start_changefeed(*args: str, log: Path) -> subprocess.Popen[bytes]:
+def start_changefeed(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start `python -m changefeed ARGS` in its own process group (so a test can SIGKILL all of it)."""
     out = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **(env or {})})

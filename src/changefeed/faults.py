@@ -27,4 +27,12 @@ def reach(point: str) -> None:
     finally:
         os.close(fd)
     if hits == int(nth or 1):
+        # The feed's group (driver + JVM), then ours: PySpark's worker daemon has its own group.
         os.killpg(int(os.environ.get("CHANGEFEED_PGID", os.getpgrp())), signal.SIGKILL)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def mark_feed_group() -> None:
+    """Called by the driver before Spark starts, so workers know which group is the feed."""
+    if os.environ.get("CHANGEFEED_KILL_AT"):
+        os.environ["CHANGEFEED_PGID"] = str(os.getpgrp())

@@ -135,6 +135,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     stop = stop_event or threading.Event()
     with ExitStack() as stack:
         prepared = prepare(spec, state, stack)
+        faults.mark_feed_group()
         faults.reach("startup")
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):

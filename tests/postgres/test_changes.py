@@ -22,17 +22,15 @@ from hypothesis import HealthCheck, given, note, settings, strategies as st
 
 from changefeed.core import change as ch
 from changefeed.core.copytext import split_line
-from changefeed.core.hlc import ceiling_of_ms, from_millis
+from changefeed.core.hlc import window_end_ts, ceiling_of_ms, from_millis
 from changefeed.postgres import pgoutput as po
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
 from changefeed.postgres.source import column_catalog
 
 pytestmark = pytest.mark.timeout(300)
 
-SLOT = "chg_slot"
 PUB = "chg_pub"
 DATA = ch.DATA_OPS
-N = b"\\N"
 
 
 @dataclass(repr=False)
@@ -65,6 +63,7 @@ def _lsn(conn: psycopg.Connection[Any], sql: str) -> int:
 def stream(servers: Any) -> Iterator[Stream]:
     source = servers[0]
     db = f"chg_{os.getpid()}_{secrets.token_hex(4)}"
+    slot = db  # slot names are server-wide
     with psycopg.connect(source.uri(), autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE {db}")
     conn = psycopg.connect(source.uri(db), autocommit=True)
@@ -76,9 +75,11 @@ def stream(servers: Any) -> Iterator[Stream]:
         ALTER TABLE f REPLICA IDENTITY FULL;
         CREATE TABLE p (id int PRIMARY KEY);
         CREATE TABLE c (id int PRIMARY KEY, p int REFERENCES p);
+        CREATE TABLE ri (id int PRIMARY KEY, code text NOT NULL UNIQUE, v text);
+        ALTER TABLE ri REPLICA IDENTITY USING INDEX ri_code_key;
     """)
-    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE a, b, f, p, c")
-    start = _lsn(conn, f"(SELECT lsn FROM pg_create_logical_replication_slot('{SLOT}', 'pgoutput'))")
+    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE a, b, f, p, c, ri")
+    start = _lsn(conn, f"(SELECT lsn FROM pg_create_logical_replication_slot('{slot}', 'pgoutput'))")
     xids: dict[str, int] = {}
     message_lsns: dict[str, int] = {}
 
@@ -114,6 +115,10 @@ def stream(servers: Any) -> Iterator[Stream]:
         txn("insert_f", "INSERT INTO f VALUES (1, 'p', NULL)")
         txn("update_f", "UPDATE f SET v = 'q' WHERE id = 1")
         txn("delete_f", "DELETE FROM f WHERE id = 1")
+        txn("insert_ri", "INSERT INTO ri VALUES (1, 'a', 'x')")
+        txn("update_ri_identity", "UPDATE ri SET code = 'b' WHERE id = 1")
+        txn("update_ri_pk", "UPDATE ri SET id = 2 WHERE id = 1")
+        txn("delete_ri", "DELETE FROM ri WHERE id = 2")
         txn("insert_pc", "INSERT INTO p VALUES (1)", "INSERT INTO c VALUES (1, 1)")
         txn("truncate", "TRUNCATE p CASCADE")
         for i in range(8):
@@ -131,7 +136,7 @@ def stream(servers: Any) -> Iterator[Stream]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         raw = [bytes(r[0]) for r in conn.execute(
-            f"SELECT data FROM pg_logical_slot_peek_binary_changes('{SLOT}', NULL, NULL, 'proto_version', '1', "
+            f"SELECT data FROM pg_logical_slot_peek_binary_changes('{slot}', NULL, NULL, 'proto_version', '1', "
             f"'publication_names', '{PUB}', 'messages', 'true')").fetchall()]
         msgs = [po.decode(r) for r in raw]
         commits = []
@@ -144,7 +149,7 @@ def stream(servers: Any) -> Iterator[Stream]:
                 commits.append((begin, m))
         yield Stream(conn, raw, msgs, start, target + 1, commits, xids, message_lsns, (big[0], big[1]))
     finally:
-        conn.execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
+        conn.execute(f"SELECT pg_drop_replication_slot('{slot}')")
         conn.close()
         with psycopg.connect(source.uri(), autocommit=True) as admin:
             admin.execute(f"DROP DATABASE {db}")
@@ -215,8 +220,9 @@ def check_window(s: Stream, rows: list[dict[str, Any]], start: int, end: int, st
             assert r["lsn"] > last_lsn and r["seq"] == 0
             if r["xid"] != 0:
                 assert r["commit_ts"] > last_ts  # strictly after everything before it in the window
-            else:  # a non-transactional message takes the window's current time
-                assert r["op"] == "m" and r["commit_time"] is None and r["commit_ts"] == last_ts
+            else:  # a non-transactional message: no commit; never earlier than what came before it
+                assert r["op"] == "m" and r["commit_time"] is None
+                assert last_ts <= r["commit_ts"] <= end_ts
         last_lsn, last_seq, last_ts = r["lsn"], r["seq"], r["commit_ts"]
         if r["xid"] != 0:
             begin, commit = by_commit[r["lsn"]]
@@ -362,7 +368,7 @@ def test_split_windows_as_in_production(stream: Stream, data: st.DataObject) -> 
         # The clock reading at the cut: not before any commit up to it, and later than the previous reading.
         latest_ms = max([clock_ms + 1] + [c.commit_time_us // 1000 for _, c in stream.commits if c.end_lsn <= hi])
         clock_ms = latest_ms + data.draw(st.integers(0, 3), label="clock slack ms")
-        end_ts = max(start_ts, ceiling_of_ms(clock_ms))  # as ChangeStreamReader.latestOffset plans it
+        end_ts = window_end_ts(start_ts, clock_ms)  # as ChangeStreamReader.latestOffset plans it
         rows = build(stream, lo, hi, start_ts, end_ts)
         check_window(stream, rows, lo, hi, start_ts, end_ts)
         split.extend(data_rows(rows))
@@ -398,7 +404,7 @@ def test_commit_ts_keeps_increasing_when_the_clock_stalls_or_steps_back(stream: 
     for lo, hi in zip(bounds, bounds[1:]):
         latest_ms = max([0] + [c.commit_time_us // 1000 for _, c in stream.commits if c.end_lsn <= hi])
         clock_ms = latest_ms + data.draw(st.integers(-2000, 3), label="clock offset ms")
-        end_ts = max(start_ts, ceiling_of_ms(clock_ms))
+        end_ts = window_end_ts(start_ts, clock_ms)
         rows = build(stream, lo, hi, start_ts, end_ts)
         window_ts = [r["commit_ts"] for r in data_rows(rows) if r["xid"] != 0]
         resolved = ch.Progress.from_meta(rows[-1]["meta"]).resolved_ts
@@ -411,7 +417,7 @@ def test_commit_ts_keeps_increasing_when_the_clock_stalls_or_steps_back(stream: 
     assert all(a < b for a, b in zip(ts, ts[1:])), "commit_ts not strictly increasing across windows"
 
 
-def test_clock_step_back_hands_out_the_same_commit_ts_twice(stream: Stream) -> None:
+def test_clock_step_back_never_hands_out_the_same_commit_ts_twice(stream: Stream) -> None:
     """Concrete case of the property above: the server clock was an hour fast when the previous batch
     was planned (resolved ts S), then got corrected; the next cuts read the right time."""
     ends = [c.end_lsn for _, c in stream.commits]
@@ -419,7 +425,7 @@ def test_clock_step_back_hands_out_the_same_commit_ts_twice(stream: Stream) -> N
     start_ts = ceiling_of_ms(now_ms + 3_600_000)  # S, from the fast clock
     seen: dict[int, int] = {}
     for lo, hi in [(stream.start_lsn, ends[0]), (ends[0], ends[2]), (ends[2], ends[4])]:
-        end_ts = max(start_ts, ceiling_of_ms(now_ms))  # ChangeStreamReader.latestOffset: stays S
+        end_ts = window_end_ts(start_ts, now_ms)  # as ChangeStreamReader.latestOffset plans it
         for r in data_rows(build(stream, lo, hi, start_ts, end_ts)):
             assert seen.setdefault(r["commit_ts"], r["lsn"]) == r["lsn"], (
                 f"commit_ts {r['commit_ts']} given to the transactions at LSN {seen[r['commit_ts']]} and {r['lsn']}")
@@ -511,6 +517,26 @@ def test_full_identity_table_is_keyed_by_its_primary_key(stream: Stream) -> None
     assert upd["after"] == b"1\tq\t\\N"
     assert upd["before"] == b"1\tp\t\\N"  # FULL identity: the whole old row
     assert (shape.key, upd["old_key"]) == (("id",), None)
+
+
+def test_replica_identity_index_table_is_keyed_by_that_index(stream: Stream) -> None:
+    """Table `ri`: PRIMARY KEY (id) plus REPLICA IDENTITY USING INDEX on UNIQUE (code).
+
+    PostgreSQL gives old values only for the identity (code): an update of `code` sends K=(NULL,'a',NULL),
+    an update of `id` alone sends no old tuple, a delete sends (NULL,'b',NULL). Only code identifies the
+    row in every change, so it must be the key; with (id, code) the old key of the first update is
+    (NULL, 'a'), which matches no replica row, and the update of id alone cannot be matched either.
+    """
+    rows = build(stream, stream.start_lsn, stream.end_lsn, catalog=lambda rel: column_catalog(stream.conn, rel))
+    (r_row,) = [r for r in rows if r["op"] == ch.RELATION and r["table"] == "ri"]
+    shape = ch.TableShape.from_meta("public", "ri", r_row["meta"])
+    assert shape.replica_identity == "i"
+    (upd,) = rows_of(rows, stream.commit_of("update_ri_identity").end_lsn)
+    assert upd["after"] == b"1\tb\tx"
+    assert (shape.key, upd["old_key"]) == (("code",), b"a")
+    (dele,) = rows_of(rows, stream.commit_of("delete_ri").end_lsn)
+    before = dict(zip(shape.columns, split_line(dele["before"])))
+    assert all(before[k] is not None for k in shape.key), f"delete's old row {before} lacks key {shape.key}"
 
 
 def test_escaping_in_after(stream: Stream, whole: list[dict[str, Any]]) -> None:

@@ -24,7 +24,6 @@ from changefeed.postgres.pgoutput import UNCHANGED, DecodeError, decode, decode_
 
 pytestmark = pytest.mark.timeout(120)
 
-SLOT = "pgo_slot"
 PUB = "pgo_pub"
 ORIGIN_LSN = 0xABCDEF
 ORIGIN_TIME = datetime(2001, 2, 3, 4, 5, 6, 789012, tzinfo=timezone.utc)  # replaces the commit time
@@ -109,12 +108,15 @@ TYPES_ROW1 = ("1, -7, 9007199254740993, 12345.678, E'tab\\there\\nnl\\\\bs', tru
 def cap(servers: Any) -> Iterator[Capture]:
     source = servers[0]
     db = f"pgo_{os.getpid()}_{secrets.token_hex(4)}"
+    slot = db  # slot names are server-wide
     origin = f"cf_origin_{db}"
     with psycopg.connect(source.uri(), autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE {db}")
     conn = psycopg.connect(source.uri(db), autocommit=True)
     conn.execute("SET synchronous_commit = on")
+    # TimeZone/DateStyle of the decoding session decide the text form of dates and timestamps.
     conn.execute("SET TimeZone = 'UTC'")
+    conn.execute("SET DateStyle = 'ISO, MDY'")
     conn.execute("""
         CREATE TYPE mood AS ENUM ('sad', 'happy');
         CREATE TABLE t_types (id int PRIMARY KEY, i int, b bigint, n numeric(12,3), t text, flag bool,
@@ -126,10 +128,12 @@ def cap(servers: Any) -> Iterator[Capture]:
         CREATE TABLE t_parent (id serial PRIMARY KEY);
         CREATE TABLE t_child (id serial PRIMARY KEY, parent int REFERENCES t_parent);
         CREATE TABLE t_origin (id int PRIMARY KEY);
+        CREATE TABLE t_ri (id int PRIMARY KEY, code text NOT NULL UNIQUE, v text);
+        ALTER TABLE t_ri REPLICA IDENTITY USING INDEX t_ri_code_key;
         CREATE TABLE t_unpublished (id int PRIMARY KEY);
     """)
-    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE t_types, t_toast, t_full, t_key, t_parent, t_child, t_origin")
-    conn.execute(f"SELECT pg_create_logical_replication_slot('{SLOT}', 'pgoutput')")
+    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE t_types, t_toast, t_full, t_key, t_parent, t_child, t_origin, t_ri")
+    conn.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
     steps: dict[str, dict[str, Any]] = {}
     try:
         steps["insert_types"] = _txn(
@@ -149,9 +153,15 @@ def cap(servers: Any) -> Iterator[Capture]:
         steps["delete_full"] = _txn(conn, "DELETE FROM t_full WHERE id = 1")
         steps["insert_key"] = _txn(conn, "INSERT INTO t_key VALUES (1, 'a')")
         steps["update_key"] = _txn(conn, "UPDATE t_key SET id = 10 WHERE id = 1")
+        steps["insert_ri"] = _txn(conn, "INSERT INTO t_ri VALUES (1, 'a', 'x')")
+        steps["update_ri_identity"] = _txn(conn, "UPDATE t_ri SET code = 'b' WHERE id = 1")
+        steps["update_ri_pk"] = _txn(conn, "UPDATE t_ri SET id = 2 WHERE id = 1")
+        steps["delete_ri"] = _txn(conn, "DELETE FROM t_ri WHERE id = 2")
         steps["insert_parent_child"] = _txn(
             conn, "INSERT INTO t_parent DEFAULT VALUES", "INSERT INTO t_child (parent) VALUES (1)")
-        steps["truncate_cascade"] = _txn(conn, "TRUNCATE t_parent RESTART IDENTITY CASCADE")
+        steps["truncate_cascade"] = _txn(conn, "TRUNCATE t_parent CASCADE")
+        steps["truncate_restart"] = _txn(conn, "TRUNCATE t_child RESTART IDENTITY")
+        steps["truncate_both"] = _txn(conn, "TRUNCATE t_parent RESTART IDENTITY CASCADE")
         steps["truncate_plain"] = _txn(conn, "TRUNCATE t_key")
         conn.execute("ALTER TABLE t_key ADD COLUMN extra int DEFAULT 7")
         steps["insert_after_alter"] = _txn(conn, "INSERT INTO t_key VALUES (2, 'b', 8)")
@@ -177,19 +187,17 @@ def cap(servers: Any) -> Iterator[Capture]:
             "SELECT relname, oid::int8 FROM pg_class WHERE relname LIKE 't\\_%' AND relkind = 'r'").fetchall()}
         oids["mood"] = int(conn.execute("SELECT 'mood'::regtype::oid::int8").fetchone()[0])
         attrs: dict[str, list[tuple[str, int, int]]] = {}
-        for table in ("t_types", "t_toast", "t_full", "t_key", "t_parent", "t_child"):
+        for table in ("t_types", "t_toast", "t_full", "t_key", "t_parent", "t_child", "t_ri"):
             attrs[table] = [(r[0], int(r[1]), int(r[2])) for r in conn.execute(
                 "SELECT attname, atttypid::int8, atttypmod FROM pg_attribute WHERE attrelid = %s::regclass "
                 "AND attnum > 0 AND NOT attisdropped ORDER BY attnum", (table,)).fetchall()]
 
-        # DateStyle/TimeZone of the decoding session decide the text form of dates and timestamps.
-        conn.execute("SET DateStyle = 'ISO, MDY'")
         peeked = conn.execute(
             "SELECT (lsn - '0/0'::pg_lsn)::bigint, xid::text::bigint, data "
-            f"FROM pg_logical_slot_peek_binary_changes('{SLOT}', NULL, NULL, 'proto_version', '1', "
+            f"FROM pg_logical_slot_peek_binary_changes('{slot}', NULL, NULL, 'proto_version', '1', "
             f"'publication_names', '{PUB}', 'messages', 'true')").fetchall()
     finally:
-        conn.execute(f"SELECT pg_drop_replication_slot('{SLOT}')")
+        conn.execute(f"SELECT pg_drop_replication_slot('{slot}')")
         conn.close()
         with psycopg.connect(source.uri(), autocommit=True) as admin:
             admin.execute("SELECT pg_replication_origin_drop(%s) FROM pg_replication_origin WHERE roname = %s",
@@ -334,17 +342,36 @@ def test_replica_identity_full_sends_whole_old_row(cap: Capture) -> None:
     assert dele == po.Delete(cap.oids["t_full"], [b"1", b"b", None], False)
 
 
+def test_replica_identity_index(cap: Capture) -> None:
+    rel, ins = cap.txns["insert_ri"].body
+    assert isinstance(rel, po.Relation) and rel.replica_identity == "i"
+    assert [(c.name, c.is_key) for c in rel.columns] == [("id", False), ("code", True), ("v", False)]
+    assert rel.key_indexes == (1,)
+    assert ins == po.Insert(cap.oids["t_ri"], [b"1", b"a", b"x"])
+    # Changing the identity column sends the old identity (other columns NULL) ...
+    assert cap.txns["update_ri_identity"].body == [po.Update(cap.oids["t_ri"], [None, b"a", None], True,
+                                                             [b"1", b"b", b"x"])]
+    # ... changing only the primary key sends no old tuple at all ...
+    assert cap.txns["update_ri_pk"].body == [po.Update(cap.oids["t_ri"], None, False, [b"2", b"b", b"x"])]
+    # ... and a delete carries the identity only.
+    assert cap.txns["delete_ri"].body == [po.Delete(cap.oids["t_ri"], [None, b"b", None], True)]
+
+
 def test_key_change_sends_old_key_tuple(cap: Capture) -> None:
     (upd,) = cap.txns["update_key"].body
     assert upd == po.Update(cap.oids["t_key"], [b"1", None], True, [b"10", b"a"])
 
 
 def test_truncate_options(cap: Capture) -> None:
+    parent, child = cap.oids["t_parent"], cap.oids["t_child"]
     (tr,) = cap.txns["truncate_cascade"].of(po.Truncate)
-    assert sorted(tr.relation_oids) == sorted([cap.oids["t_parent"], cap.oids["t_child"]])
-    assert tr.cascade is True and tr.restart_identity is True
-    (tr2,) = cap.txns["truncate_plain"].of(po.Truncate)
-    assert tr2 == po.Truncate((cap.oids["t_key"],), False, False)
+    assert sorted(tr.relation_oids) == sorted([parent, child])  # CASCADE reached the referencing table
+    assert (tr.cascade, tr.restart_identity) == (True, False)
+    assert cap.txns["truncate_restart"].of(po.Truncate) == [po.Truncate((child,), False, True)]
+    (both,) = cap.txns["truncate_both"].of(po.Truncate)
+    assert sorted(both.relation_oids) == sorted([parent, child])
+    assert (both.cascade, both.restart_identity) == (True, True)
+    assert cap.txns["truncate_plain"].of(po.Truncate) == [po.Truncate((cap.oids["t_key"],), False, False)]
     # Relations are described before the truncate that names them.
     body = cap.txns["truncate_cascade"].body
     described = {m.oid for m in body[:body.index(tr)] if isinstance(m, po.Relation)}

@@ -31,3 +31,12 @@ def next_commit_ts(previous: int, commit_time_us: int) -> int:
 def ceiling_of_ms(ms: int) -> int:
     """The largest timestamp within millisecond `ms`: a bound nothing earlier can exceed."""
     return (ms << LOGICAL_BITS) | LOGICAL_MASK
+
+
+def window_end_ts(start_ts: int, clock_ms: int) -> int:
+    """Resolved ts of a batch planned at `clock_ms` after one resolved at `start_ts`.
+
+    At least a millisecond above `start_ts`, so resolved timestamps strictly increase and each
+    window has 2^18 timestamps for its transactions even if the server clock stalls or steps back.
+    """
+    return max(ceiling_of_ms(clock_ms), ceiling_of_ms(physical_ms(start_ts) + 1))

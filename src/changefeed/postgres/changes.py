@@ -123,6 +123,8 @@ class ChangeBuilder:
 
     def info(self, oid: int) -> RelationInfo:
         if oid not in self._info:
+            if oid not in self.relations:
+                raise po.DecodeError(f"change for relation {oid} before its Relation message")
             self._info[oid] = self.catalog(self.relations[oid])
         return self._info[oid]
 
@@ -152,7 +154,9 @@ class ChangeBuilder:
         if msg.end_lsn > self.end_lsn:
             self.done = True
             return
-        self.last_ts = next_commit_ts(self.last_ts, msg.commit_time_us)
+        ts = next_commit_ts(self.last_ts, msg.commit_time_us)
+        # A server clock that stepped back may put a commit past the window's resolved ts: stay inside.
+        self.last_ts = ts if ts <= self.end_ts else self.last_ts + 1
         self.last_commit_time = msg.commit_time_us
         assert begin is not None
         self._emit(txn, msg.end_lsn, begin.xid, self.last_ts, msg.commit_time_us)

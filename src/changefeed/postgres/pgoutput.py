@@ -146,6 +146,8 @@ def decode_tuple(buf: bytes, pos: int) -> tuple[list[Value], int]:
         if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
             (length,) = _I32.unpack_from(buf, pos)
             pos += 4
+            if length < 0 or pos + length > len(buf):
+                raise DecodeError(f"column value of {length} bytes runs past the message end at byte {pos}")
             append(buf[pos:pos + length])
             pos += length
         elif kind == 0x6E:  # 'n'

@@ -22,13 +22,14 @@ from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
 
 
-# Key columns of a table: its primary key, else its replica identity index.
+# Key columns of a table: its replica identity index if it has one (that is what the source sends
+# old values for), else its primary key.
 _KEY_SQL = (
     "SELECT a.attname FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid "
     "CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord) "
     "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum "
-    "WHERE i.indrelid = %s AND (i.indisprimary OR (c.relreplident = 'i' AND i.indisreplident)) "
-    "ORDER BY i.indisprimary DESC, k.ord")
+    "WHERE i.indrelid = %s AND CASE WHEN c.relreplident = 'i' THEN i.indisreplident ELSE i.indisprimary END "
+    "ORDER BY k.ord")
 
 
 @dataclass(frozen=True)

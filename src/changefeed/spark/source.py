@@ -15,7 +15,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from .. import faults
 from ..core import change as ch
-from ..core.hlc import ceiling_of_ms
+from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..postgres import source as src
 from ..postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from ..postgres.connect import connect
@@ -97,7 +97,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             if flushed <= start["lsn"]:
                 return start  # nothing new: no batch
             end = self._boundary()
-        end = {**end, "ts": max(end["ts"], start["ts"])}
+        end = {**end, "ts": window_end_ts(start["ts"], physical_ms(end["ts"]))}
         if end["lsn"] <= start["lsn"]:
             return start
         if isinstance(limit, ReadMaxBytes) and end["lsn"] - start["lsn"] > limit.max_bytes:
