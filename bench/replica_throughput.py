@@ -94,6 +94,7 @@ def write_workload(conn: psycopg.Connection, n: int, copy_file: Path, seed: int 
 
     seq = 0
     t0 = time.monotonic()
+    conn.execute("SET synchronous_commit = on")
     wl.start_lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
     with open(copy_file, "w") as out:
         # inserts, 1,000 rows per transaction, by COPY
@@ -136,13 +137,14 @@ def write_workload(conn: psycopg.Connection, n: int, copy_file: Path, seed: int 
                 cur = conn.execute(f"DELETE FROM {TABLE} WHERE id = ANY(%s)", (ids,))
                 assert cur.rowcount == len(ids)
     assert seq == n
-    wl.last_commit_lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
-    # the servers run with synchronous_commit=off, and logical decoding (and pg_recvlogical
-    # --endpos) only sees flushed WAL: flush it, and end at the flush position
-    conn.execute("SET synchronous_commit = on")
-    with conn.transaction():
-        conn.execute("SELECT txid_current()")  # a synchronous commit flushes all WAL before it
-    wl.end_lsn = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0]
+    # logical decoding (and pg_recvlogical --endpos) only sees flushed WAL: the workload commits
+    # synchronously (the servers default to synchronous_commit=off), so all of it is flushed now
+    wl.end_lsn = wl.last_commit_lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
+    deadline = time.monotonic() + 30
+    while conn.execute("SELECT pg_current_wal_flush_lsn() < %s::pg_lsn", (wl.end_lsn,)).fetchone()[0]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"WAL not flushed up to {wl.end_lsn} after 30s")
+        time.sleep(0.05)
     wl.wal_bytes = int(conn.execute("SELECT %s::pg_lsn - %s::pg_lsn", (wl.end_lsn, wl.start_lsn)).fetchone()[0])
     wl.seconds = time.monotonic() - t0
     return wl
@@ -303,7 +305,13 @@ def machine_facts(source: LocalPostgres) -> list[str]:
         mem = f"{int(Path('/proc/meminfo').read_text().split()[1]) / 1024**2:.1f} GiB"
     except (OSError, ValueError, IndexError):
         pass
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"], capture_output=True,
+                           text=True).stdout.splitlines()
+    code = (f"{git.stdout.strip()}{f' + {len(dirty)} uncommitted file(s) under src/' if dirty else ''}"
+            if git.returncode == 0 else "?")
     return [f"nproc: {nproc}   cpu: {cpu}   memory: {mem}",
+            f"changefeed code: git {code}",
             f"python: {platform.python_version()} ({sys.executable})",
             f"postgres: {pgv}",
             f"pyspark: {spark_v}   java: {java[0] if java else '?'}",
@@ -403,6 +411,7 @@ def main() -> int:
     n = args.changes
     res: dict[str, list[float]] = {k: [] for k in ("a", "b", "c", "c_excl", "c_query", "c_empty")}
     per_run: list[str] = []
+    noisy_excl = False  # a measured feed run shorter than twice its empty run
     for k in range(1, args.runs + 1):
         log(f"run {k}/{args.runs}")
         # a
@@ -445,6 +454,8 @@ def main() -> int:
                 c_rate = n / r.wall
                 if e.rc == 0:
                     res["c_empty"].append(e.wall)
+                    if r.wall < 2 * e.wall:
+                        noisy_excl = True
                     if r.wall > e.wall:
                         c_excl = n / (r.wall - e.wall)
                 if r.query_s:
@@ -482,6 +493,9 @@ def main() -> int:
     emp = spread(res["c_empty"])
     if emp:
         print(f"   (empty --available-now run: median {emp[0]:.1f}s, min {emp[1]:.1f}s, max {emp[2]:.1f}s)")
+    if noisy_excl:
+        print("   CAUTION: a measured feed run took less than twice its empty run; start-up varies by ~10s,\n"
+              "   so 'excluding startup' is mostly noise here: use more --changes")
     print()
     print("ratios, computed per run, median [min - max]:")
     print(f"  c/a                    {fmt_ratio(ratios('c', 'a'))}")
