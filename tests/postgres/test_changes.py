@@ -501,6 +501,13 @@ def test_delete_puts_old_tuple_in_before(stream: Stream, whole: list[dict[str, A
     assert [(r["op"], r["before"]) for r in f_rows] == [("d", b"1\tq\t\\N")]
 
 
+def rows_and_shape(stream: Stream, table: str) -> tuple[list[dict[str, Any]], ch.TableShape]:
+    """The whole stream's rows, built with the real catalog, and the R row's shape of `table`."""
+    rows = build(stream, stream.start_lsn, stream.end_lsn, catalog=lambda rel: column_catalog(stream.conn, rel))
+    (r_row,) = [r for r in rows if r["op"] == ch.RELATION and r["table"] == table]
+    return rows, ch.TableShape.from_meta("public", table, r_row["meta"])
+
+
 def test_full_identity_table_is_keyed_by_its_primary_key(stream: Stream) -> None:
     """A REPLICA IDENTITY FULL table with a primary key: pgoutput flags ALL columns as identity.
 
@@ -509,9 +516,7 @@ def test_full_identity_table_is_keyed_by_its_primary_key(stream: Stream) -> None
     and applied with ON CONFLICT (key). So the R row must say key=(id,) and an update that leaves id
     alone must not carry an old_key.
     """
-    rows = build(stream, stream.start_lsn, stream.end_lsn, catalog=lambda rel: column_catalog(stream.conn, rel))
-    (r_row,) = [r for r in rows if r["op"] == ch.RELATION and r["table"] == "f"]
-    shape = ch.TableShape.from_meta("public", "f", r_row["meta"])
+    rows, shape = rows_and_shape(stream, "f")
     assert shape.replica_identity == "f"
     (upd,) = rows_of(rows, stream.commit_of("update_f").end_lsn)
     assert upd["after"] == b"1\tq\t\\N"
@@ -527,9 +532,7 @@ def test_replica_identity_index_table_is_keyed_by_that_index(stream: Stream) -> 
     row in every change, so it must be the key; with (id, code) the old key of the first update is
     (NULL, 'a'), which matches no replica row, and the update of id alone cannot be matched either.
     """
-    rows = build(stream, stream.start_lsn, stream.end_lsn, catalog=lambda rel: column_catalog(stream.conn, rel))
-    (r_row,) = [r for r in rows if r["op"] == ch.RELATION and r["table"] == "ri"]
-    shape = ch.TableShape.from_meta("public", "ri", r_row["meta"])
+    rows, shape = rows_and_shape(stream, "ri")
     assert shape.replica_identity == "i"
     (upd,) = rows_of(rows, stream.commit_of("update_ri_identity").end_lsn)
     assert upd["after"] == b"1\tb\tx"

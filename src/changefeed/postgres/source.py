@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -253,7 +254,5 @@ def heartbeat(conn: psycopg.Connection[Any], prefix: str) -> tuple[int, int]:
         row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''::text)::text", (prefix,)).fetchone()
         lsn = parse_lsn(row[0])  # type: ignore[index]
         while flush_lsn(conn)[0] < lsn:
-            import time
-
             time.sleep(0.02)
     return lsn, flush_lsn(conn)[1]
