@@ -49,6 +49,7 @@ class Prepared:
     spec: FeedSpec
     state: FeedState
     source_conn: Any  # holds the feed's advisory lock while the feed runs
+    sink_conn: Any
     created_slot: bool
 
 
@@ -73,13 +74,12 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
     try:
         replica.ensure_meta(sink)
         replica.ensure_tables(sink, tables)
-        replica.drop_stale_staging(sink, spec.name)
     except Exception:
         if created:  # leave nothing half-made behind: the next run starts clean
             source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
         raise
     state.save(spec)
-    return Prepared(spec, state, source, created)
+    return Prepared(spec, state, source, sink, created)
 
 
 @dataclass
@@ -144,7 +144,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         query = start_query(spark, spec, state, available_now=available_now)
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
-        meter = _Meter(report)
+        meter = _Meter(report, lambda: replica.totals(prepared.sink_conn, spec.name))
         try:
             while query.isActive and not stop.is_set():
                 query.awaitTermination(report_every_s)
@@ -173,8 +173,8 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
         if end:
             end = json.loads(end) if isinstance(end, str) else end
             slot = src.slot_state(prepared.source_conn, prepared.spec.slot)
-            if slot and slot.confirmed_flush is not None and end["safe"] > slot.confirmed_flush:
-                src.advance(prepared.source_conn, prepared.spec.slot, int(end["safe"]))
+            if slot and slot.confirmed_flush is not None and end["lsn"] > slot.confirmed_flush:
+                src.advance(prepared.source_conn, prepared.spec.slot, int(end["lsn"]))
             return
 
 
@@ -195,19 +195,20 @@ def _query_error(exc: Any) -> ChangefeedError:
 
 
 class _Meter:
-    """Turns Spark's query progress into one human line every few seconds."""
+    """One human line every few seconds: what the sink recorded since start, and Spark's last batch.
 
-    def __init__(self, report: Callable[[str], None]) -> None:
-        self.report, self.changes, self.batches, self._seen = report, 0, 0, -1
+    Changes are counted at the sink: Spark's row counts are packed chunks, not changes.
+    """
+
+    def __init__(self, report: Callable[[str], None], totals: Callable[[], tuple[int, int]]) -> None:
+        self.report, self.totals = report, totals
+        self._base = totals()
+        self.batches = self.changes = 0
         self._t0 = time.monotonic()
 
     def update(self, query: Any) -> None:
-        for p in query.recentProgress:
-            if p["batchId"] <= self._seen:
-                continue
-            self._seen = p["batchId"]
-            self.batches += 1
-            self.changes += int(p.get("numInputRows", 0))
+        batches, changes = self.totals()
+        self.batches, self.changes = batches - self._base[0], changes - self._base[1]
         last = query.lastProgress
         if not last:
             return
@@ -217,5 +218,5 @@ class _Meter:
         if isinstance(end, dict) and end.get("ts"):
             lag = f", resolved lag {max(0.0, time.time() - physical_ms(int(end['ts'])) / 1000):.1f}s"
         elapsed = time.monotonic() - self._t0
-        self.report(f"  {self.changes} rows in {self.batches} batches, {self.changes / max(elapsed, 1e-9):,.0f} rows/s "
-                    f"overall, last batch {dur:.2f}s{lag}")
+        self.report(f"  {self.changes} changes in {self.batches} batches, "
+                    f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s overall, last batch {dur:.2f}s{lag}")

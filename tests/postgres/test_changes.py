@@ -606,9 +606,10 @@ def test_batches_stop_reading_after_the_window(stream: Stream) -> None:
             yield d
 
     rows = [r for rb in ChangeBuilder(stream.start_lsn, end, 0, 0).batches(counted()) for r in rb.to_pylist()]
-    # It stops at the first commit past the end: the Commit of transaction 7.
-    seventh_commit = [i for i, m in enumerate(stream.msgs) if isinstance(m, po.Commit)][6]
-    assert consumed == seventh_commit + 1
+    # It stops at the Begin of transaction 7: its commit record starts at or after the end.
+    seventh_begin = [i for i, m in enumerate(stream.msgs) if isinstance(m, po.Begin)][6]
+    assert stream.msgs[seventh_begin].final_lsn >= end
+    assert consumed == seventh_begin + 1
     assert rows[-1]["op"] == ch.PROGRESS
     assert max(r["lsn"] for r in data_rows(rows)) <= end
 
@@ -663,3 +664,24 @@ def test_take_returns_arrow_schema(stream: Stream) -> None:
     rb = builder.take()
     assert builder.pending() == 0 and rb.num_rows > 0
     assert rb.schema.names == list(ch.NAMES)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_corrupted_changes_raise_decode_error_or_build(stream: Stream, data: st.DataObject) -> None:
+    """The builder's fast path parses I/U/D itself: damage must end as DecodeError, never another error."""
+    changes = [i for i, raw in enumerate(stream.raw) if raw[:1] in (b"I", b"U", b"D")]
+    index = data.draw(st.sampled_from(changes), label="message index")
+    msg = bytearray(stream.raw[index])
+    if data.draw(st.booleans(), label="truncate"):
+        del msg[data.draw(st.integers(1, len(msg) - 1), label="cut"):]
+    else:
+        at = data.draw(st.integers(1, len(msg) - 1), label="at")
+        msg[at] = data.draw(st.integers(0, 255), label="byte")
+    builder = ChangeBuilder(0, 1 << 62, 0, 1 << 62)
+    try:
+        for i, raw in enumerate(stream.raw):
+            builder.feed(bytes(msg) if i == index else raw)
+        builder.finish()
+    except po.DecodeError:
+        pass

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, note, settings, strategies as st
 
+from changefeed.core.copytext import join_line, split_line
 from changefeed.postgres import pgoutput as po
 from changefeed.postgres.pgoutput import UNCHANGED, DecodeError, decode, decode_tuple
 
@@ -539,3 +540,40 @@ def test_truncated_synthesised_tuple_messages_raise_decode_error(
     cut = data.draw(st.integers(min_value=0, max_value=len(msg) - 1), label="cut")
     with pytest.raises(DecodeError):
         decode(msg[:cut])
+
+
+# -- copy_tuple: the capture hot path -----------------------------------------------------------------
+
+SPECIAL_VALUE = st.binary(max_size=40) | st.lists(st.sampled_from([b"\t", b"\n", b"\r", b"\\", b"\\N", b"a", b"\x00"]),
+                                                    max_size=6).map(b"".join)
+COPY_COLUMN = st.one_of(st.tuples(st.sampled_from("tb"), SPECIAL_VALUE),
+                        st.tuples(st.just("n"), st.none()), st.tuples(st.just("u"), st.none()))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(COPY_COLUMN, min_size=1, max_size=20), st.binary(max_size=10), st.binary(max_size=10))
+def test_copy_tuple_is_the_escaped_copy_line_of_the_tuple(
+        cols: list[tuple[str, bytes | None]], before: bytes, after: bytes) -> None:
+    body = _encode_tuple(cols)
+    line, unchanged, end = po.copy_tuple(before + body + after, len(before))
+    assert end == len(before) + len(body)
+    assert split_line(line) == [value if kind in "tb" else None for kind, value in cols]
+    assert unchanged == ([i for i, (kind, _) in enumerate(cols) if kind == "u"] or None)
+    assert line == join_line(None if v is UNCHANGED else v for v in decode_tuple(before + body, len(before))[0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(COPY_COLUMN, min_size=1, max_size=12), st.data())
+def test_copy_tuple_of_a_truncated_tuple_raises_decode_error(
+        cols: list[tuple[str, bytes | None]], data: st.DataObject) -> None:
+    body = _encode_tuple(cols)
+    cut = data.draw(st.integers(min_value=0, max_value=len(body) - 1), label="cut")
+    with pytest.raises(DecodeError):
+        po.copy_tuple(body[:cut], 0)
+
+
+def test_copy_tuple_rejects_negative_lengths_and_unknown_kinds() -> None:
+    with pytest.raises(DecodeError, match="negative"):
+        po.copy_tuple(struct.pack(">h", 1) + b"t" + struct.pack(">i", -1), 0)
+    with pytest.raises(DecodeError, match="kind"):
+        po.copy_tuple(struct.pack(">h", 1) + b"?", 0)

@@ -40,23 +40,22 @@ def offline_catalog(rel: po.Relation) -> RelationInfo:
                         (None,) * len(rel.columns))
 
 
-def _line(values: list[po.Value]) -> tuple[bytes, str | None]:
-    """Values -> (COPY text line, unchanged-column array literal or None)."""
-    parts = []
-    unchanged = None
-    for i, v in enumerate(values):
-        if v is None:
-            parts.append(NULL)
-        elif v is po.UNCHANGED:
-            parts.append(NULL)
-            unchanged = f"{unchanged},{i}" if unchanged else str(i)
-        else:
-            parts.append(escape(v))  # type: ignore[arg-type]
-    return b"\t".join(parts), ("{" + unchanged + "}" if unchanged else None)
+def _line(values: list[po.Value]) -> bytes:
+    """Values -> COPY text line (an unchanged TOAST value is NULL there)."""
+    return b"\t".join(NULL if v is None or v is po.UNCHANGED else escape(v) for v in values)  # type: ignore[arg-type]
+
+
+_I, _U, _D, _B, _C = b"IUDBC"
 
 
 class ChangeBuilder:
-    """Feed pgoutput messages in server order; take Arrow record batches of change rows."""
+    """Feed pgoutput messages in server order; take Arrow record batches of change rows.
+
+    Built for speed (this is the per-row cost of capture): rows go straight into column lists,
+    columns that are mostly NULL (old_key, unchanged, meta) are kept sparse, and the per-
+    transaction columns (lsn, seq, xid, times) are filled in bulk at the commit. An open
+    transaction's rows start at `_mark`; dropping it truncates the lists back to there.
+    """
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
                  catalog: Catalog = offline_catalog) -> None:
@@ -64,62 +63,117 @@ class ChangeBuilder:
         self.last_ts = start_ts
         self.catalog = catalog
         self.relations: dict[int, po.Relation] = {}
+        self._names: dict[int, tuple[str, str]] = {}
         self._info: dict[int, RelationInfo] = {}
         self._described: set[int] = set()
-        self._txn: list[tuple[Any, ...]] | None = None
         self._begin: po.Begin | None = None
-        self._cols: list[list[Any]] = [[] for _ in ch.NAMES]
+        self._deferred: list[po.Message] = []  # non-transactional messages seen inside a transaction
         self.last_commit_time: int | None = None
         self.changes = 0
         self.done = False  # a commit past the window's end was seen: nothing more can belong
+        self._reset()
+
+    def _reset(self) -> None:
+        self._op: list[str] = []
+        self._schema: list[str | None] = []
+        self._table: list[str | None] = []
+        self._after: list[bytes | None] = []
+        self._before: list[bytes | None] = []
+        self._sparse: dict[str, dict[int, Any]] = {"old_key": {}, "unchanged": {}, "meta": {}}
+        self._per_txn: dict[str, list[Any]] = {n: [] for n in ("lsn", "seq", "xid", "commit_time", "commit_ts")}
+        self._mark = 0
 
     # -- input ---------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
-        msg = po.decode(data)
-        kind = type(msg)
-        if kind is po.Insert:
-            self._row(msg.relation_oid, "c", *_line(msg.new), None, None)  # type: ignore[union-attr]
-        elif kind is po.Update:
-            self._update(msg)  # type: ignore[arg-type]
-        elif kind is po.Delete:
-            before, _ = _line(msg.old)  # type: ignore[union-attr]
-            self._row(msg.relation_oid, "d", None, None, before, None)  # type: ignore[union-attr]
-        elif kind is po.Begin:
-            self._begin, self._txn = msg, []  # type: ignore[assignment]
-        elif kind is po.Commit:
-            self._commit(msg)  # type: ignore[arg-type]
-        elif kind is po.Relation:
-            self.relations[msg.oid] = msg  # type: ignore[union-attr]
-            self._info.pop(msg.oid, None)  # type: ignore[union-attr]
-            self._described.discard(msg.oid)  # type: ignore[union-attr]
-        elif kind is po.Truncate:
-            for oid in msg.relation_oids:  # type: ignore[union-attr]
-                self._row(oid, "t", None, None, None, None)
-        elif kind is po.Message:
-            self._message(msg)  # type: ignore[arg-type]
-        # Origin and Type messages carry nothing a sink needs.
+        kind = data[0]
+        if kind == _I:
+            self._insert(data)
+        elif kind == _U:
+            self._update(data)
+        elif kind == _D:
+            self._delete(data)
+        elif kind == _B:
+            self._open(po.decode(data))  # type: ignore[arg-type]
+        elif kind == _C:
+            self._commit(po.decode(data))  # type: ignore[arg-type]
+        else:
+            msg = po.decode(data)
+            kind_ = type(msg)
+            if kind_ is po.Relation:
+                self.relations[msg.oid] = msg  # type: ignore[union-attr]
+                self._names[msg.oid] = (msg.schema, msg.name)  # type: ignore[union-attr]
+                self._info.pop(msg.oid, None)  # type: ignore[union-attr]
+                self._described.discard(msg.oid)  # type: ignore[union-attr]
+            elif kind_ is po.Truncate:
+                for oid in msg.relation_oids:  # type: ignore[union-attr]
+                    self._row(oid, "t", None, None)
+            elif kind_ is po.Message:
+                self._message(msg)  # type: ignore[arg-type]
+            # Origin and Type messages carry nothing a sink needs.
 
-    def _update(self, msg: po.Update) -> None:
-        after, unchanged = _line(msg.new)
-        before = old_key = None
-        if msg.old is not None:
-            before, _ = _line(msg.old)
-            keys = self.info(msg.relation_oid).key
-            if any(msg.old[i] != msg.new[i] for i in keys if msg.new[i] is not po.UNCHANGED):
-                old_key = b"\t".join(NULL if msg.old[i] is None else escape(msg.old[i]) for i in keys)  # type: ignore[arg-type]
-        self._row(msg.relation_oid, "u", after, unchanged, before, old_key)
+    def _insert(self, data: bytes) -> None:
+        if data[5:6] != b"N":
+            raise po.DecodeError(f"Insert: expected 'N', got {data[5:6]!r}")
+        line, _, end = po.copy_tuple(data, 6)
+        if end != len(data):
+            raise po.DecodeError(f"Insert: {len(data) - end} bytes after its tuple")
+        self._row(int.from_bytes(data[1:5], "big"), "c", line, None)
 
-    def _row(self, oid: int, op: str, after: bytes | None, unchanged: str | None,
-             before: bytes | None, old_key: bytes | None) -> None:
-        if self._txn is None:
+    def _delete(self, data: bytes) -> None:
+        if data[5:6] not in (b"K", b"O"):
+            raise po.DecodeError(f"Delete: expected 'K' or 'O', got {data[5:6]!r}")
+        line, _, end = po.copy_tuple(data, 6)
+        if end != len(data):
+            raise po.DecodeError(f"Delete: {len(data) - end} bytes after its tuple")
+        self._row(int.from_bytes(data[1:5], "big"), "d", None, line)
+
+    def _update(self, data: bytes) -> None:
+        if data[5:6] == b"N":  # the common case: no old tuple (key unchanged, default identity)
+            line, unchanged, end = po.copy_tuple(data, 6)
+            if end != len(data):
+                raise po.DecodeError(f"Update: {len(data) - end} bytes after its tuple")
+            i = self._row(int.from_bytes(data[1:5], "big"), "u", line, None)
+            if unchanged:
+                self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"
+            return
+        if data[5:6] not in (b"K", b"O"):
+            raise po.DecodeError(f"Update: expected 'K', 'O' or 'N', got {data[5:6]!r}")
+        before, _, pos = po.copy_tuple(data, 6)
+        if data[pos:pos + 1] != b"N":
+            raise po.DecodeError(f"Update: expected 'N' after the old tuple, got {data[pos:pos + 1]!r}")
+        line, unchanged, end = po.copy_tuple(data, pos + 1)
+        if end != len(data):
+            raise po.DecodeError(f"Update: {len(data) - end} bytes after its tuple")
+        oid = int.from_bytes(data[1:5], "big")
+        i = self._row(oid, "u", line, before)
+        if unchanged:
+            self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"
+        old, new = po.decode_tuple(data, 6)[0], po.decode_tuple(data, pos + 1)[0]
+        keys = self.info(oid).key
+        if any(old[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
+            self._sparse["old_key"][i] = _line([old[k] for k in keys])
+
+    def _row(self, oid: int, op: str, after: bytes | None, before: bytes | None) -> int:
+        """Append one row of the open transaction; returns its index."""
+        if self._begin is None:
             raise po.DecodeError(f"change for relation {oid} outside a transaction")
-        rel = self.relations.get(oid)
-        if rel is None:
+        names = self._names.get(oid)
+        if names is None:
             raise po.DecodeError(f"change for relation {oid} before its Relation message")
         if oid not in self._described:
             self._described.add(oid)
-            self._txn.append((ch.RELATION, rel.schema, rel.name, None, None, None, None, self._describe(rel)))
-        self._txn.append((op, rel.schema, rel.name, after, before, old_key, unchanged, None))
+            self._sparse["meta"][len(self._op)] = self._describe(self.relations[oid])
+            self._append(ch.RELATION, names, None, None)
+        return self._append(op, names, after, before)
+
+    def _append(self, op: str, names: tuple[str | None, str | None], after: bytes | None,
+                before: bytes | None) -> int:
+        self._op.append(op)
+        self._schema.append(names[0])
+        self._table.append(names[1])
+        self._after.append(after)
+        self._before.append(before)
+        return len(self._op) - 1
 
     def info(self, oid: int) -> RelationInfo:
         if oid not in self._info:
@@ -138,63 +192,120 @@ class ChangeBuilder:
     def _message(self, msg: po.Message) -> None:
         if msg.prefix == HEARTBEAT_PREFIX:
             return
-        row = ("m", None, None, msg.content, None, None, None, json.dumps({"prefix": msg.prefix}))
-        if msg.transactional and self._txn is not None:
-            self._txn.append(row)
+        if msg.transactional and self._begin is not None:
+            self._append_message(msg)
+        elif not msg.transactional and self._begin is not None:
+            self._deferred.append(msg)  # keep the open transaction's rows contiguous
         elif self.start_lsn < msg.lsn <= self.end_lsn:
-            self._emit([row], msg.lsn, 0, self.last_ts, None)
+            self._mark = len(self._op)
+            self._append_message(msg)
+            self._close(msg.lsn, 0, self.last_ts, None)
+
+    def _append_message(self, msg: po.Message) -> None:
+        self._sparse["meta"][len(self._op)] = json.dumps({"prefix": msg.prefix})
+        self._append("m", (None, None), msg.content, None)
+
+    def _open(self, begin: po.Begin) -> None:
+        self._begin, self._mark = begin, len(self._op)
+        if begin.final_lsn >= self.end_lsn:
+            self.done = True  # its commit ends past the window, and so does every later one
 
     def _commit(self, msg: po.Commit) -> None:
-        txn, begin = self._txn or [], self._begin
-        self._txn = self._begin = None
-        if msg.end_lsn <= self.start_lsn:
-            # Already delivered: the slot lags the window (its advance comes after the sink commits).
-            self._described.clear()  # R rows it carried were dropped with it: describe again
-            return
-        if msg.end_lsn > self.end_lsn:
-            self.done = True
-            return
-        ts = next_commit_ts(self.last_ts, msg.commit_time_us)
-        # A server clock that stepped back may put a commit past the window's resolved ts: stay inside.
-        self.last_ts = ts if ts <= self.end_ts else self.last_ts + 1
-        self.last_commit_time = msg.commit_time_us
-        assert begin is not None
-        self._emit(txn, msg.end_lsn, begin.xid, self.last_ts, msg.commit_time_us)
+        begin, self._begin = self._begin, None
+        if begin is None:
+            raise po.DecodeError("Commit without Begin")
+        if msg.end_lsn <= self.start_lsn or msg.end_lsn > self.end_lsn:
+            # Before: already delivered (the slot lags the window; its advance comes after the sink
+            # commits). After: the next window's. Either way the rows go, and the R rows with them.
+            self._drop_open()
+            if msg.end_lsn > self.end_lsn:
+                self.done = True
+        else:
+            ts = next_commit_ts(self.last_ts, msg.commit_time_us)
+            # A server clock that stepped back may put a commit past the window's resolved ts: stay inside.
+            self.last_ts = ts if ts <= self.end_ts else self.last_ts + 1
+            self.last_commit_time = msg.commit_time_us
+            self._close(msg.end_lsn, begin.xid, self.last_ts, msg.commit_time_us)
+        deferred, self._deferred = self._deferred, []
+        for m in deferred:
+            self._message(m)
 
-    def _emit(self, rows: list[tuple[Any, ...]], lsn: int, xid: int, ts: int, commit_time: int | None) -> None:
-        c = self._cols
-        for seq, (op, schema, table, after, before, old_key, unchanged, meta) in enumerate(rows):
-            for col, v in zip(c, (op, schema, table, lsn, seq, xid, commit_time, ts,
-                                  after, before, old_key, unchanged, meta)):
-                col.append(v)
-            if op != ch.RELATION:
-                self.changes += 1
+    def _drop_open(self) -> None:
+        """Forget the open transaction's rows (all lists back to `_mark`)."""
+        if len(self._op) > self._mark:
+            for col in (self._op, self._schema, self._table, self._after, self._before):
+                del col[self._mark:]
+            for name, d in self._sparse.items():
+                self._sparse[name] = {i: v for i, v in d.items() if i < self._mark}
+            self._described.clear()  # R rows it carried were dropped with it: describe again
+
+    def _close(self, lsn: int, xid: int, ts: int, commit_time: int | None) -> None:
+        """The rows from `_mark` on are one transaction committed at `lsn`: fill its columns."""
+        n = len(self._op) - self._mark
+        t = self._per_txn
+        t["lsn"].extend([lsn] * n)
+        t["seq"].extend(range(n))
+        t["xid"].extend([xid] * n)
+        t["commit_time"].extend([commit_time] * n)
+        t["commit_ts"].extend([ts] * n)
+        self.changes += n - sum(1 for i in self._sparse["meta"] if i >= self._mark and self._op[i] == ch.RELATION)
+        self._mark = len(self._op)
 
     # -- output --------------------------------------------------------------------------
     def pending(self) -> int:
-        return len(self._cols[0])
+        """Rows of closed transactions not taken yet."""
+        return len(self._per_txn["lsn"])
 
     def take(self) -> Any:
-        """The rows built so far as one Arrow record batch (then forgets them)."""
+        """The rows of closed transactions as one Arrow record batch (then forgets them)."""
         import pyarrow as pa
 
-        cols, self._cols = self._cols, [[] for _ in ch.NAMES]
-        return pa.RecordBatch.from_arrays(
-            [pa.array(v, type=f.type) for v, f in zip(cols, ch.arrow_schema())], schema=ch.arrow_schema())
+        n = self.pending()
+        cols: dict[str, list[Any]] = {
+            "op": self._op[:n], "schema": self._schema[:n], "table": self._table[:n],
+            "after": self._after[:n], "before": self._before[:n], **self._per_txn}
+        for name, d in self._sparse.items():
+            cols[name] = [None] * n
+            for i, v in d.items():
+                if i < n:
+                    cols[name][i] = v
+        open_rows = (self._op[n:], self._schema[n:], self._table[n:], self._after[n:], self._before[n:])
+        open_sparse = {name: {i - n: v for i, v in d.items() if i >= n} for name, d in self._sparse.items()}
+        self._reset()
+        self._op, self._schema, self._table, self._after, self._before = (list(c) for c in open_rows)
+        self._sparse = open_sparse
+        schema = ch.arrow_schema()
+        return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
 
     def finish(self) -> Any:
-        """Close the window: append the `P` progress row and take the remaining rows."""
+        """Close the window: drop an unfinished transaction, append the `P` progress row, take all."""
+        self._drop_open()
+        self._begin = None
         progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes)
-        self._emit([(ch.PROGRESS, None, None, None, None, None, None, progress.to_meta())],
-                   self.end_lsn, 0, self.end_ts, self.last_commit_time)
+        self._sparse["meta"][len(self._op)] = progress.to_meta()
+        self._append(ch.PROGRESS, (None, None), None, None)
+        t = self._per_txn
+        for name, v in (("lsn", self.end_lsn), ("seq", 0), ("xid", 0), ("commit_time", self.last_commit_time),
+                        ("commit_ts", self.end_ts)):
+            t[name].append(v)
+        self._mark = len(self._op)
         return self.take()
 
     def batches(self, messages: Iterator[bytes], rows_per_batch: int = 65536) -> Iterator[Any]:
-        """Feed all `messages`, yielding record batches of about `rows_per_batch` rows."""
+        """Feed all `messages`, yielding record batches of about `rows_per_batch` rows.
+
+        The first batches are smaller (from 1/16 of it, growing fourfold), so that a consumer
+        can start working on them early.
+        """
+        feed = self.feed
+        per_txn = self._per_txn["lsn"]
+        size = max(1, rows_per_batch // 16)
         for data in messages:
-            self.feed(data)
-            if len(self._cols[0]) >= rows_per_batch and self._txn is None:
-                yield self.take()
+            feed(data)
             if self.done:
                 break
+            if len(per_txn) >= size:
+                yield self.take()
+                per_txn = self._per_txn["lsn"]
+                size = min(size * 4, rows_per_batch)
         yield self.finish()

@@ -11,6 +11,7 @@ import struct
 from dataclasses import dataclass
 from typing import Final, Union
 
+from ..core.copytext import escape as _escape
 from ..core.hlc import PG_EPOCH_US
 
 
@@ -157,6 +158,58 @@ def decode_tuple(buf: bytes, pos: int) -> tuple[list[Value], int]:
         else:
             raise DecodeError(f"unknown tuple column kind {chr(kind)!r} at byte {pos - 1}")
     return values, pos
+
+
+_COPY_SPECIAL = b"\t\n\r\\"
+
+
+def copy_tuple(buf: bytes, pos: int) -> tuple[bytes, list[int] | None, int]:
+    """TupleData at `pos` -> (COPY text line, unchanged-TOAST column indexes, position after it).
+
+    The hot path of capture: same result as `copytext.join_line` over `decode_tuple`, with NULL
+    for unchanged columns, but without building a value list. Escaping is needed only if a value
+    holds a tab, newline, carriage return or backslash; one count over the joined line tells.
+    """
+    start = pos
+    try:
+        (n,) = _I16.unpack_from(buf, pos)
+        pos += 2
+        parts: list[bytes] = []
+        append = parts.append
+        specials = n - 1  # the tabs between values, plus a backslash per NULL marker
+        unchanged: list[int] | None = None
+        for i in range(n):
+            kind = buf[pos]
+            if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
+                (length,) = _I32.unpack_from(buf, pos + 1)
+                if length < 0:
+                    raise DecodeError(f"negative column value length at byte {pos + 1}")
+                value_start = pos + 5
+                pos = value_start + length
+                append(buf[value_start:pos])
+            elif kind == 0x6E:  # 'n'
+                append(b"\\N")
+                pos += 1
+                specials += 1
+            elif kind == 0x75:  # 'u'
+                append(b"\\N")
+                pos += 1
+                specials += 1
+                if unchanged is None:
+                    unchanged = [i]
+                else:
+                    unchanged.append(i)
+            else:
+                raise DecodeError(f"unknown tuple column kind {chr(kind)!r} at byte {pos}")
+    except (IndexError, struct.error):
+        raise DecodeError(f"tuple data at byte {start} runs past the message end") from None
+    if pos > len(buf):
+        raise DecodeError(f"column value runs past the message end ({pos} > {len(buf)} bytes)")
+    line = b"\t".join(parts)
+    if len(line) - len(line.translate(None, _COPY_SPECIAL)) != specials:  # some value needs escaping
+        values, _ = decode_tuple(buf, start)
+        line = b"\t".join(b"\\N" if v is None or v is UNCHANGED else _escape(v) for v in values)  # type: ignore[arg-type]
+    return line, unchanged, pos
 
 
 def decode(data: bytes) -> PgOutputMessage:

@@ -195,6 +195,20 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
         want *= 2
 
 
+def last_commit_within(conn: psycopg.Connection[Any], slot: str, publication: str, start: int, cut: int) -> int | None:
+    """End LSN of the last commit in (start, cut], or None: where a batch limited by bytes ends.
+
+    A commit's end is a WAL record boundary, so the slot may be advanced to it. Decodes inside the
+    server; only one number comes back.
+    """
+    row = conn.execute(
+        "SELECT max(lsn) - '0/0'::pg_lsn FROM pg_logical_slot_peek_binary_changes("
+        "%s, %s::pg_lsn, NULL, 'proto_version', '1', 'publication_names', %s) "
+        "WHERE get_byte(data, 0) = 67 AND lsn > %s::pg_lsn AND lsn <= %s::pg_lsn",
+        (slot, format_lsn(cut), publication, format_lsn(start), format_lsn(cut))).fetchone()
+    return int(row[0]) if row and row[0] is not None else None  # type: ignore[index]
+
+
 def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
          fetch: int = 20000) -> Iterator[bytes]:
     """pgoutput messages of transactions committed at or before `upto`, in commit order."""

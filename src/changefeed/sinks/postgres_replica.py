@@ -1,21 +1,23 @@
 """PostgreSQL replica sink: exactly-once, consistent-cut apply of change batches.
 
-Two halves, matching Spark's writer protocol:
-* `stage` (on executors): COPY each table's change rows, as they come, into a fresh unlogged
-  staging table; returns what it staged. Safe to repeat: every attempt stages into new tables.
-* `apply_batch` (on the driver, once per batch): in ONE transaction, skip the batch if the
-  progress table already covers it; otherwise resolve unchanged TOAST values, apply per key only
-  the last change (TRUNCATE first where one occurred), add columns the source added, and record
-  progress. So the replica moves from one source commit boundary to the next, never between.
+A batch (one Spark micro-batch, one writer task) is applied by one `BatchApplier` in ONE target
+transaction: it takes the feed's lock, reads how far the replica already is, then, chunk by
+chunk as the change rows stream in, COPYs each table's rows into a temporary staging table and
+merges them set-based (TRUNCATE first where one occurred, unchanged TOAST values resolved, per
+key only the last change, columns the source added). Rows at or below the replica's position
+are skipped, so a replayed batch changes nothing. The progress row goes into the same
+transaction. So the replica moves from one source commit boundary to the next, never between,
+and merging overlaps with reading the rest of the batch.
 """
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
 from psycopg import sql
 
 from ..core import change as ch
@@ -24,29 +26,9 @@ from ..core.lsn import format_lsn
 from .. import faults
 from ..errors import SinkError
 
-STAGE_SCHEMA = "changefeed_stage"
 META_SCHEMA = "changefeed"
+SESSION_MEMORY = "256MB"
 APPLIED_OPS = ("c", "u", "r", "d", "t")
-
-
-@dataclass
-class StagedPart:
-    """One staging table: a contiguous run of one table's changes with one shape."""
-
-    shape: ch.TableShape
-    staging: str
-    first: tuple[int, int]
-    rows: int = 0
-    has_unchanged: bool = False
-    has_truncate: bool = False
-
-
-@dataclass
-class Staged:
-    """What one writer task staged: its parts, and the progress rows it saw."""
-
-    parts: list[StagedPart] = field(default_factory=list)
-    progress: list[ch.Progress] = field(default_factory=list)
 
 
 def ident(*names: str) -> sql.Identifier:
@@ -54,7 +36,7 @@ def ident(*names: str) -> sql.Identifier:
 
 
 def ensure_meta(conn: psycopg.Connection[Any]) -> None:
-    conn.execute(f"CREATE SCHEMA IF NOT EXISTS {META_SCHEMA}; CREATE SCHEMA IF NOT EXISTS {STAGE_SCHEMA}")
+    conn.execute(f"CREATE SCHEMA IF NOT EXISTS {META_SCHEMA}")
     conn.execute(
         f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.progress ("
         " feed text NOT NULL, batch_id bigint NOT NULL, end_lsn pg_lsn NOT NULL, resolved_ts bigint NOT NULL,"
@@ -76,100 +58,6 @@ def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
                             "create the types it uses on the sink, or create the table yourself") from None
 
 
-def drop_stale_staging(conn: psycopg.Connection[Any], feed: str) -> None:
-    """Drop staging tables left by a crashed run of `feed` (only one runner exists at a time)."""
-    names = [r[0] for r in conn.execute(
-        "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename LIKE %s",
-        (STAGE_SCHEMA, f"{_stage_prefix(feed)}%"))]
-    for n in names:
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident(STAGE_SCHEMA, n)))
-
-
-def _stage_prefix(feed: str) -> str:
-    return f"{feed[:30]}_".replace("%", "_")
-
-
-# -- executors: staging -----------------------------------------------------------------------
-
-class _Stager:
-    """Streams rows of one part into its staging table, one COPY per megabyte.
-
-    Several parts are open at once on one connection, so no COPY may stay open between rows.
-    """
-
-    def __init__(self, conn: psycopg.Connection[Any], feed: str, shape: ch.TableShape, first: tuple[int, int]):
-        self.part = StagedPart(shape, f"{_stage_prefix(feed)}{uuid.uuid4().hex[:16]}", first)
-        target_types = [sql.SQL("{} {}").format(ident(c), sql.SQL(t)) for c, t in zip(shape.columns, shape.types)]
-        key_types = [sql.SQL("{} {}").format(ident(f"_ok_{i}"), sql.SQL(shape.types[shape.columns.index(k)]))
-                     for i, k in enumerate(shape.key)]
-        conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (_lsn bigint, _seq int, _op text, _unch int[], {})").format(
-            ident(STAGE_SCHEMA, self.part.staging), sql.SQL(", ").join(target_types + key_types)))
-        self._conn = conn
-        self._copy_sql = sql.SQL("COPY {} FROM STDIN").format(ident(STAGE_SCHEMA, self.part.staging))
-        self._nulls = b"\t".join([NULL] * len(shape.columns))
-        self._key_nulls = b"\t".join([NULL] * len(shape.key))
-        self._buf: list[bytes] = []
-        self._size = 0
-
-    def add(self, op: str, lsn: int, seq: int, after: bytes | None, before: bytes | None,
-            old_key: bytes | None, unchanged: str | None) -> None:
-        values = after if after is not None else before if before is not None else self._nulls
-        line = b"%d\t%d\t%s\t%s\t%s\t%s\n" % (lsn, seq, op.encode(), unchanged.encode() if unchanged else NULL,
-                                               values, old_key if old_key is not None else self._key_nulls)
-        self._buf.append(line)
-        self._size += len(line)
-        self.part.rows += 1
-        if unchanged:
-            self.part.has_unchanged = True
-        elif op == "t":
-            self.part.has_truncate = True
-        if self._size > 1 << 20:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._buf:
-            with self._conn.cursor().copy(self._copy_sql) as copy:
-                copy.write(b"".join(self._buf))
-        self._buf, self._size = [], 0
-
-    def close(self) -> StagedPart:
-        self._flush()
-        return self.part
-
-
-def stage(conn: psycopg.Connection[Any], feed: str, batches: Iterator[Any]) -> Staged:
-    """Stage the change rows of one writer task (Arrow record batches, in stream order)."""
-    staged = Staged()
-    shapes: dict[tuple[str, str], ch.TableShape] = {}
-    open_stagers: dict[tuple[str, str], _Stager] = {}
-    with conn.transaction():
-        for rb in batches:
-            cols = [rb.column(n).to_pylist() for n in
-                    ("op", "schema", "table", "lsn", "seq", "after", "before", "old_key", "unchanged", "meta")]
-            for op, schema, table, lsn, seq, after, before, old_key, unchanged, meta in zip(*cols):
-                if op in APPLIED_OPS:
-                    key = (schema, table)
-                    st = open_stagers.get(key)
-                    if st is None:
-                        if key not in shapes:
-                            raise SinkError(f"change for {schema}.{table} before its description (R row)",
-                                            "this is a bug in the change stream; report it")
-                        st = open_stagers[key] = _Stager(conn, feed, shapes[key], (lsn, seq))
-                    st.add(op, lsn, seq, after, before, old_key, unchanged)
-                elif op == ch.RELATION:
-                    shape = ch.TableShape.from_meta(schema, table, meta)
-                    if shapes.get((schema, table)) != shape:
-                        shapes[(schema, table)] = shape
-                        if (schema, table) in open_stagers:  # new shape: later rows go to a new part
-                            staged.parts.append(open_stagers.pop((schema, table)).close())
-                elif op == ch.PROGRESS:
-                    staged.progress.append(ch.Progress.from_meta(meta))
-        staged.parts.extend(st.close() for st in open_stagers.values())
-    return staged
-
-
-# -- driver: apply one batch -------------------------------------------------------------------
-
 def checkpoint_lsn(conn: psycopg.Connection[Any], feed: str) -> int | None:
     """The feed's checkpoint on this sink, None if it has none (read-only: creates nothing)."""
     if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.progress')").fetchone()[0]:  # type: ignore[index]
@@ -183,51 +71,187 @@ def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
     return int(row[0]) if row and row[0] is not None else 0  # type: ignore[index]
 
 
-def apply_batch(conn: psycopg.Connection[Any], feed: str, batch_id: int, staged: list[Staged]) -> bool:
-    """Apply one batch atomically; False if the progress table shows it was applied before."""
-    progress = [p for s in staged for p in s.progress]
-    parts = sorted((p for s in staged for p in s.parts), key=lambda p: p.first)
-    if not progress:
-        drop_staging(conn, parts)
-        raise SinkError(f"batch {batch_id} carries no progress row", "this is a bug in the change stream; report it")
-    end = max(p.end_lsn for p in progress)
-    applied = False
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{feed}",))
-        done = applied_upto(conn, feed)
-        if end > done:
-            for part in parts:
-                _apply_part(conn, part, done)
-            times = [p.last_commit_time for p in progress if p.last_commit_time is not None]
-            conn.execute(
+def totals(conn: psycopg.Connection[Any], feed: str) -> tuple[int, int]:
+    """(batches, changes) the replica has recorded for `feed`."""
+    row = conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress WHERE feed = %s",
+                       (feed,)).fetchone()
+    return int(row[0]), int(row[1])  # type: ignore[index]
+
+
+@dataclass
+class Applied:
+    """What a batch did to the replica: `applied` is False for a batch recorded before."""
+
+    batch_id: int
+    end_lsn: int
+    changes: int
+    applied: bool
+
+
+@dataclass
+class _Part:
+    """A temporary staging table for one table shape; it holds one chunk of rows at a time."""
+
+    shape: ch.TableShape
+    staging: sql.Identifier
+    copy_sql: sql.Composed
+    nulls: Any
+    key_nulls: Any
+
+
+class BatchApplier:
+    """Applies one batch's change rows, in stream order, in one transaction on `conn`.
+
+    Use: `begin()`, `add(record_batch)` for each chunk, then `commit()`; `rollback()` on failure.
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any], feed: str, batch_id: int) -> None:
+        assert conn.autocommit, "the applier opens its own transaction"
+        self.conn, self.feed, self.batch_id = conn, feed, batch_id
+        self.done = 0
+        self._shapes: dict[tuple[str, str], ch.TableShape] = {}
+        self._parts: dict[ch.TableShape, _Part] = {}
+        self._progress: list[ch.Progress] = []
+
+    def begin(self) -> None:
+        # Session memory for the staging tables and the per-chunk sorts: spilling them to disk
+        # cost ~30% of the apply rate (temp_buffers must be set before the first temporary table).
+        self.conn.execute(f"SET temp_buffers = '{SESSION_MEMORY}'")
+        self.conn.execute("BEGIN")
+        self.conn.execute(f"SET LOCAL work_mem = '{SESSION_MEMORY}'")
+        self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{self.feed}",))
+        self.done = applied_upto(self.conn, self.feed)
+
+    def add(self, rb: Any) -> None:
+        """Apply one chunk. Control rows cut it into segments: an `R` row sets its table's shape
+        for the rows after it, a `P` row is progress."""
+        ops = rb.column("op")
+        control = pc.indices_nonzero(pc.is_in(ops, value_set=_CONTROL_OPS)).to_pylist()
+        start = 0
+        for i in [*control, rb.num_rows]:
+            if i > start:
+                self._apply_segment(rb.slice(start, i - start))
+            start = i + 1
+            if i == rb.num_rows:
+                break
+            op, schema, table, meta = (rb.column(n)[i].as_py() for n in ("op", "schema", "table", "meta"))
+            if op == ch.RELATION:
+                self._shapes[(schema, table)] = ch.TableShape.from_meta(schema, table, meta)
+            else:
+                self._progress.append(ch.Progress.from_meta(meta))
+
+    def commit(self) -> Applied:
+        """Record progress and commit; a batch the replica already covers commits nothing new."""
+        if not self._progress:
+            raise SinkError(f"batch {self.batch_id} carries no progress row",
+                            "this is a bug in the change stream; report it")
+        p = self._progress
+        end, changes = max(x.end_lsn for x in p), sum(x.changes for x in p)
+        applied = end > self.done
+        if applied:
+            times = [x.last_commit_time for x in p if x.last_commit_time is not None]
+            self.conn.execute(
                 f"INSERT INTO {META_SCHEMA}.progress (feed, batch_id, end_lsn, resolved_ts, commit_time, changes) "
                 "VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s)",
-                (feed, batch_id, format_lsn(end), max(p.resolved_ts for p in progress),
-                 max(times) if times else None, sum(p.changes for p in progress)))
-            applied = True
+                (self.feed, self.batch_id, format_lsn(end), max(x.resolved_ts for x in p),
+                 max(times) if times else None, changes))
             faults.reach("before_sink_commit")
-        drop_staging(conn, parts)
-    faults.reach("after_sink_commit")
-    return applied
+        self.conn.execute("COMMIT")
+        faults.reach("after_sink_commit")
+        return Applied(self.batch_id, end, changes, applied)
+
+    def rollback(self) -> None:
+        if not self.conn.closed:
+            self.conn.execute("ROLLBACK")
+
+    def _apply_segment(self, rows: Any) -> None:
+        """Apply a run of rows with no control row among them, table by table."""
+        keep = pc.is_in(rows.column("op"), value_set=_APPLIED_OPS)
+        if self.done:
+            keep = pc.and_(keep, pc.greater(rows.column("lsn"), self.done))  # applied before: skip
+        rows = rows.filter(keep)
+        if rows.num_rows == 0:
+            return
+        names = pc.binary_join_element_wise(rows.column("schema"), rows.column("table"), "\0")  # no name holds NUL
+        tables = names.unique().to_pylist()
+        for name in tables:
+            key: tuple[str, str] = tuple(name.split("\0", 1))  # type: ignore[assignment]
+            shape = self._shapes.get(key)
+            if shape is None:
+                raise SinkError(f"change for {key[0]}.{key[1]} before its description (R row)",
+                                "this is a bug in the change stream; report it")
+            mine = rows if len(tables) == 1 else rows.filter(pc.equal(names, name))
+            part = self._parts.get(shape) or self._new_part(shape)
+            self._copy(part, mine)
+            _apply_part(self.conn, part, has_truncate=bool(pc.any(pc.equal(mine.column("op"), "t")).as_py()),
+                        has_unchanged=mine.column("unchanged").null_count < mine.num_rows,
+                        has_key_change=mine.column("old_key").null_count < mine.num_rows)
+            self.conn.execute(sql.SQL("TRUNCATE {}").format(part.staging))
+
+    def _new_part(self, shape: ch.TableShape) -> _Part:
+        staging = ident(f"changefeed_stage_{len(self._parts)}")
+        target_types = [sql.SQL("{} {}").format(ident(c), sql.SQL(t)) for c, t in zip(shape.columns, shape.types)]
+        key_types = [sql.SQL("{} {}").format(ident(f"_ok_{i}"), sql.SQL(shape.types[shape.columns.index(k)]))
+                     for i, k in enumerate(shape.key)]
+        self.conn.execute(sql.SQL(
+            "CREATE TEMPORARY TABLE {} (_lsn bigint, _seq int, _op text, _unch int[], {}) ON COMMIT DROP").format(
+            staging, sql.SQL(", ").join(target_types + key_types)))
+        _add_new_columns(self.conn, shape, ident(shape.schema, shape.table))
+        part = _Part(shape, staging, sql.SQL("COPY {} FROM STDIN").format(staging),
+                     pa.scalar(b"\t".join([NULL] * len(shape.columns)), pa.large_binary()),
+                     pa.scalar(b"\t".join([NULL] * len(shape.key)), pa.large_binary()))
+        self._parts[shape] = part
+        return part
+
+    def _copy(self, part: _Part, rows: Any) -> None:
+        """COPY rows into the part's staging table, as lines built column-wise by Arrow kernels:
+        `lsn seq op unchanged values old_key`, where values are the new row (the old one for
+        deletes) and NULLs fill what a row does not have."""
+        lines = pc.binary_join_element_wise(
+            _text(rows.column("lsn")), _text(rows.column("seq")), _text(rows.column("op")),
+            _text(pc.fill_null(rows.column("unchanged"), NULL.decode())),
+            pc.coalesce(_large(rows.column("after")), _large(rows.column("before")), part.nulls),
+            pc.binary_join_element_wise(pc.coalesce(_large(rows.column("old_key")), part.key_nulls), _EMPTY, _NL),
+            _TAB)
+        offsets = lines.buffers()[1]
+        first, last = (int.from_bytes(offsets[i * 8:i * 8 + 8], "little")
+                       for i in (lines.offset, lines.offset + len(lines)))
+        with self.conn.cursor().copy(part.copy_sql) as copy:
+            copy.write(memoryview(lines.buffers()[2])[first:last])
 
 
-def drop_staging(conn: psycopg.Connection[Any], parts: Iterable[StagedPart]) -> None:
-    for p in parts:
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident(STAGE_SCHEMA, p.staging)))
+_CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS])
+_APPLIED_OPS = pa.array(APPLIED_OPS)
+_TAB, _NL, _EMPTY = (pa.scalar(b, pa.large_binary()) for b in (b"\t", b"\n", b""))
 
 
-def _apply_part(conn: psycopg.Connection[Any], part: StagedPart, done: int) -> None:
+def _large(col: Any) -> Any:
+    return col.cast(pa.large_binary())
+
+
+def _text(col: Any) -> Any:
+    """Any column as its text form in large_binary (what COPY reads)."""
+    if not pa.types.is_string(col.type):
+        col = col.cast(pa.string())
+    return col.cast(pa.large_binary())
+
+
+def _apply_part(conn: psycopg.Connection[Any], part: _Part, *, has_truncate: bool, has_unchanged: bool,
+                has_key_change: bool) -> None:
+    """Merge the staged chunk into the target: last change per key wins, TRUNCATE first.
+
+    An update that changed the key also deletes its old key (as a change just before it).
+    """
     shape = part.shape
-    target, stg = ident(shape.schema, shape.table), ident(STAGE_SCHEMA, part.staging)
-    _add_new_columns(conn, shape, target)
-    after = sql.SQL("_lsn > {}").format(sql.Literal(done))
-    if part.has_truncate:
-        row = conn.execute(sql.SQL("SELECT _lsn, _seq FROM {} WHERE _op = 't' AND {} ORDER BY _lsn DESC, _seq DESC "
-                                   "LIMIT 1").format(stg, after)).fetchone()
-        if row:
-            conn.execute(sql.SQL("TRUNCATE {}").format(target))
-            after = sql.SQL("(_lsn, _seq) > ({}, {})").format(sql.Literal(row[0]), sql.Literal(row[1]))
-    if part.has_unchanged:
+    target, stg = ident(shape.schema, shape.table), part.staging
+    after = sql.SQL("true")
+    if has_truncate:
+        row = conn.execute(sql.SQL("SELECT _lsn, _seq FROM {} WHERE _op = 't' ORDER BY _lsn DESC, _seq DESC "
+                                   "LIMIT 1").format(stg)).fetchone()
+        assert row is not None
+        conn.execute(sql.SQL("TRUNCATE {}").format(target))
+        after = sql.SQL("(_lsn, _seq) > ({}, {})").format(sql.Literal(row[0]), sql.Literal(row[1]))
+    if has_unchanged:
         _resolve_unchanged(conn, part, target, stg)
     cols = [ident(c) for c in shape.columns]
     keys = [ident(k) for k in shape.key]
@@ -240,8 +264,7 @@ def _apply_part(conn: psycopg.Connection[Any], part: StagedPart, done: int) -> N
     conn.execute(sql.SQL("""
         WITH rows AS (
             SELECT _lsn, _seq, 1 AS _sub, _op, {col_list} FROM {stg} WHERE _op <> 't' AND {after}
-            UNION ALL
-            SELECT _lsn, _seq, 0, 'd', {old_as_keys} FROM {stg} WHERE {ok0} IS NOT NULL AND {after}
+            {old_key_deletes}
         ), last AS (
             SELECT DISTINCT ON ({key_list}) * FROM rows ORDER BY {key_list}, _lsn DESC, _seq DESC, _sub DESC
         ), deleted AS (
@@ -251,10 +274,10 @@ def _apply_part(conn: psycopg.Connection[Any], part: StagedPart, done: int) -> N
         ON CONFLICT ({key_list}) {on_conflict}
     """).format(
         col_list=col_list, stg=stg, after=after, key_list=key_list, target=target, on_conflict=on_conflict,
-        old_as_keys=sql.SQL(", ").join(
-            sql.SQL("{} AS {}").format(old_keys[shape.key.index(c)], ident(c)) if c in shape.key
-            else sql.SQL("NULL") for c in shape.columns),
-        ok0=old_keys[0],
+        old_key_deletes=sql.SQL("UNION ALL SELECT _lsn, _seq, 0, 'd', {} FROM {} WHERE {} IS NOT NULL AND {}").format(
+            sql.SQL(", ").join(sql.SQL("{} AS {}").format(old_keys[shape.key.index(c)], ident(c)) if c in shape.key
+                               else sql.SQL("NULL") for c in shape.columns),
+            stg, old_keys[0], after) if has_key_change else sql.SQL(""),
         t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
         l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys),
     ))
@@ -277,7 +300,7 @@ def _add_new_columns(conn: psycopg.Connection[Any], shape: ch.TableShape, target
             conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(target, ident(c)))
 
 
-def _resolve_unchanged(conn: psycopg.Connection[Any], part: StagedPart, target: sql.Identifier,
+def _resolve_unchanged(conn: psycopg.Connection[Any], part: _Part, target: sql.Identifier,
                        stg: sql.Identifier) -> None:
     """Fill columns an update left TOASTed-unchanged with the value they had just before.
 

@@ -24,6 +24,8 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")
              .config("spark.sql.shuffle.partitions", "2")
+             # a packed row is a whole chunk of changes: hand each to the sink as soon as it is read
+             .config("spark.sql.execution.arrow.maxRecordsPerBatch", "1")
              .config("spark.sql.streaming.stopTimeout", "60s")
              .config("spark.python.worker.faulthandler.enabled", "true")
              .getOrCreate())
@@ -39,7 +41,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
               .option("max_changes_per_batch", str(spec.max_changes_per_batch)))
-    writer = (reader.load().writeStream.format("changefeed-postgres")
+    # One writer task per batch: it applies the batch in one target transaction (see spark.sink).
+    writer = (reader.load().coalesce(1).writeStream.format("changefeed-postgres")
               .queryName(f"changefeed_{spec.name}")
               .option("uri", spec.sink).option("feed", spec.name)
               .option("checkpointLocation", str(state.checkpoint)))

@@ -1,18 +1,32 @@
-"""`changefeed-postgres` PySpark streaming sink: executors stage, the driver applies atomically."""
+"""`changefeed-postgres` PySpark streaming sink: the batch's one writer task applies it atomically.
+
+The query has one writer task per micro-batch (see `job.start_query`), so the task itself can
+apply the whole batch in one target transaction and commit it: the progress row in that
+transaction makes a retried task or a replayed batch a no-op, and the source advances its slot
+only after Spark has seen the task succeed. Applying while reading needs the task to keep
+taking input while the database merges: a thread applies chunks from a short queue.
+"""
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
+from ..core import change as ch
+from ..errors import SinkError
 from ..postgres.connect import connect
 from ..sinks import postgres_replica as replica
 
+QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the database merges
 
-class StagedMessage(WriterCommitMessage):
-    def __init__(self, staged: replica.Staged) -> None:
-        self.staged = staged
+
+class AppliedMessage(WriterCommitMessage):
+    def __init__(self, applied: replica.Applied) -> None:
+        self.applied = applied
 
 
 class PostgresReplicaSink(DataSource):
@@ -26,19 +40,55 @@ class PostgresReplicaSink(DataSource):
         return ReplicaStreamWriter(dict(self.options))
 
 
+def _batch_id() -> int:
+    ctx = TaskContext.get()
+    batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
+    if batch is None:
+        raise SinkError("the replica sink runs only inside a streaming query's micro-batch",
+                        "start it with writeStream (changefeed run does)")
+    return int(batch)
+
+
 class ReplicaStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, options: dict[str, str]) -> None:
         self.uri = options["uri"]
         self.feed = options["feed"]
 
-    def write(self, iterator: Iterator[Any]) -> StagedMessage:
-        with connect(self.uri, "sink", autocommit=True) as conn:
-            return StagedMessage(replica.stage(conn, self.feed, iterator))
+    def write(self, iterator: Iterator[Any]) -> AppliedMessage:
+        chunks: queue.Queue[Any] = queue.Queue(QUEUED_CHUNKS)
+        failed: list[BaseException] = []
+        done = object()
 
-    def commit(self, messages: list[StagedMessage | None], batchId: int) -> None:
-        with connect(self.uri, "sink", autocommit=True) as conn:
-            replica.apply_batch(conn, self.feed, batchId, [m.staged for m in messages if m is not None])
+        def apply() -> None:
+            try:
+                while (rb := chunks.get()) is not done:
+                    applier.add(rb)
+            except BaseException as e:  # noqa: BLE001 - handed to the task thread
+                failed.append(e)
+                while chunks.get() is not done:  # let the reader finish; its data is not needed
+                    pass
 
-    def abort(self, messages: list[StagedMessage | None], batchId: int) -> None:
         with connect(self.uri, "sink", autocommit=True) as conn:
-            replica.drop_staging(conn, [p for m in messages if m is not None for p in m.staged.parts])
+            applier = replica.BatchApplier(conn, self.feed, _batch_id())
+            applier.begin()
+            worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)
+            worker.start()
+            try:
+                for packed in iterator:
+                    if failed:
+                        break
+                    for rb in ch.unpack(packed):
+                        chunks.put(rb)
+            finally:
+                chunks.put(done)
+                worker.join()
+            if failed:
+                applier.rollback()
+                raise failed[0]
+            return AppliedMessage(applier.commit())
+
+    def commit(self, messages: list[AppliedMessage | None], batchId: int) -> None:
+        """Nothing left to do: the writer task committed the batch on the replica."""
+
+    def abort(self, messages: list[AppliedMessage | None], batchId: int) -> None:
+        """Nothing to undo: a failed task rolled back; a committed one is skipped when replayed."""

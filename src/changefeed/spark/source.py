@@ -1,9 +1,10 @@
 """`changefeed` PySpark streaming source: PostgreSQL logical decoding as micro-batches.
 
-Offsets are `{"lsn", "ts", "safe"}`: the batch's upper WAL bound (a flushed position), its
-resolved commit timestamp (no change in a later batch gets a smaller one), and the latest WAL
-record boundary at or below `lsn` (the only kind of position the slot may be advanced to). The
-driver only plans offsets and advances the slot in `commit`; executors decode in `read`.
+Offsets are `{"lsn", "ts"}`: the batch's upper WAL bound and its resolved commit timestamp (no
+change in a later batch gets a smaller one). The bound is always a flushed WAL record boundary (a
+heartbeat's end or a commit's end): the only kind of position a slot may be advanced to, since
+PostgreSQL skips a transaction whose commit record starts before the slot's position. The driver
+only plans offsets and advances the slot in `commit`; executors decode in `read`.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class ChangefeedSource(DataSource):
         return "changefeed"
 
     def schema(self) -> str:
-        return ch.SPARK_DDL
+        return ch.PACKED_DDL
 
     def streamReader(self, schema: Any) -> "ChangeStreamReader":
         return ChangeStreamReader(dict(self.options))
@@ -71,7 +72,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         state = src.slot_state(self.conn, self.slot)
         src.check_slot_usable(state, self.slot, None, self.feed)
         assert state is not None and state.confirmed_flush is not None
-        return {"lsn": state.confirmed_flush, "ts": 0, "safe": state.confirmed_flush}
+        return {"lsn": state.confirmed_flush, "ts": 0}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -85,9 +86,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     def _boundary(self) -> dict[str, int]:
         lsn, ms = src.heartbeat(self.conn, HEARTBEAT_PREFIX)
-        return {"lsn": lsn, "ts": ceiling_of_ms(ms), "safe": lsn}
+        return {"lsn": lsn, "ts": ceiling_of_ms(ms)}
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        # Spark plans a batch only once the previous one is committed downstream, so `start` is
+        # safe to release now (Spark's own `commit(start)` comes later): the cut below then
+        # decodes only the new window.
+        self.commit(start)
         if self._available_now is not None:
             end = self._available_now
             if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
@@ -100,15 +105,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         end = {**end, "ts": window_end_ts(start["ts"], physical_ms(end["ts"]))}
         if end["lsn"] <= start["lsn"]:
             return start
-        if isinstance(limit, ReadMaxBytes) and end["lsn"] - start["lsn"] > limit.max_bytes:
-            # A bound inside a record is fine for windows, not for the slot: keep the old safe point.
-            return {"lsn": start["lsn"] + limit.max_bytes, "ts": end["ts"], "safe": start["safe"]}
-        if isinstance(limit, ReadMaxRows):
-            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], end["lsn"],
-                                         limit.max_rows)
-            if start["lsn"] < lsn < end["lsn"]:
-                return {"lsn": lsn, "ts": end["ts"], "safe": lsn}  # a commit's end: a record boundary
-        return end
+        lsn = end["lsn"]
+        if isinstance(limit, ReadMaxBytes) and lsn - start["lsn"] > limit.max_bytes:
+            lsn = src.last_commit_within(self.conn, self.slot, self.publication, start["lsn"],
+                                         start["lsn"] + limit.max_bytes) \
+                or src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, 1)  # one big txn
+        elif isinstance(limit, ReadMaxRows):
+            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, limit.max_rows)
+        return {"lsn": lsn, "ts": end["ts"]}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[WindowPartition]:
         if end["lsn"] <= start["lsn"]:
@@ -122,7 +126,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                                     partition.end["ts"], lambda rel: src.column_catalog(conn, rel))
             messages = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
             for rb in builder.batches(messages, partition.rows_per_batch):
-                yield rb
+                yield ch.pack(rb)
                 faults.reach("read")
         finally:
             conn.close()
@@ -130,8 +134,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def commit(self, end: dict[str, int]) -> None:
         """Spark has committed the batch ending at `end` downstream: release WAL before it."""
         state = src.slot_state(self.conn, self.slot)
-        if state is not None and state.confirmed_flush is not None and end["safe"] > state.confirmed_flush:
-            src.advance(self.conn, self.slot, end["safe"])
+        if state is not None and state.confirmed_flush is not None and end["lsn"] > state.confirmed_flush:
+            src.advance(self.conn, self.slot, end["lsn"])
 
     def stop(self) -> None:
         if self._conn is not None:
