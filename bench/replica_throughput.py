@@ -8,12 +8,13 @@ every run's three figures come from the same moment:
 
   a  pg_recvlogical draining the changes with pgoutput (decode limit: WAL -> client);
   b  a plain COPY of the same changes into an unlogged staging table and one set-based merge per
-     50,000 changes into a fresh table on the replica (apply limit);
+     50,000 changes into a fresh table on the replica (apply limit); also "b tuned": the same
+     into a temporary staging table with the replica sink's session memory settings;
   c  `changefeed run --available-now` end to end (a Spark process), on its own feed, slot and
      replica database per run. Its whole-process wall time includes JVM/Spark start-up, so it is
-     also reported "excluding startup" (minus an --available-now run with nothing pending,
-     measured right after it) and "query only" (from the feed's "running" log line to its
-     "stopped cleanly" line).
+     also reported "query only" (from the feed's "running" log line to its "stopped cleanly"
+     line) and "steady state" (changes of the batches after the first / time from the end of the
+     first batch's apply to the end of the last, from the replica's progress table).
 
 Every replica (b and c) is checked against the source (count + md5 of rows in key order); a
 mismatch or a failed feed run makes the script exit 1.
@@ -47,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from changefeed.local_postgres import LocalPostgres, bin_dir  # noqa: E402
+from changefeed.sinks.postgres_replica import SESSION_MEMORY  # noqa: E402
 
 TABLE = "bench_t"
 SOURCE_DB = "bench"
@@ -200,18 +202,25 @@ MERGE_SQL = f"""
 """
 
 
-def run_apply(uri: str, copy_file: Path) -> float:
+def run_apply(uri: str, copy_file: Path, tuned: bool = False) -> float:
+    """b: COPY + merge per 50k changes. `tuned`: in a temporary staging table, with the replica
+    sink's session memory (temp_buffers, work_mem), so the sink's own tuning is not mistaken for
+    a lower pipeline overhead."""
     with psycopg.connect(uri, autocommit=True) as c:
         c.execute(f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, a int, b text, c timestamptz)")
     with psycopg.connect(uri) as c, open(copy_file, "rb") as f:
+        if tuned:
+            c.execute(f"SET temp_buffers = '{SESSION_MEMORY}'")
+            c.execute(f"SET work_mem = '{SESSION_MEMORY}'")
+            c.commit()
         t0 = time.monotonic()
         while True:
             lines = list(itertools.islice(f, APPLY_BATCH))
             if not lines:
                 break
             with c.transaction():
-                c.execute("CREATE UNLOGGED TABLE stage (seq bigint, op text, id bigint, a int, b text, "
-                          "c timestamptz)")
+                c.execute(f"CREATE {'TEMPORARY' if tuned else 'UNLOGGED'} TABLE stage (seq bigint, op text, "
+                          "id bigint, a int, b text, c timestamptz)")
                 with c.cursor().copy("COPY stage FROM STDIN") as cp:
                     cp.write(b"".join(lines))
                 c.execute(MERGE_SQL)
@@ -265,6 +274,18 @@ def run_feed(name: str, source_uri: str, sink_uri: str, state: Path, logdir: Pat
 def feed_failure(r: FeedRun, what: str) -> str:
     return (f"{what} exited {r.rc} after {r.wall:.1f}s (log {r.log_file})\n"
             f"--- stdout ---\n" + "\n".join(r.lines[-20:]) + f"\n--- stderr (tail) ---\n{r.stderr_tail}")
+
+
+def steady_batches(uri: str, feed: str) -> list[tuple[int, float]]:
+    """(changes, applied-at epoch seconds) of the feed's batches that carried changes, in order.
+
+    The replica records each batch's progress row as its apply ends; from the end of the first to
+    the end of the last, the feed ran warm (its first batch also pays for starting Python workers).
+    """
+    with psycopg.connect(uri) as c:
+        rows = c.execute("SELECT changes, extract(epoch FROM applied_at) FROM changefeed.progress "
+                         "WHERE feed = %s AND changes > 0 ORDER BY end_lsn", (feed,)).fetchall()
+    return [(int(ch), float(at)) for ch, at in rows]
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -381,6 +402,7 @@ def main() -> int:
         for k in range(1, args.runs + 1):
             c.execute(f"CREATE DATABASE replica_{k}")
             c.execute(f"CREATE DATABASE apply_{k}")
+            c.execute(f"CREATE DATABASE tuned_{k}")
 
     failures: list[str] = []
     # c, step 1: a first (empty) run of each feed creates its publication, slot and target table
@@ -409,9 +431,8 @@ def main() -> int:
         f"COPY file {wl.copy_file.stat().st_size / 2**20:,.0f} MiB; source has {src_fp[0]:,} rows")
 
     n = args.changes
-    res: dict[str, list[float]] = {k: [] for k in ("a", "b", "c", "c_excl", "c_query", "c_empty")}
+    res: dict[str, list[float]] = {k: [] for k in ("a", "b", "b_tuned", "c", "c_steady", "c_query")}
     per_run: list[str] = []
-    noisy_excl = False  # a measured feed run shorter than twice its empty run
     for k in range(1, args.runs + 1):
         log(f"run {k}/{args.runs}")
         # a
@@ -433,8 +454,14 @@ def main() -> int:
             f"source ({fp[0]:,} rows, md5 {fp[1][:12]} vs {src_fp[1][:12]})")
         if not ok:
             failures.append(f"run {k} b: apply_{k}.{TABLE} differs from the source: {fp} vs {src_fp}")
+        secs = run_apply(replica.uri(f"tuned_{k}"), wl.copy_file, tuned=True)
+        res["b_tuned"].append(n / secs)
+        fp = fingerprint(replica.uri(f"tuned_{k}"))
+        log(f"  b tuned:          {secs:.2f}s, {n / secs:,.0f} changes/s; replica {'EQUALS' if fp == src_fp else 'DIFFERS FROM'} source")
+        if fp != src_fp:
+            failures.append(f"run {k} b tuned: tuned_{k}.{TABLE} differs from the source: {fp} vs {src_fp}")
         # c
-        c_rate = c_excl = c_q = float("nan")
+        c_rate = c_steady = c_q = float("nan")
         if first_runs[k - 1] is not None:
             r = run_feed(f"bench{k}", src_uri, replica.uri(f"replica_{k}"), state, logdir, "2-measured",
                          args.feed_timeout, args.feed_arg)
@@ -446,31 +473,23 @@ def main() -> int:
                 ok = fp == src_fp
                 if not ok:
                     failures.append(f"run {k} c: replica_{k}.{TABLE} differs from the source: {fp} vs {src_fp}")
-                last = r.lines[-1] if r.lines else ""
-                e = run_feed(f"bench{k}", src_uri, replica.uri(f"replica_{k}"), state, logdir, "3-empty",
-                             args.feed_timeout, args.feed_arg)
-                if e.rc != 0:
-                    failures.append(feed_failure(e, f"run {k} feed bench{k} (empty run)"))
                 c_rate = n / r.wall
-                if e.rc == 0:
-                    res["c_empty"].append(e.wall)
-                    if r.wall < 2 * e.wall:
-                        noisy_excl = True
-                    if r.wall > e.wall:
-                        c_excl = n / (r.wall - e.wall)
+                batches = steady_batches(replica.uri(f"replica_{k}"), f"bench{k}")
+                if len(batches) >= 2:
+                    c_steady = sum(b[0] for b in batches[1:]) / (batches[-1][1] - batches[0][1])
                 if r.query_s:
                     c_q = n / r.query_s
-                log(f"  c feed:           {r.wall:.2f}s whole process, {c_rate:,.0f} changes/s; empty run "
-                    f"{e.wall:.2f}s -> excluding startup {r.wall - e.wall:.2f}s, {c_excl:,.0f} changes/s; "
-                    f"query (log) {r.query_s or float('nan'):.2f}s, {c_q:,.0f} changes/s")
-                log(f"    feed said: {last.strip()}")
+                log(f"  c feed:           {r.wall:.2f}s whole process, {c_rate:,.0f} changes/s; steady "
+                    f"{c_steady:,.0f} changes/s (batches 2..{len(batches)}); query (log) "
+                    f"{r.query_s or float('nan'):.2f}s, {c_q:,.0f} changes/s")
+                log(f"    feed said: {(r.lines[-1] if r.lines else '').strip()}")
                 log(f"    replica {'EQUALS' if ok else 'DIFFERS FROM'} source "
                     f"({fp[0]:,} rows, md5 {fp[1][:12]} vs {src_fp[1][:12]})")
         res["c"].append(c_rate)
-        res["c_excl"].append(c_excl)
+        res["c_steady"].append(c_steady)
         res["c_query"].append(c_q)
-        per_run.append(f"  run {k}: a {res['a'][-1]:>11,.0f}  b {res['b'][-1]:>11,.0f}  c {c_rate:>11,.0f}  "
-                       f"c excl. startup {c_excl:>11,.0f}  c query {c_q:>11,.0f}")
+        per_run.append(f"  run {k}: a {res['a'][-1]:>11,.0f}  b {res['b'][-1]:>11,.0f}  b tuned {res['b_tuned'][-1]:>11,.0f}"
+                       f"  c {c_rate:>11,.0f}  c steady {c_steady:>11,.0f}  c query {c_q:>11,.0f}")
 
     def ratios(num: str, den: str) -> tuple[float, float, float] | None:
         return spread([x / y for x, y in zip(res[num], res[den])])
@@ -487,23 +506,18 @@ def main() -> int:
     print(f"{'changes/s':<52}{'median':>13} {'min':>13} {'max':>13}")
     print(f"{'a  pg_recvlogical, pgoutput (decode limit)':<52}{fmt_rate(spread(res['a']))}")
     print(f"{'b  COPY + set-based merge, 50k/batch (apply limit)':<52}{fmt_rate(spread(res['b']))}")
+    print(f"{'b  same, temp staging + sink session memory':<52}{fmt_rate(spread(res['b_tuned']))}")
     print(f"{'c  feed, whole process (incl. Spark start-up)':<52}{fmt_rate(spread(res['c']))}")
-    print(f"{'c  feed, excluding startup (minus empty run)':<52}{fmt_rate(spread(res['c_excl']))}")
     print(f"{'c  feed, query only (running -> stopped log lines)':<52}{fmt_rate(spread(res['c_query']))}")
-    emp = spread(res["c_empty"])
-    if emp:
-        print(f"   (empty --available-now run: median {emp[0]:.1f}s, min {emp[1]:.1f}s, max {emp[2]:.1f}s)")
-    if noisy_excl:
-        print("   CAUTION: a measured feed run took less than twice its empty run; start-up varies by ~10s,\n"
-              "   so 'excluding startup' is mostly noise here: use more --changes")
+    print(f"{'c  feed, steady state (batches after the first)':<52}{fmt_rate(spread(res['c_steady']))}")
     print()
     print("ratios, computed per run, median [min - max]:")
     print(f"  c/a                    {fmt_ratio(ratios('c', 'a'))}")
     print(f"  c/b                    {fmt_ratio(ratios('c', 'b'))}")
-    print(f"  c(excl. startup)/a     {fmt_ratio(ratios('c_excl', 'a'))}")
-    print(f"  c(excl. startup)/b     {fmt_ratio(ratios('c_excl', 'b'))}")
-    print(f"  c(query only)/a        {fmt_ratio(ratios('c_query', 'a'))}")
     print(f"  c(query only)/b        {fmt_ratio(ratios('c_query', 'b'))}")
+    print(f"  c(steady)/a            {fmt_ratio(ratios('c_steady', 'a'))}")
+    print(f"  c(steady)/b            {fmt_ratio(ratios('c_steady', 'b'))}")
+    print(f"  c(steady)/b tuned      {fmt_ratio(ratios('c_steady', 'b_tuned'))}")
     print()
     print("per run (changes/s):")
     print("\n".join(per_run))

@@ -70,7 +70,7 @@ class ChangeBuilder:
         self._deferred: list[po.Message] = []  # non-transactional messages seen inside a transaction
         self.last_commit_time: int | None = None
         self.changes = 0
-        self.done = False  # a commit past the window's end was seen: nothing more can belong
+        self.done = False  # a transaction past the window's end was seen: nothing more can belong
         self._reset()
 
     def _reset(self) -> None:
@@ -85,7 +85,7 @@ class ChangeBuilder:
 
     # -- input ---------------------------------------------------------------------------
     def feed(self, data: bytes) -> None:
-        kind = data[0]
+        kind = data[0] if data else -1  # an empty message gets its DecodeError from po.decode
         if kind == _I:
             self._insert(data)
         elif kind == _U:

@@ -174,9 +174,8 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
                       changes: int) -> int:
     """End LSN of the first commit after `start` by which `changes` messages were decoded, or `upto`.
 
-    Decodes inside the server; only (LSN, is-commit) pairs come back, never change data. The slot
-    may lag `start` by a batch (Spark commits a batch to the source after planning the next), so
-    the peek widens until it reaches past `start`.
+    Decodes inside the server; only (LSN, is-commit) pairs come back, never change data. The peek
+    widens until it has seen `changes` messages past `start` (the slot may lag `start`).
     """
     want = changes
     while True:

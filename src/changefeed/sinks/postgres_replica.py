@@ -40,7 +40,7 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
     conn.execute(
         f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.progress ("
         " feed text NOT NULL, batch_id bigint NOT NULL, end_lsn pg_lsn NOT NULL, resolved_ts bigint NOT NULL,"
-        " commit_time timestamptz, changes bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(),"
+        " commit_time timestamptz, changes bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),"
         " PRIMARY KEY (feed, end_lsn))")
 
 
