@@ -172,9 +172,7 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
         end = (p["sources"] or [{}])[0].get("endOffset")
         if end:
             end = json.loads(end) if isinstance(end, str) else end
-            slot = src.slot_state(prepared.source_conn, prepared.spec.slot)
-            if slot and slot.confirmed_flush is not None and end["lsn"] > slot.confirmed_flush:
-                src.advance(prepared.source_conn, prepared.spec.slot, int(end["lsn"]))
+            src.advance(prepared.source_conn, prepared.spec.slot, int(end["lsn"]))
             return
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import change as ch
-from ..core.copytext import NULL, escape
 from ..core.hlc import next_commit_ts
 from . import pgoutput as po
 
@@ -40,9 +39,12 @@ def offline_catalog(rel: po.Relation) -> RelationInfo:
                         (None,) * len(rel.columns))
 
 
-def _line(values: list[po.Value]) -> bytes:
-    """Values -> COPY text line (an unchanged TOAST value is NULL there)."""
-    return b"\t".join(NULL if v is None or v is po.UNCHANGED else escape(v) for v in values)  # type: ignore[arg-type]
+def _final_tuple(data: bytes, pos: int, what: str) -> tuple[bytes, list[int] | None]:
+    """The tuple at `pos`, which must end the message: (COPY line, unchanged columns)."""
+    line, unchanged, end = po.copy_tuple(data, pos)
+    if end != len(data):
+        raise po.DecodeError(f"{what}: {len(data) - end} bytes after its tuple")
+    return line, unchanged
 
 
 _I, _U, _D, _B, _C = b"IUDBC"
@@ -114,44 +116,34 @@ class ChangeBuilder:
     def _insert(self, data: bytes) -> None:
         if data[5:6] != b"N":
             raise po.DecodeError(f"Insert: expected 'N', got {data[5:6]!r}")
-        line, _, end = po.copy_tuple(data, 6)
-        if end != len(data):
-            raise po.DecodeError(f"Insert: {len(data) - end} bytes after its tuple")
+        line, _ = _final_tuple(data, 6, "Insert")
         self._row(int.from_bytes(data[1:5], "big"), "c", line, None)
 
     def _delete(self, data: bytes) -> None:
         if data[5:6] not in (b"K", b"O"):
             raise po.DecodeError(f"Delete: expected 'K' or 'O', got {data[5:6]!r}")
-        line, _, end = po.copy_tuple(data, 6)
-        if end != len(data):
-            raise po.DecodeError(f"Delete: {len(data) - end} bytes after its tuple")
+        line, _ = _final_tuple(data, 6, "Delete")
         self._row(int.from_bytes(data[1:5], "big"), "d", None, line)
 
     def _update(self, data: bytes) -> None:
-        if data[5:6] == b"N":  # the common case: no old tuple (key unchanged, default identity)
-            line, unchanged, end = po.copy_tuple(data, 6)
-            if end != len(data):
-                raise po.DecodeError(f"Update: {len(data) - end} bytes after its tuple")
-            i = self._row(int.from_bytes(data[1:5], "big"), "u", line, None)
-            if unchanged:
-                self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"
-            return
-        if data[5:6] not in (b"K", b"O"):
+        before, new_at = None, 6  # the common case: no old tuple (key unchanged, default identity)
+        if data[5:6] in (b"K", b"O"):
+            before, _, pos = po.copy_tuple(data, 6)
+            if data[pos:pos + 1] != b"N":
+                raise po.DecodeError(f"Update: expected 'N' after the old tuple, got {data[pos:pos + 1]!r}")
+            new_at = pos + 1
+        elif data[5:6] != b"N":
             raise po.DecodeError(f"Update: expected 'K', 'O' or 'N', got {data[5:6]!r}")
-        before, _, pos = po.copy_tuple(data, 6)
-        if data[pos:pos + 1] != b"N":
-            raise po.DecodeError(f"Update: expected 'N' after the old tuple, got {data[pos:pos + 1]!r}")
-        line, unchanged, end = po.copy_tuple(data, pos + 1)
-        if end != len(data):
-            raise po.DecodeError(f"Update: {len(data) - end} bytes after its tuple")
+        line, unchanged = _final_tuple(data, new_at, "Update")
         oid = int.from_bytes(data[1:5], "big")
         i = self._row(oid, "u", line, before)
         if unchanged:
             self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"
-        old, new = po.decode_tuple(data, 6)[0], po.decode_tuple(data, pos + 1)[0]
-        keys = self.info(oid).key
-        if any(old[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
-            self._sparse["old_key"][i] = _line([old[k] for k in keys])
+        if before is not None:
+            old, new = po.decode_tuple(data, 6)[0], po.decode_tuple(data, new_at)[0]
+            keys = self.info(oid).key
+            if any(old[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
+                self._sparse["old_key"][i] = po.copy_line([old[k] for k in keys])
 
     def _row(self, oid: int, op: str, after: bytes | None, before: bytes | None) -> int:
         """Append one row of the open transaction; returns its index."""
@@ -272,7 +264,7 @@ class ChangeBuilder:
         open_rows = (self._op[n:], self._schema[n:], self._table[n:], self._after[n:], self._before[n:])
         open_sparse = {name: {i - n: v for i, v in d.items() if i >= n} for name, d in self._sparse.items()}
         self._reset()
-        self._op, self._schema, self._table, self._after, self._before = (list(c) for c in open_rows)
+        self._op, self._schema, self._table, self._after, self._before = open_rows
         self._sparse = open_sparse
         schema = ch.arrow_schema()
         return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)

@@ -11,7 +11,7 @@ import struct
 from dataclasses import dataclass
 from typing import Final, Union
 
-from ..core.copytext import escape as _escape
+from ..core.copytext import NULL, join_line
 from ..core.hlc import PG_EPOCH_US
 
 
@@ -187,18 +187,15 @@ def copy_tuple(buf: bytes, pos: int) -> tuple[bytes, list[int] | None, int]:
                 value_start = pos + 5
                 pos = value_start + length
                 append(buf[value_start:pos])
-            elif kind == 0x6E:  # 'n'
-                append(b"\\N")
+            elif kind == 0x6E or kind == 0x75:  # 'n' NULL, 'u' unchanged TOAST: NULL in the line
+                append(NULL)
                 pos += 1
                 specials += 1
-            elif kind == 0x75:  # 'u'
-                append(b"\\N")
-                pos += 1
-                specials += 1
-                if unchanged is None:
-                    unchanged = [i]
-                else:
-                    unchanged.append(i)
+                if kind == 0x75:
+                    if unchanged is None:
+                        unchanged = [i]
+                    else:
+                        unchanged.append(i)
             else:
                 raise DecodeError(f"unknown tuple column kind {chr(kind)!r} at byte {pos}")
     except (IndexError, struct.error):
@@ -207,9 +204,13 @@ def copy_tuple(buf: bytes, pos: int) -> tuple[bytes, list[int] | None, int]:
         raise DecodeError(f"column value runs past the message end ({pos} > {len(buf)} bytes)")
     line = b"\t".join(parts)
     if len(line) - len(line.translate(None, _COPY_SPECIAL)) != specials:  # some value needs escaping
-        values, _ = decode_tuple(buf, start)
-        line = b"\t".join(b"\\N" if v is None or v is UNCHANGED else _escape(v) for v in values)  # type: ignore[arg-type]
+        line = copy_line(decode_tuple(buf, start)[0])
     return line, unchanged, pos
+
+
+def copy_line(values: list[Value]) -> bytes:
+    """Values -> COPY text line; an unchanged TOAST value is NULL there."""
+    return join_line(None if v is UNCHANGED else v for v in values)  # type: ignore[misc]
 
 
 def decode(data: bytes) -> PgOutputMessage:

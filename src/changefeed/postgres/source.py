@@ -231,8 +231,10 @@ def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
 
 
 def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
-    """Move the slot (the feed's WAL safe point) to `lsn`; never backwards."""
-    conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
+    """Move the slot (the feed's WAL safe point) forward to `lsn`; a slot at or past it stays."""
+    state = slot_state(conn, slot)
+    if state is not None and state.confirmed_flush is not None and lsn > state.confirmed_flush:
+        conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
 
 
 def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:

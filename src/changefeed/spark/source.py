@@ -133,9 +133,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     def commit(self, end: dict[str, int]) -> None:
         """Spark has committed the batch ending at `end` downstream: release WAL before it."""
-        state = src.slot_state(self.conn, self.slot)
-        if state is not None and state.confirmed_flush is not None and end["lsn"] > state.confirmed_flush:
-            src.advance(self.conn, self.slot, end["lsn"])
+        src.advance(self.conn, self.slot, end["lsn"])
 
     def stop(self) -> None:
         if self._conn is not None:
