@@ -1,9 +1,10 @@
 """ChangeBuilder fed REAL pgoutput streams: window membership, split windows vs one window, row content.
 
 A module-scoped capture runs a scripted workload on a fresh database of the session's source
-server (as the `dbs` fixture does) and peeks the whole slot once. As in production, every window
-is built by a fresh ChangeBuilder fed the WHOLE stream (the server re-sends from the slot's
-position, which lags the window) and must pick out exactly its own transactions.
+server (as the `dbs` fixture does) and peeks the whole slot once; pg_walinspect tells where each
+logical message's WAL record starts. A window [start, end) is built by a fresh ChangeBuilder fed
+what the server sends for a peek up to `end` from a slot at `start` (records that start in
+[start, end)), plus every earlier transaction (as from a slot that lags), which it must drop.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, given, note, settings, strategies as st
 from changefeed.core import change as ch
 from changefeed.core.copytext import split_line
 from changefeed.core.hlc import window_end_ts, ceiling_of_ms, from_millis
+from changefeed.core.lsn import format_lsn
 from changefeed.postgres import pgoutput as po
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
 from changefeed.postgres.source import column_catalog
@@ -44,6 +46,7 @@ class Stream:
     xids: dict[str, int]            # step name -> xid
     message_lsns: dict[str, int]    # non-transactional message -> LSN returned by pg_logical_emit_message
     big: tuple[str, str]            # the two TOASTed values
+    message_starts: dict[int, int]  # end LSN of a logical message's WAL record -> its start LSN
 
     def __repr__(self) -> str:
         return f"<Stream of {len(self.raw)} messages, {len(self.commits)} commits>"
@@ -53,6 +56,23 @@ class Stream:
 
     def commit_of(self, step: str) -> po.Commit:
         return next(c for b, c in self.commits if b.xid == self.xids[step])
+
+    def window_input(self, start: int, end: int) -> list[bytes]:
+        """The messages of every transaction committed before `end`, and the non-transactional
+        messages whose record starts in [start, end)."""
+        out: list[bytes] = []
+        txn: list[bytes] | None = None
+        for raw, m in zip(self.raw, self.msgs):
+            if isinstance(m, po.Begin):
+                txn = [raw] if m.final_lsn < end else None
+            elif txn is not None:
+                txn.append(raw)
+                if isinstance(m, po.Commit):
+                    out.extend(txn)
+                    txn = None
+            elif isinstance(m, po.Message) and not m.transactional and start <= self.message_starts[m.lsn] < end:
+                out.append(raw)
+        return out
 
 
 def _lsn(conn: psycopg.Connection[Any], sql: str) -> int:
@@ -139,6 +159,10 @@ def stream(servers: Any) -> Iterator[Stream]:
             f"SELECT data FROM pg_logical_slot_peek_binary_changes('{slot}', NULL, NULL, 'proto_version', '1', "
             f"'publication_names', '{PUB}', 'messages', 'true')").fetchall()]
         msgs = [po.decode(r) for r in raw]
+        conn.execute("CREATE EXTENSION pg_walinspect")
+        message_starts = {int(e): int(b) for b, e in conn.execute(
+            "SELECT start_lsn - '0/0'::pg_lsn, end_lsn - '0/0'::pg_lsn FROM pg_get_wal_records_info("
+            f"'{format_lsn(start)}', '{format_lsn(target)}') WHERE resource_manager = 'LogicalMessage'")}
         commits = []
         begin = None
         for m in msgs:
@@ -147,7 +171,8 @@ def stream(servers: Any) -> Iterator[Stream]:
             elif isinstance(m, po.Commit):
                 assert begin is not None
                 commits.append((begin, m))
-        yield Stream(conn, raw, msgs, start, target + 1, commits, xids, message_lsns, (big[0], big[1]))
+        yield Stream(conn, raw, msgs, start, target + 1, commits, xids, message_lsns, (big[0], big[1]),
+                     message_starts)
     finally:
         conn.execute(f"SELECT pg_drop_replication_slot('{slot}')")
         conn.close()
@@ -159,10 +184,10 @@ def stream(servers: Any) -> Iterator[Stream]:
 
 def build(s: Stream, start: int, end: int, start_ts: int = 0, end_ts: int | None = None,
           catalog: Any = offline_catalog, rows_per_batch: int = 65536) -> list[dict[str, Any]]:
-    """One window as production builds it: the whole stream into `batches`; rows as dicts."""
+    """One window as production builds it, from `batches`; rows as dicts."""
     builder = ChangeBuilder(start, end, start_ts, start_ts if end_ts is None else end_ts, catalog)
     out: list[dict[str, Any]] = []
-    for rb in builder.batches(iter(s.raw), rows_per_batch):
+    for rb in builder.batches(iter(s.window_input(start, end)), rows_per_batch):
         assert rb.schema == ch.arrow_schema()
         out.extend(rb.to_pylist())
     return out
@@ -181,14 +206,14 @@ def rows_of(rows: list[dict[str, Any]], lsn: int) -> list[dict[str, Any]]:
 
 
 def expected_lsns(s: Stream, start: int, end: int) -> set[int]:
-    """LSNs that must carry data rows in (start, end], from the decoded stream alone."""
+    """LSNs that must carry data rows in window [start, end), from the decoded stream alone."""
     out = set()
     for begin, commit in s.commits:
-        if start < commit.end_lsn <= end:
-            out.add(commit.end_lsn)
+        if start <= begin.final_lsn < end:
+            out.add(begin.final_lsn)
     for m in s.msgs:
         if isinstance(m, po.Message) and not m.transactional and m.prefix != HEARTBEAT_PREFIX \
-                and start < m.lsn <= end:
+                and start <= s.message_starts[m.lsn] < end:
             out.add(m.lsn)
     return out
 
@@ -208,11 +233,14 @@ def check_window(s: Stream, rows: list[dict[str, Any]], start: int, end: int, st
     assert progress.last_commit_time == (txn_data[-1]["commit_time"] if txn_data else None)
     assert {r["lsn"] for r in data} == expected_lsns(s, start, end)
 
-    by_commit = {c.end_lsn: (b, c) for b, c in s.commits}
+    by_commit = {b.final_lsn: (b, c) for b, c in s.commits}
     shapes: dict[tuple[str, str], ch.TableShape] = {}
-    last_lsn, last_seq, last_ts = start, -1, start_ts
+    last_lsn, last_seq, last_ts = start - 1, -1, start_ts
     for r in rows[:-1]:
-        assert start < r["lsn"] <= end
+        if r["xid"] != 0:
+            assert start <= r["lsn"] < end  # its commit record starts in the window
+        else:
+            assert r["lsn"] > start  # a message's END: its record starts in the window
         if r["lsn"] == last_lsn:  # more rows of the same transaction: seq counts on, same ts
             assert r["seq"] == last_seq + 1
             assert r["commit_ts"] == last_ts
@@ -245,13 +273,12 @@ def check_window(s: Stream, rows: list[dict[str, Any]], start: int, end: int, st
 
 
 def cut_points(s: Stream) -> list[int]:
-    """Interesting window bounds: every commit's LSNs and every message LSN, and their neighbours."""
+    """Interesting window bounds: where commit and message records start and end, and their neighbours."""
     pts = set()
     for b, c in s.commits:
-        pts |= {c.commit_lsn, c.end_lsn - 1, c.end_lsn, c.end_lsn + 1}
-    for m in s.msgs:
-        if isinstance(m, po.Message):
-            pts |= {m.lsn - 1, m.lsn, m.lsn + 1}
+        pts |= {c.commit_lsn - 1, c.commit_lsn, c.commit_lsn + 1, c.end_lsn}
+    for end, start in s.message_starts.items():
+        pts |= {start - 1, start, start + 1, end - 1, end, end + 1}
     return sorted(p for p in pts if s.start_lsn < p < s.end_lsn)
 
 
@@ -274,8 +301,11 @@ def test_capture_has_what_the_tests_need(stream: Stream) -> None:
     ends = [c.end_lsn for _, c in stream.commits]
     assert ends == sorted(ends) and len(set(ends)) == len(ends)
     assert stream.start_lsn < ends[0] and ends[-1] < stream.end_lsn
+    assert [b.final_lsn for b, _ in stream.commits] == [c.commit_lsn for _, c in stream.commits]
     for name, lsn in stream.message_lsns.items():
         assert any(isinstance(m, po.Message) and m.lsn == lsn and not m.transactional for m in stream.msgs), name
+    # pgoutput gives a message's record END (as pg_logical_emit_message returns it), never its start.
+    assert set(stream.message_lsns.values()) <= set(stream.message_starts)
 
 
 # -- window membership ----------------------------------------------------------------------------
@@ -286,19 +316,19 @@ def test_one_window_over_everything(stream: Stream) -> None:
     assert {r["xid"] for r in data_rows(rows)} - {0} == set(stream.xids.values())
 
 
-def test_window_takes_exactly_the_commits_ending_inside_it(stream: Stream) -> None:
-    ends = [c.end_lsn for _, c in stream.commits]
-    start, end = ends[2], ends[6]
+def test_window_takes_exactly_the_commits_starting_inside_it(stream: Stream) -> None:
+    finals = [b.final_lsn for b, _ in stream.commits]
+    start, end = finals[2], finals[6]
     rows = build(stream, start, end)
     got = {r["lsn"] for r in data_rows(rows) if r["xid"] != 0}
-    assert got == set(ends[3:7])
-    # A bound one byte short of a commit's end leaves that commit to the next window.
-    assert {r["lsn"] for r in data_rows(build(stream, start, end - 1)) if r["xid"]} == set(ends[3:6])
-    assert {r["lsn"] for r in data_rows(build(stream, start - 1, end)) if r["xid"]} == set(ends[2:7])
+    assert got == set(finals[2:6])
+    # A bound one byte into a commit record takes that commit; one byte past a start leaves it.
+    assert {r["lsn"] for r in data_rows(build(stream, start, end + 1)) if r["xid"]} == set(finals[2:7])
+    assert {r["lsn"] for r in data_rows(build(stream, start + 1, end)) if r["xid"]} == set(finals[3:6])
     # A window with no commit in it: just the P row.
-    empty = build(stream, ends[4], ends[4] + 1, 5, 9)
+    empty = build(stream, finals[4] + 1, finals[4] + 2, 5, 9)
     assert [r["op"] for r in empty] == [ch.PROGRESS]
-    assert ch.Progress.from_meta(empty[0]["meta"]) == ch.Progress(ends[4] + 1, 9, None, 0)
+    assert ch.Progress.from_meta(empty[0]["meta"]) == ch.Progress(finals[4] + 2, 9, None, 0)
 
 
 @WINDOW_SETTINGS
@@ -307,7 +337,7 @@ def test_any_window_holds_its_invariants(stream: Stream, data: st.DataObject) ->
     pts = cut_points(stream)
     start = data.draw(st.sampled_from([stream.start_lsn, *pts]), label="start")
     end = data.draw(st.sampled_from([p for p in [*pts, stream.end_lsn] if p >= start]), label="end")
-    inside = [c.commit_time_us // 1000 for _, c in stream.commits if start < c.end_lsn <= end]
+    inside = [c.commit_time_us // 1000 for b, c in stream.commits if start <= b.final_lsn < end]
     if inside:
         # The window's start ts was read from the clock before its first commit; its end ts after the last.
         start_ts = data.draw(st.integers(0, from_millis(inside[0]) - 1), label="start_ts")
@@ -319,13 +349,13 @@ def test_any_window_holds_its_invariants(stream: Stream, data: st.DataObject) ->
 
 
 def test_rebuilding_a_window_gives_identical_rows(stream: Stream) -> None:
-    ends = [c.end_lsn for _, c in stream.commits]
-    for start, end in [(stream.start_lsn, stream.end_lsn), (ends[3], ends[12])]:
+    finals = [b.final_lsn for b, _ in stream.commits]
+    for start, end in [(stream.start_lsn, stream.end_lsn), (finals[3], finals[12])]:
         first = ChangeBuilder(start, end, 77, 1 << 59)
         second = ChangeBuilder(start, end, 77, 1 << 59)
-        for d in stream.raw:
+        for d in stream.window_input(start, end):
             first.feed(d)
-        for d in stream.raw:
+        for d in stream.window_input(start, end):
             second.feed(d)
         a, b = first.finish(), second.finish()
         assert a.equals(b)
@@ -366,7 +396,7 @@ def test_split_windows_as_in_production(stream: Stream, data: st.DataObject) -> 
     clock_ms = first_ms - 1
     for lo, hi in zip(bounds, bounds[1:]):
         # The clock reading at the cut: not before any commit up to it, and later than the previous reading.
-        latest_ms = max([clock_ms + 1] + [c.commit_time_us // 1000 for _, c in stream.commits if c.end_lsn <= hi])
+        latest_ms = max([clock_ms + 1] + [c.commit_time_us // 1000 for b, c in stream.commits if b.final_lsn < hi])
         clock_ms = latest_ms + data.draw(st.integers(0, 3), label="clock slack ms")
         end_ts = window_end_ts(start_ts, clock_ms)  # as ChangeStreamReader.latestOffset plans it
         rows = build(stream, lo, hi, start_ts, end_ts)
@@ -402,14 +432,14 @@ def test_commit_ts_keeps_increasing_when_the_clock_stalls_or_steps_back(stream: 
     split: list[dict[str, Any]] = []
     start_ts = 0
     for lo, hi in zip(bounds, bounds[1:]):
-        latest_ms = max([0] + [c.commit_time_us // 1000 for _, c in stream.commits if c.end_lsn <= hi])
+        latest_ms = max([0] + [c.commit_time_us // 1000 for b, c in stream.commits if b.final_lsn < hi])
         clock_ms = latest_ms + data.draw(st.integers(-2000, 3), label="clock offset ms")
         end_ts = window_end_ts(start_ts, clock_ms)
         rows = build(stream, lo, hi, start_ts, end_ts)
         window_ts = [r["commit_ts"] for r in data_rows(rows) if r["xid"] != 0]
         resolved = ch.Progress.from_meta(rows[-1]["meta"]).resolved_ts
         assert all(ts <= resolved for ts in window_ts), (
-            f"window ({lo}, {hi}] reports resolved ts {resolved} but emitted commit_ts up to {max(window_ts)}")
+            f"window [{lo}, {hi}) reports resolved ts {resolved} but emitted commit_ts up to {max(window_ts)}")
         split.extend(data_rows(rows))
         start_ts = end_ts
     per_txn = list(dict.fromkeys((r["lsn"], r["commit_ts"]) for r in split if r["xid"] != 0))
@@ -420,7 +450,7 @@ def test_commit_ts_keeps_increasing_when_the_clock_stalls_or_steps_back(stream: 
 def test_clock_step_back_never_hands_out_the_same_commit_ts_twice(stream: Stream) -> None:
     """Concrete case of the property above: the server clock was an hour fast when the previous batch
     was planned (resolved ts S), then got corrected; the next cuts read the right time."""
-    ends = [c.end_lsn for _, c in stream.commits]
+    ends = [b.final_lsn for b, _ in stream.commits]
     now_ms = stream.commits[-1][1].commit_time_us // 1000
     start_ts = ceiling_of_ms(now_ms + 3_600_000)  # S, from the fast clock
     seen: dict[int, int] = {}
@@ -440,7 +470,7 @@ def whole(stream: Stream) -> list[dict[str, Any]]:
 
 
 def txn_rows(stream: Stream, rows: list[dict[str, Any]], step: str) -> list[dict[str, Any]]:
-    return rows_of(rows, stream.commit_of(step).end_lsn)
+    return rows_of(rows, stream.commit_of(step).commit_lsn)
 
 
 def test_relation_rows_describe_tables_before_first_change(stream: Stream, whole: list[dict[str, Any]]) -> None:
@@ -518,7 +548,7 @@ def test_full_identity_table_is_keyed_by_its_primary_key(stream: Stream) -> None
     """
     rows, shape = rows_and_shape(stream, "f")
     assert shape.replica_identity == "f"
-    (upd,) = rows_of(rows, stream.commit_of("update_f").end_lsn)
+    (upd,) = rows_of(rows, stream.commit_of("update_f").commit_lsn)
     assert upd["after"] == b"1\tq\t\\N"
     assert upd["before"] == b"1\tp\t\\N"  # FULL identity: the whole old row
     assert (shape.key, upd["old_key"]) == (("id",), None)
@@ -534,10 +564,10 @@ def test_replica_identity_index_table_is_keyed_by_that_index(stream: Stream) -> 
     """
     rows, shape = rows_and_shape(stream, "ri")
     assert shape.replica_identity == "i"
-    (upd,) = rows_of(rows, stream.commit_of("update_ri_identity").end_lsn)
+    (upd,) = rows_of(rows, stream.commit_of("update_ri_identity").commit_lsn)
     assert upd["after"] == b"1\tb\tx"
     assert (shape.key, upd["old_key"]) == (("code",), b"a")
-    (dele,) = rows_of(rows, stream.commit_of("delete_ri").end_lsn)
+    (dele,) = rows_of(rows, stream.commit_of("delete_ri").commit_lsn)
     before = dict(zip(shape.columns, split_line(dele["before"])))
     assert all(before[k] is not None for k in shape.key), f"delete's old row {before} lacks key {shape.key}"
 
@@ -595,8 +625,7 @@ def test_batches_never_split_a_transaction(stream: Stream) -> None:
 
 
 def test_batches_stop_reading_after_the_window(stream: Stream) -> None:
-    ends = [c.end_lsn for _, c in stream.commits]
-    end = ends[5]
+    end = stream.commits[6][0].final_lsn
     consumed = 0
 
     def counted() -> Iterator[bytes]:
@@ -611,7 +640,7 @@ def test_batches_stop_reading_after_the_window(stream: Stream) -> None:
     assert stream.msgs[seventh_begin].final_lsn >= end
     assert consumed == seventh_begin + 1
     assert rows[-1]["op"] == ch.PROGRESS
-    assert max(r["lsn"] for r in data_rows(rows)) <= end
+    assert max(r["lsn"] for r in data_rows(rows)) < end
 
 
 # -- malformed streams -------------------------------------------------------------------------------
@@ -646,12 +675,12 @@ def test_change_outside_a_transaction_raises_decode_error(stream: Stream) -> Non
 
 def test_feed_all_equals_batches(stream: Stream) -> None:
     """Feeding past the window's end (ignoring `done`) adds nothing."""
-    ends = [c.end_lsn for _, c in stream.commits]
-    builder = ChangeBuilder(ends[1], ends[9], 11, 1 << 59)
+    finals = [b.final_lsn for b, _ in stream.commits]
+    builder = ChangeBuilder(finals[1], finals[9], 11, 1 << 59)
     for d in stream.raw:
         builder.feed(d)
     assert builder.done
-    assert builder.finish().to_pylist() == build(stream, ends[1], ends[9], 11, 1 << 59)
+    assert builder.finish().to_pylist() == build(stream, finals[1], finals[9], 11, 1 << 59)
 
 
 def test_take_returns_arrow_schema(stream: Stream) -> None:

@@ -9,8 +9,9 @@ keep the stream self-describing for sinks: `R` describes a table's columns (meta
 that table's first change in a partition, and `P` closes each partition with its progress
 (meta = JSON with end LSN, resolved ts and last commit time).
 
-`lsn` is the end LSN of the transaction's commit record: unique per transaction, increasing in
-commit order, and the position batch windows are cut at. `seq` orders rows within it.
+`lsn` is the start LSN of the transaction's commit record (its final LSN): unique per transaction,
+increasing in commit order, and what decides the batch window it belongs to. A non-transactional
+message's `lsn` is its end LSN, the only one pgoutput gives. `seq` orders rows within it.
 
 Values are COPY text lines in the table's column order (see core.copytext): `after` is the new
 row, `before` the old row (deletes; updates when the source sends it), `old_key` the old primary

@@ -1,7 +1,13 @@
-"""Turn a stream of pgoutput messages into change rows for one batch window (start, end].
+"""Turn a stream of pgoutput messages into change rows for one batch window [start, end).
 
-A transaction belongs to the window iff its commit's end LSN is in (start, end], so windows never
-split a transaction and consecutive windows neither overlap nor leave gaps. Commit timestamps
+A transaction belongs to the window iff its commit record STARTS in [start, end) (the Begin
+message's final LSN), so windows never split a transaction and consecutive windows neither
+overlap nor leave gaps. That is PostgreSQL's own rule: a slot at `start` skips every transaction
+whose commit record starts before it, and a peek up to `end` decodes exactly the records that
+start before it when `end` is a record boundary or a WAL page boundary. The input is such a peek,
+from a slot at `start` for its non-transactional messages (they carry only their END LSN, so
+their window cannot be told from the message); transactions from a slot that lags are dropped
+here. Commit timestamps
 continue from the window's starting timestamp (see core.hlc), so re-reading a window yields the
 same rows. Pure: no I/O; type names come from an injected function.
 """
@@ -188,7 +194,7 @@ class ChangeBuilder:
             self._append_message(msg)
         elif not msg.transactional and self._begin is not None:
             self._deferred.append(msg)  # keep the open transaction's rows contiguous
-        elif self.start_lsn < msg.lsn <= self.end_lsn:
+        elif msg.lsn > self.start_lsn and not self.done:  # see the module docstring
             self._mark = len(self._op)
             self._append_message(msg)
             self._close(msg.lsn, 0, self.last_ts, None)
@@ -200,24 +206,24 @@ class ChangeBuilder:
     def _open(self, begin: po.Begin) -> None:
         self._begin, self._mark = begin, len(self._op)
         if begin.final_lsn >= self.end_lsn:
-            self.done = True  # its commit ends past the window, and so does every later one
+            self.done = True  # its commit starts past the window, and so does every later one
 
     def _commit(self, msg: po.Commit) -> None:
         begin, self._begin = self._begin, None
         if begin is None:
             raise po.DecodeError("Commit without Begin")
-        if msg.end_lsn <= self.start_lsn or msg.end_lsn > self.end_lsn:
-            # Before: already delivered (the slot lags the window; its advance comes after the sink
-            # commits). After: the next window's. Either way the rows go, and the R rows with them.
+        if not self.start_lsn <= begin.final_lsn < self.end_lsn:
+            # Before: an earlier window's (the slot lags this one). After: the next window's.
+            # Either way the rows go, and the R rows with them.
             self._drop_open()
-            if msg.end_lsn > self.end_lsn:
+            if begin.final_lsn >= self.end_lsn:
                 self.done = True
         else:
             ts = next_commit_ts(self.last_ts, msg.commit_time_us)
             # A server clock that stepped back may put a commit past the window's resolved ts: stay inside.
             self.last_ts = ts if ts <= self.end_ts else self.last_ts + 1
             self.last_commit_time = msg.commit_time_us
-            self._close(msg.end_lsn, begin.xid, self.last_ts, msg.commit_time_us)
+            self._close(begin.final_lsn, begin.xid, self.last_ts, msg.commit_time_us)
         deferred, self._deferred = self._deferred, []
         for m in deferred:
             self._message(m)

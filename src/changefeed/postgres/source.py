@@ -174,6 +174,8 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
                       changes: int) -> int:
     """End LSN of the first commit after `start` by which `changes` messages were decoded, or `upto`.
 
+    A commit's end is a record boundary: a window ending there holds that commit.
+
     Decodes inside the server; only (LSN, is-commit) pairs come back, never change data. The peek
     widens until it has seen `changes` messages past `start` (the slot may lag `start`).
     """
@@ -194,23 +196,26 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
         want *= 2
 
 
-def last_commit_within(conn: psycopg.Connection[Any], slot: str, publication: str, start: int, cut: int) -> int | None:
-    """End LSN of the last commit in (start, cut], or None: where a batch limited by bytes ends.
+def wal_block_size(conn: psycopg.Connection[Any]) -> int:
+    return int(conn.execute("SHOW wal_block_size").fetchone()[0])  # type: ignore[index]
 
-    A commit's end is a WAL record boundary, so the slot may be advanced to it. Decodes inside the
-    server; only one number comes back.
+
+def page_cut(start: int, max_bytes: int, block: int) -> int:
+    """The last WAL page boundary at most `max_bytes` past `start` (the first one past it if
+    `max_bytes` is less than a page): where a window limited by bytes ends.
+
+    Like a record boundary, and unlike a position inside a record, a page boundary splits no WAL
+    record, so the records a peek up to it decodes are exactly those that start before it, which
+    are exactly those a slot advanced to it skips. Computed without decoding anything.
     """
-    row = conn.execute(
-        "SELECT max(lsn) - '0/0'::pg_lsn FROM pg_logical_slot_peek_binary_changes("
-        "%s, %s::pg_lsn, NULL, 'proto_version', '1', 'publication_names', %s) "
-        "WHERE get_byte(data, 0) = 67 AND lsn > %s::pg_lsn AND lsn <= %s::pg_lsn",
-        (slot, format_lsn(cut), publication, format_lsn(start), format_lsn(cut))).fetchone()
-    return int(row[0]) if row and row[0] is not None else None  # type: ignore[index]
+    cut = (start + max_bytes) // block * block
+    return cut if cut > start else (start // block + 1) * block
 
 
 def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
          fetch: int = 20000) -> Iterator[bytes]:
-    """pgoutput messages of transactions committed at or before `upto`, in commit order."""
+    """pgoutput messages of the records that start before `upto` (a record or page boundary), in
+    commit order, from the slot's position on."""
     try:
         with conn.transaction(), conn.cursor(name="changefeed_peek", binary=True) as cur:
             cur.itersize = fetch

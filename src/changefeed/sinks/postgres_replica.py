@@ -4,8 +4,8 @@ A batch (one Spark micro-batch, one writer task) is applied by one `BatchApplier
 transaction: it takes the feed's lock, reads how far the replica already is, then, chunk by
 chunk as the change rows stream in, COPYs each table's rows into a temporary staging table and
 merges them set-based (TRUNCATE first where one occurred, unchanged TOAST values resolved, per
-key only the last change, columns the source added). Rows at or below the replica's position
-are skipped, so a replayed batch changes nothing. The progress row goes into the same
+key only the last change, columns the source added). Rows before the replica's position (the
+end of the last batch it applied) are skipped, so a replayed batch changes nothing. The progress row goes into the same
 transaction. So the replica moves from one source commit boundary to the next, never between,
 and merging overlaps with reading the rest of the batch.
 """
@@ -168,7 +168,7 @@ class BatchApplier:
         """Apply a run of rows with no control row among them, table by table."""
         keep = pc.is_in(rows.column("op"), value_set=_APPLIED_OPS)
         if self.done:
-            keep = pc.and_(keep, pc.greater(rows.column("lsn"), self.done))  # applied before: skip
+            keep = pc.and_(keep, pc.greater_equal(rows.column("lsn"), self.done))  # applied before: skip
         rows = rows.filter(keep)
         if rows.num_rows == 0:
             return

@@ -1,10 +1,10 @@
 """`changefeed` PySpark streaming source: PostgreSQL logical decoding as micro-batches.
 
 Offsets are `{"lsn", "ts"}`: the batch's upper WAL bound and its resolved commit timestamp (no
-change in a later batch gets a smaller one). The bound is always a flushed WAL record boundary (a
-heartbeat's end or a commit's end): the only kind of position a slot may be advanced to, since
-PostgreSQL skips a transaction whose commit record starts before the slot's position. The driver
-only plans offsets and advances the slot in `commit`; executors decode in `read`.
+change in a later batch gets a smaller one). A batch holds what starts in [start, end) (see
+postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
+end, a commit's end (a change limit) or a WAL page boundary (a byte limit, found without decoding).
+The driver only plans offsets and advances the slot in `commit`; executors decode in `read`.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
 
 
 class WindowPartition(InputPartition):
-    """One node's share of a batch: transactions committed in (start, end]."""
+    """One node's share of a batch: what starts in WAL [start, end)."""
 
     def __init__(self, uri: str, slot: str, publication: str, start: dict[str, int], end: dict[str, int],
                  rows_per_batch: int) -> None:
@@ -60,6 +60,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
         self._conn: Any = None
+        self._block = 0
         self._available_now: dict[str, int] | None = None
 
     @property
@@ -107,9 +108,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return start
         lsn = end["lsn"]
         if isinstance(limit, ReadMaxBytes) and lsn - start["lsn"] > limit.max_bytes:
-            lsn = src.last_commit_within(self.conn, self.slot, self.publication, start["lsn"],
-                                         start["lsn"] + limit.max_bytes) \
-                or src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, 1)  # one big txn
+            self._block = self._block or src.wal_block_size(self.conn)
+            lsn = min(lsn, src.page_cut(start["lsn"], limit.max_bytes, self._block))
         elif isinstance(limit, ReadMaxRows):
             lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, limit.max_rows)
         return {"lsn": lsn, "ts": end["ts"]}
@@ -122,6 +122,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def read(self, partition: WindowPartition) -> Iterator[Any]:  # type: ignore[override]
         conn = connect(partition.uri, "source", autocommit=False)
         try:
+            # The slot is at `start` already (latestOffset released it before planning); a slot
+            # behind it would re-send a message that straddles `start`. Everything before `start`
+            # is committed downstream, so moving the slot there is always safe.
+            src.advance(conn, partition.slot, partition.start["lsn"])
+            conn.commit()
             builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
                                     partition.end["ts"], lambda rel: src.column_catalog(conn, rel))
             messages = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
