@@ -144,11 +144,14 @@ def create_slot(conn: psycopg.Connection[Any], slot: str) -> int:
     return parse_lsn(row[0])  # type: ignore[index]
 
 
+_START_AFRESH = ("start the feed afresh: drop publication {slot} on the source, delete its state folder "
+                 "and its rows in changefeed.progress on the sink, then run it again "
+                 "(changefeed never re-creates a slot silently)")
+
+
 def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | None, feed: str) -> None:
     """Fail loudly when a slot the checkpoint depends on is gone or can no longer deliver."""
-    fresh_start = (f"start the feed afresh: drop publication {slot} on the source, delete its state folder "
-                   f"and its rows in changefeed.progress on the sink, then run it again "
-                   "(changefeed never re-creates a slot silently)")
+    fresh_start = _START_AFRESH.format(slot=slot)
     if state is None:
         at = f" at {format_lsn(checkpoint_lsn)}" if checkpoint_lsn else ""
         raise SlotLost(f"replication slot {slot} is missing but feed {feed} has a checkpoint{at}; "
@@ -229,10 +232,11 @@ def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
     except psycopg.errors.ObjectInUse as e:
         raise TransientError(f"replication slot {slot} is in use: {e}", "wait for the other reader to finish") from None
     except psycopg.errors.UndefinedObject as e:
-        raise SlotLost(f"replication slot {slot} disappeared: {e}", "re-create the feed") from None
+        raise SlotLost(f"replication slot {slot} disappeared: {e}", _START_AFRESH.format(slot=slot)) from None
     except psycopg.errors.ObjectNotInPrerequisiteState as e:
         raise SlotLost(f"replication slot {slot} can no longer deliver changes: {e}",
-                       "re-create the feed from a fresh snapshot (changefeed remove, then run)") from None
+                       f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then "
+                       + _START_AFRESH.format(slot=slot)) from None
 
 
 def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
