@@ -255,8 +255,11 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--trigger-interval": "-5"}, ["negative"]),
     ({"--max-bytes-per-batch": "lots"}, ["'lots'", "size"]),
     ({"--max-bytes-per-batch": "-1MB"}, ["'-1MB'", "size"]),
+    ({"--resolved": "soon"}, ["'soon'", "duration"]),
+    ({"--resolved": "-1s"}, ["'-1s'", "duration"]),
 ], ids=["upper-name", "space-name", "digit-name", "long-name", "three-part-table", "table-twice", "kafka-sink",
-        "kafka-source", "empty-sink", "negative-changes", "negative-interval", "bytes-lots", "bytes-negative"])
+        "kafka-source", "empty-sink", "negative-changes", "negative-interval", "bytes-lots", "bytes-negative",
+        "resolved-soon", "resolved-negative"])
 def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str], problem: list[str]) -> None:
     opts = {"--name": fresh.name, "--source": fresh.source, "--sink": fresh.sink, "--tables": "public.items",
             "--state": str(tmp_path / "state"), **change}

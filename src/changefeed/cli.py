@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_MAX_BYTES, FeedSpec, FeedState, parse_size, parse_tables
+from .config import DEFAULT_MAX_BYTES, DEFAULT_RESOLVED_S, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
 from .errors import ChangefeedError, ConfigError
 
 DEFAULT_STATE = "./changefeed-state"
@@ -20,13 +20,15 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "max_bytes_per_batch": parse_size(args.max_bytes_per_batch) if args.max_bytes_per_batch else None,
         "max_changes_per_batch": args.max_changes_per_batch,
         "trigger_interval_s": args.trigger_interval,
+        "resolved_interval_s": parse_duration(args.resolved) if args.resolved is not None else None,
     }.items() if v is not None}
     if stored is None:
         return FeedSpec(name=args.name, source=given.get("source", ""), sink=given.get("sink", ""),
                         tables=given.get("tables", ()),
                         max_bytes_per_batch=given.get("max_bytes_per_batch", DEFAULT_MAX_BYTES),
                         max_changes_per_batch=given.get("max_changes_per_batch", 0),
-                        trigger_interval_s=given.get("trigger_interval_s", 0.0)).validate()
+                        trigger_interval_s=given.get("trigger_interval_s", 0.0),
+                        resolved_interval_s=given.get("resolved_interval_s", DEFAULT_RESOLVED_S)).validate()
     for key in ("source", "sink", "tables"):
         if key in given and given[key] != getattr(stored, key):
             raise ConfigError(f"feed {args.name} was created with a different --{key} ({state.spec_file})",
@@ -85,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--max-changes-per-batch", type=int,
                      help="most decoded messages per batch (exact, costs a server-side decode; 0 = off)")
     run.add_argument("--trigger-interval", type=float, help="seconds between batch starts (default 0: back to back)")
+    run.add_argument("--resolved", help="close a resolved timestamp at least this often while the captured tables "
+                                        "are idle, e.g. 1s, 500ms (default 1s; 0 = only when other WAL moves)")
     run.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
     run.set_defaults(func=cmd_run)
 

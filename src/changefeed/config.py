@@ -11,6 +11,7 @@ from .errors import ConfigError
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
 DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_RESOLVED_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class FeedSpec:
     max_bytes_per_batch: int = DEFAULT_MAX_BYTES
     max_changes_per_batch: int = 0
     trigger_interval_s: float = 0.0
+    resolved_interval_s: float = DEFAULT_RESOLVED_S
 
     @property
     def slot(self) -> str:
@@ -51,8 +53,9 @@ class FeedSpec:
             raise ConfigError(f"table names must be schema.table: {', '.join(bad)}", "e.g. public.accounts")
         if len(set(self.tables)) != len(self.tables):
             raise ConfigError("--tables lists a table twice", "list each table once")
-        if self.max_bytes_per_batch < 0 or self.max_changes_per_batch < 0 or self.trigger_interval_s < 0:
-            raise ConfigError("batch limits and the trigger interval must not be negative", "use 0 for no limit")
+        if min(self.max_bytes_per_batch, self.max_changes_per_batch, self.trigger_interval_s,
+               self.resolved_interval_s) < 0:
+            raise ConfigError("batch limits and intervals must not be negative", "use 0 for no limit")
         return self
 
     def to_json(self) -> str:
@@ -82,6 +85,14 @@ def parse_size(text: str) -> int:
     if not m:
         raise ConfigError(f"not a size: {text!r}", "use e.g. 64MB, 1GB or a number of bytes")
     return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+
+
+def parse_duration(text: str) -> float:
+    """'1s', '500ms', '2m', '1.5' (seconds) -> seconds."""
+    m = re.match(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h)?\s*$", text.lower())
+    if not m:
+        raise ConfigError(f"not a duration: {text!r}", "use e.g. 1s, 500ms, 2m or a number of seconds")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
 
 
 class FeedState:

@@ -40,7 +40,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("uri", spec.source).option("slot", spec.slot).option("publication", spec.publication)
               .option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
-              .option("max_changes_per_batch", str(spec.max_changes_per_batch)))
+              .option("max_changes_per_batch", str(spec.max_changes_per_batch))
+              .option("resolved_interval_s", str(spec.resolved_interval_s)))
     # One writer task per batch: it applies the batch in one target transaction (see spark.sink).
     writer = (reader.load().coalesce(1).writeStream.format("changefeed-postgres")
               .queryName(f"changefeed_{spec.name}")

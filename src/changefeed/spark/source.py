@@ -8,6 +8,7 @@ The driver only plans offsets and advances the slot in `commit`; executors decod
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,7 +38,8 @@ class WindowPartition(InputPartition):
 
 
 class ChangefeedSource(DataSource):
-    """Options: uri, slot, publication, feed, max_bytes_per_batch, max_changes_per_batch."""
+    """Options: uri, slot, publication, feed, max_bytes_per_batch, max_changes_per_batch,
+    resolved_interval_s."""
 
     @classmethod
     def name(cls) -> str:
@@ -59,6 +61,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
+        self.resolved_interval = float(options.get("resolved_interval_s") or 0)
+        self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conn: Any = None
         self._block = 0
         self._available_now: dict[str, int] | None = None
@@ -100,8 +104,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                 limit = self.getDefaultReadLimit()
         else:
             flushed, _ = src.flush_lsn(self.conn)
-            if flushed <= start["lsn"]:
-                return start  # nothing new: no batch
+            idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
+            if flushed <= start["lsn"] and not idle_due:
+                return start  # nothing new, and the resolved ts is fresh enough: no batch
+            # The heartbeat gives the batch a flushed end even on an idle source, so the slot (and
+            # the WAL it holds) and the resolved ts keep moving.
             end = self._boundary()
         end = {**end, "ts": window_end_ts(start["ts"], physical_ms(end["ts"]))}
         if end["lsn"] <= start["lsn"]:
@@ -112,6 +119,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             lsn = min(lsn, src.page_cut(start["lsn"], limit.max_bytes, self._block))
         elif isinstance(limit, ReadMaxRows):
             lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, limit.max_rows)
+        self._planned_at = time.monotonic()
         return {"lsn": lsn, "ts": end["ts"]}
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[WindowPartition]:

@@ -1,0 +1,89 @@
+"""An idle feed still closes resolved timestamps, and its slot holds no WAL it does not need.
+
+A running feed (its own process, stopped with SIGTERM) over a table nobody writes: the heartbeat
+must keep recording batches with increasing resolved ts. Then 30 MB of WAL from a table the feed
+does not capture: the slot must follow it (confirmed position and restart LSN), so WAL does not
+pile up behind a filtered feed.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Dbs, start_changefeed
+
+from changefeed.core.hlc import physical_ms
+from changefeed.core.lsn import parse_lsn
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, log: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; feed log:\n{log.read_text()[-3000:]}")
+
+
+def test_idle_feed_keeps_resolving_and_releasing_wal(dbs: Dbs, tmp_path: Path) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE captured (id int PRIMARY KEY)")
+        c.execute("CREATE TABLE other (id int, pad text)")
+    log = tmp_path / "run.log"
+    p = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "state"), "--source", dbs.source,
+                         "--sink", dbs.sink, "--tables", "public.captured", "--resolved", "500ms", log=log)
+    slot = f"changefeed_{dbs.name}"
+
+    def progress() -> list[tuple[int, int]]:
+        with dbs.dst() as d:
+            if not d.execute("SELECT to_regclass('changefeed.progress')").fetchone()[0]:  # type: ignore[index]
+                return []
+            return [(int(r[0]), int(r[1])) for r in d.execute(
+                "SELECT end_lsn - '0/0'::pg_lsn, resolved_ts FROM changefeed.progress WHERE feed = %s "
+                "ORDER BY end_lsn", (dbs.name,))]
+
+    def slot_lsns() -> tuple[int, int, int]:
+        with dbs.src() as c:
+            row = c.execute("SELECT confirmed_flush_lsn::text, restart_lsn::text, pg_current_wal_lsn()::text "
+                            "FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        assert row is not None
+        return parse_lsn(row[0]), parse_lsn(row[1]), parse_lsn(row[2])
+
+    try:
+        first = wait_for("the first batch", progress, 240, log)
+        confirmed0 = slot_lsns()[0]
+        t0 = time.time()
+        time.sleep(8)  # idle: with --resolved 500ms that is ~16 chances to close a timestamp
+        idle = progress()
+        # Background WAL alone (other databases, the server's own records) would give a batch every
+        # ~15 s or so; the heartbeat gives one per interval plus the batch's own time.
+        assert len(idle) >= len(first) + 4, f"only {len(idle) - len(first)} batches in 8 s of idleness"
+        resolved = [ts for _, ts in idle]
+        assert resolved == sorted(set(resolved)), "resolved ts must strictly increase"
+        assert physical_ms(resolved[-1]) / 1000 >= t0 - 1  # it follows the clock, not the last write
+        assert slot_lsns()[0] > confirmed0  # the slot moves with the heartbeats
+        with dbs.dst() as d:
+            assert d.execute("SELECT sum(changes) FROM changefeed.progress WHERE feed = %s",
+                             (dbs.name,)).fetchone()[0] == 0  # type: ignore[index]
+
+        # 30 MB of WAL the feed does not capture: the slot must not hold it back.
+        with dbs.src() as c:
+            before = parse_lsn(c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+            for _ in range(40):
+                c.execute("INSERT INTO other SELECT g, repeat('x', 900) FROM generate_series(1, 1000) g")
+            after = parse_lsn(c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+            c.execute("SELECT pg_log_standby_snapshot()")  # a running-xacts record: where restart_lsn may move to
+        assert after - before > 30_000_000
+        wait_for("the slot to pass the filtered writes (confirmed and restart LSN)",
+                 lambda: min(slot_lsns()[:2]) >= after, 60, log)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=180)
+    assert rc == 0, log.read_text()[-3000:]
