@@ -266,9 +266,8 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
 def heartbeat(conn: psycopg.Connection[Any], prefix: str) -> tuple[int, int]:
     """Write a non-transactional logical decoding message and wait until it is flushed.
 
-    Returns (the LSN just past it, server clock in Unix ms). That LSN is a WAL record boundary,
-    which is what a slot may safely be advanced to: PostgreSQL skips a transaction whose commit
-    record starts before the slot's confirmed position, so a position inside a record would lose it.
+    Returns (the LSN just past it, server clock in Unix ms): a flushed WAL record boundary, so a
+    window may end there (see page_cut), and a server clock reading taken once it was flushed.
     The message also keeps an idle slot moving.
     """
     if conn.info.server_version >= 170000:

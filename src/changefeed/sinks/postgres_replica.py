@@ -5,9 +5,9 @@ transaction: it takes the feed's lock, reads how far the replica already is, the
 chunk as the change rows stream in, COPYs each table's rows into a temporary staging table and
 merges them set-based (TRUNCATE first where one occurred, unchanged TOAST values resolved, per
 key only the last change, columns the source added). Rows before the replica's position (the
-end of the last batch it applied) are skipped, so a replayed batch changes nothing. The progress row goes into the same
-transaction. So the replica moves from one source commit boundary to the next, never between,
-and merging overlaps with reading the rest of the batch.
+end of the last batch it applied) are skipped, so a replayed batch changes nothing. The progress
+row goes into the same transaction. So the replica moves from one source commit boundary to the
+next, never between, and merging overlaps with reading the rest of the batch.
 """
 from __future__ import annotations
 
