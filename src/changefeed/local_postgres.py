@@ -11,7 +11,6 @@ import pwd
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,11 +130,3 @@ class LocalPostgres:
             [str(bin_dir() / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop"],
             check=False, capture_output=True, **_run_as(),  # type: ignore[arg-type]
         )
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while subprocess.run([str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port)],
-                             capture_output=True).returncode != 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"PostgreSQL on port {self.port} not ready")
-            time.sleep(0.1)

@@ -65,6 +65,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conn: Any = None
         self._block = 0
+        self._released = 0  # the slot is known to be at or past this LSN
         self._available_now: dict[str, int] | None = None
 
     @property
@@ -145,8 +146,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             conn.close()
 
     def commit(self, end: dict[str, int]) -> None:
-        """Spark has committed the batch ending at `end` downstream: release WAL before it."""
-        src.advance(self.conn, self.slot, end["lsn"])
+        """Spark has committed the batch ending at `end` downstream: release WAL before it.
+
+        Called for every poll (see latestOffset): the slot is asked only when `end` is new.
+        """
+        if end["lsn"] > self._released:
+            src.advance(self.conn, self.slot, end["lsn"])
+            self._released = end["lsn"]
 
     def stop(self) -> None:
         if self._conn is not None:
