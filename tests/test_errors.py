@@ -257,9 +257,11 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--max-bytes-per-batch": "-1MB"}, ["'-1MB'", "size"]),
     ({"--resolved": "soon"}, ["'soon'", "duration"]),
     ({"--resolved": "-1s"}, ["'-1s'", "duration"]),
+    ({"--snapshot": "sometimes"}, ["--snapshot", "'sometimes'", "initial"]),
+    ({"--snapshot-chunk-rows": "0"}, ["--snapshot-chunk-rows", "at least 1"]),
 ], ids=["upper-name", "space-name", "digit-name", "long-name", "three-part-table", "table-twice", "kafka-sink",
         "kafka-source", "empty-sink", "negative-changes", "negative-interval", "bytes-lots", "bytes-negative",
-        "resolved-soon", "resolved-negative"])
+        "resolved-soon", "resolved-negative", "snapshot-mode", "snapshot-chunk-rows"])
 def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str], problem: list[str]) -> None:
     opts = {"--name": fresh.name, "--source": fresh.source, "--sink": fresh.sink, "--tables": "public.items",
             "--state": str(tmp_path / "state"), **change}
@@ -456,3 +458,26 @@ def test_slot_missing_while_checkpoint_exists(runner: Runner, tmp_path: Path) ->
     except AssertionError as e:
         problems.append(str(e).splitlines()[0])
     assert not problems, "\n".join(problems) + f"\n--- stderr:\n{err}"
+
+
+# -- alter and snapshot requests ------------------------------------------------------------------
+
+def test_alter_and_snapshot_requests_refuse_bad_tables(fresh: Dbs, tmp_path: Path) -> None:
+    from changefeed.config import FeedSpec, FeedState
+
+    state = FeedState(tmp_path / "state", fresh.name)
+    state.save(FeedSpec(fresh.name, fresh.source, fresh.sink, ("public.items",)))
+    before_src, before_dst = source_snapshot(fresh.source), sink_snapshot(fresh.sink)
+    base = ["--name", fresh.name, "--state", str(tmp_path / "state")]
+    proc, dt = cli("alter", *base, "--add-tables", "public.nosuch", cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_DEFINITE, "public.nosuch", "does not exist")
+    proc, dt = cli("alter", *base, "--add-tables", "public.items", cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_USAGE, "already captures", "public.items")
+    proc, dt = cli("snapshot", *base, "--tables", "public.other", cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_USAGE, "does not capture", "public.other", "alter --add-tables")
+    proc, dt = cli("alter", "--name", "nosuch", "--state", str(tmp_path / "state"), "--add-tables", "public.x",
+                   cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_USAGE, "no feed", "nosuch")
+    assert source_snapshot(fresh.source) == before_src and sink_snapshot(fresh.sink) == before_dst
+    assert state.load().tables == ("public.items",)  # type: ignore[union-attr]
+    assert not state.requests.exists(), "a refused request was queued"

@@ -1,4 +1,4 @@
-"""Command line: `changefeed run | status | demo` (also `python -m changefeed`)."""
+"""Command line: `changefeed run | alter | snapshot | status | demo` (also `python -m changefeed`)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_MAX_BYTES, DEFAULT_RESOLVED_S, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
+from .config import DEFAULT_CHUNK_ROWS, DEFAULT_MAX_BYTES, DEFAULT_RESOLVED_S, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
 from .errors import ChangefeedError, ConfigError
 
 DEFAULT_STATE = "./changefeed-state"
@@ -21,6 +21,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "max_changes_per_batch": args.max_changes_per_batch,
         "trigger_interval_s": args.trigger_interval,
         "resolved_interval_s": parse_duration(args.resolved) if args.resolved is not None else None,
+        "snapshot": args.snapshot, "snapshot_chunk_rows": args.snapshot_chunk_rows,
     }.items() if v is not None}
     if stored is None:
         return FeedSpec(name=args.name, source=given.get("source", ""), sink=given.get("sink", ""),
@@ -28,7 +29,9 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
                         max_bytes_per_batch=given.get("max_bytes_per_batch", DEFAULT_MAX_BYTES),
                         max_changes_per_batch=given.get("max_changes_per_batch", 0),
                         trigger_interval_s=given.get("trigger_interval_s", 0.0),
-                        resolved_interval_s=given.get("resolved_interval_s", DEFAULT_RESOLVED_S)).validate()
+                        resolved_interval_s=given.get("resolved_interval_s", DEFAULT_RESOLVED_S),
+                        snapshot=given.get("snapshot", "initial"),
+                        snapshot_chunk_rows=given.get("snapshot_chunk_rows", DEFAULT_CHUNK_ROWS)).validate()
     for key in ("source", "sink", "tables"):
         if key in given and given[key] != getattr(stored, key):
             raise ConfigError(f"feed {args.name} was created with a different --{key} ({state.spec_file})",
@@ -45,14 +48,85 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from .feed import status
+def cmd_create(args: argparse.Namespace) -> int:
+    from .lifecycle import create
 
+    state = FeedState(args.state, args.name)
+    spec = _spec_from_args(args, state)
+    create(spec, state)
+    print(f"feed {spec.name} created: slot and publication {spec.slot}, state in {state.dir}; "
+          f"start it with changefeed run --name {spec.name}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from .lifecycle import list_feeds
+
+    feeds = list_feeds(args.state)
+    if args.json:
+        print(json.dumps([f.__dict__ for f in feeds], indent=2))
+    for f in [] if args.json else feeds:
+        print(f"{f.name}: {f.state}; tables {', '.join(f.tables)}; source {f.source}; sink {f.sink}")
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from .lifecycle import pause
+
+    spec, state = _stored(args)
+    pause(state)
+    print(f"feed {spec.name} paused: a runner stops at its next report; the slot keeps the WAL from the "
+          "checkpoint on (watch the source's disk); changefeed resume catches up")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    spec, state = _stored(args)
+    state.paused_file.unlink(missing_ok=True)
+    return cmd_run(args)
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    from .lifecycle import remove
+
+    spec, state = _stored(args)
+    for what in remove(spec, state):
+        print(f"dropped {what}")
+    return 0
+
+
+def _stored(args: argparse.Namespace) -> tuple[FeedSpec, FeedState]:
     state = FeedState(args.state, args.name)
     spec = state.load()
     if spec is None:
         raise ConfigError(f"no feed named {args.name} under {state.dir.parent}", "check --name and --state")
-    st = status(spec)
+    return spec, state
+
+
+def cmd_alter(args: argparse.Namespace) -> int:
+    from .feed import add_tables
+
+    spec, state = _stored(args)
+    grown = add_tables(spec, state, parse_tables(args.add_tables), snapshot=not args.no_snapshot)
+    print(f"feed {spec.name} now captures {', '.join(grown.tables)}"
+          + ("" if args.no_snapshot else "; the new tables' existing rows follow (snapshot requested)"))
+    return 0
+
+
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from .feed import request_snapshot
+
+    spec, state = _stored(args)
+    no = request_snapshot(spec, state, parse_tables(args.tables))
+    print(f"feed {spec.name}: snapshot request {no} queued; a running feed takes it in at its next batch")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .feed import status
+
+    spec, state = _stored(args)
+    st = status(spec, state)
     print(json.dumps(st.__dict__, indent=2) if args.json else "\n".join(st.lines()))
     return 0
 
@@ -71,26 +145,80 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(ConfigError.exit_code)
 
 
+def _definition_args(cmd: argparse.ArgumentParser) -> None:
+    """What defines a feed (stored on its first run or create; later runs may change the limits)."""
+    cmd.add_argument("--name", required=True, help="feed name: lowercase letters, digits, _")
+    cmd.add_argument("--source", help="source PostgreSQL URI (stored on first run)")
+    cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica (stored on first run)")
+    cmd.add_argument("--tables", help="comma-separated schema.table list (stored on first run)")
+    cmd.add_argument("--state", default=DEFAULT_STATE, help=f"state directory (default {DEFAULT_STATE})")
+    cmd.add_argument("--max-bytes-per-batch", help="most WAL bytes per batch, e.g. 64MB (default 64MB; 0 = no limit)")
+    cmd.add_argument("--max-changes-per-batch", type=int,
+                     help="most decoded messages per batch (exact, costs a server-side decode; 0 = off)")
+    cmd.add_argument("--trigger-interval", type=float, help="seconds between batch starts (default 0: back to back)")
+    cmd.add_argument("--resolved", help="close a resolved timestamp at least this often while the captured tables "
+                                        "are idle, e.g. 1s, 500ms (default 1s; 0 = only when other WAL moves)")
+    cmd.add_argument("--snapshot", choices=SNAPSHOT_MODES,
+                     help="initial: deliver the tables' existing rows, then stream (default); never: changes "
+                          "only; only: stop once the existing rows are delivered (stored on first run)")
+    cmd.add_argument("--snapshot-chunk-rows", type=int,
+                     help=f"rows per snapshot chunk, a primary-key range (default {DEFAULT_CHUNK_ROWS})")
+
+
+def _running_args(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--available-now", action="store_true",
+                     help="deliver everything committed before start, then exit 0")
+    cmd.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="changefeed", description="Change data capture for PostgreSQL on Spark.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a feed until stopped (SIGINT/SIGTERM), or until caught up")
-    run.add_argument("--name", required=True, help="feed name: lowercase letters, digits, _")
-    run.add_argument("--source", help="source PostgreSQL URI (stored on first run)")
-    run.add_argument("--sink", help="sink URI: postgresql://... for a replica (stored on first run)")
-    run.add_argument("--tables", help="comma-separated schema.table list (stored on first run)")
-    run.add_argument("--state", default=DEFAULT_STATE, help=f"state directory (default {DEFAULT_STATE})")
-    run.add_argument("--available-now", action="store_true",
-                     help="deliver everything committed before start, then exit 0")
-    run.add_argument("--max-bytes-per-batch", help="most WAL bytes per batch, e.g. 64MB (default 64MB; 0 = no limit)")
-    run.add_argument("--max-changes-per-batch", type=int,
-                     help="most decoded messages per batch (exact, costs a server-side decode; 0 = off)")
-    run.add_argument("--trigger-interval", type=float, help="seconds between batch starts (default 0: back to back)")
-    run.add_argument("--resolved", help="close a resolved timestamp at least this often while the captured tables "
-                                        "are idle, e.g. 1s, 500ms (default 1s; 0 = only when other WAL moves)")
-    run.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    _definition_args(run)
+    _running_args(run)
     run.set_defaults(func=cmd_run)
+
+    create = sub.add_parser("create", help="check and create a feed (slot, publication, target tables) without "
+                                           "running it")
+    _definition_args(create)
+    create.set_defaults(func=cmd_create)
+
+    ls = sub.add_parser("list", help="the feeds under the state directory, and whether they run")
+    ls.add_argument("--state", default=DEFAULT_STATE)
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=cmd_list)
+
+    for verb, fn, text in (("pause", cmd_pause, "stop a feed's runner and keep it from starting; the slot "
+                                                 "keeps the WAL"),
+                           ("remove", cmd_remove, "drop a stopped feed's slot, publication, sink bookkeeping "
+                                                  "and state (the replica tables stay)")):
+        cmd = sub.add_parser(verb, help=text)
+        cmd.add_argument("--name", required=True)
+        cmd.add_argument("--state", default=DEFAULT_STATE)
+        cmd.set_defaults(func=fn)
+
+    resume = sub.add_parser("resume", help="undo pause and run the feed (it catches up from its checkpoint)")
+    resume.add_argument("--name", required=True)
+    resume.add_argument("--state", default=DEFAULT_STATE)
+    _running_args(resume)
+    resume.set_defaults(func=cmd_resume, source=None, sink=None, tables=None, max_bytes_per_batch=None,
+                        max_changes_per_batch=None, trigger_interval=None, resolved=None, snapshot=None,
+                        snapshot_chunk_rows=None)
+
+    alter = sub.add_parser("alter", help="add tables to a feed, running or not; their existing rows follow")
+    alter.add_argument("--name", required=True)
+    alter.add_argument("--state", default=DEFAULT_STATE)
+    alter.add_argument("--add-tables", required=True, help="comma-separated schema.table list")
+    alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
+    alter.set_defaults(func=cmd_alter)
+
+    snap = sub.add_parser("snapshot", help="read tables' existing rows again, without stopping the stream")
+    snap.add_argument("--name", required=True)
+    snap.add_argument("--state", default=DEFAULT_STATE)
+    snap.add_argument("--tables", required=True, help="comma-separated schema.table list (tables of the feed)")
+    snap.set_defaults(func=cmd_snapshot)
 
     st = sub.add_parser("status", help="checkpoint, lag and slot state of a feed")
     st.add_argument("--name", required=True)

@@ -12,6 +12,8 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_RESOLVED_S = 1.0
+SNAPSHOT_MODES = ("initial", "never", "only")
+DEFAULT_CHUNK_ROWS = 50_000
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class FeedSpec:
     max_changes_per_batch: int = 0
     trigger_interval_s: float = 0.0
     resolved_interval_s: float = DEFAULT_RESOLVED_S
+    snapshot: str = "initial"  # existing rows first (initial), not at all (never), or only them (only)
+    snapshot_chunk_rows: int = DEFAULT_CHUNK_ROWS
 
     @property
     def slot(self) -> str:
@@ -56,6 +60,12 @@ class FeedSpec:
         if min(self.max_bytes_per_batch, self.max_changes_per_batch, self.trigger_interval_s,
                self.resolved_interval_s) < 0:
             raise ConfigError("batch limits and intervals must not be negative", "use 0 for no limit")
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)}, got {self.snapshot!r}",
+                              "initial: existing rows, then changes; never: changes only; only: existing rows")
+        if self.snapshot_chunk_rows < 1:
+            raise ConfigError(f"--snapshot-chunk-rows must be at least 1, got {self.snapshot_chunk_rows}",
+                              f"the default is {DEFAULT_CHUNK_ROWS}")
         return self
 
     def to_json(self) -> str:
@@ -103,6 +113,21 @@ class FeedState:
         self.spec_file = self.dir / "feed.json"
         self.checkpoint = self.dir / "checkpoint"
         self.lock_file = self.dir / "run.lock"
+        self.requests = self.dir / "requests"
+        self.paused_file = self.dir / "paused"
+        self.failed_file = self.dir / "failed"
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_file.exists()
+
+    def record_failure(self, error: Exception) -> None:
+        """Note why the last run stopped on an error (`status` and `list` show it)."""
+        if self.dir.is_dir():
+            self.failed_file.write_text(str(error).splitlines()[0])
+
+    def failure(self) -> str | None:
+        return f"failed: {self.failed_file.read_text()}" if self.failed_file.exists() else None
 
     def load(self) -> FeedSpec | None:
         return FeedSpec.from_json(self.spec_file.read_text(), str(self.spec_file)) if self.spec_file.exists() else None

@@ -1,8 +1,8 @@
 """Named fault points for crash tests: SIGKILL the whole feed at an awkward moment.
 
 `CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the
-n-th time (default 1st) execution reaches `point`: startup, read, before_sink_commit or
-after_sink_commit. Counting uses a file next to the feed state
+n-th time (default 1st) execution reaches `point`: startup, read, snapshot_chunk (a chunk was
+read), before_sink_commit or after_sink_commit. Counting uses a file next to the feed state
 (`CHANGEFEED_FAULT_DIR`), because the points run in different processes. Unset: no cost.
 """
 from __future__ import annotations

@@ -17,9 +17,10 @@ from typing import Any, Iterator
 
 from . import faults
 from .config import FeedSpec, FeedState
+from .core.requests import SnapshotRequests
 from .core.hlc import physical_ms
 from .core.lsn import format_lsn
-from .errors import ChangefeedError, FeedBusy, SinkError
+from .errors import ChangefeedError, ConfigError, FeedBusy, SinkError
 from .postgres import source as src
 from .postgres.connect import connect
 from .sinks import postgres_replica as replica
@@ -40,6 +41,21 @@ def state_lock(state: FeedState) -> Iterator[None]:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
+    finally:
+        os.close(fd)
+
+
+def holder(state: FeedState) -> str | None:
+    """Who runs the feed now (from the state folder's lock), None if nobody does."""
+    if not state.lock_file.exists():
+        return None
+    fd = os.open(state.lock_file, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
     finally:
         os.close(fd)
 
@@ -82,22 +98,54 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
     return Prepared(spec, state, source, sink, created)
 
 
+def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
+    """Bring `tables` into the feed, running or not: target tables, publication, then a request
+    for their existing rows (the stream carries their changes from the publication change on)."""
+    new = tuple(t for t in tables if t not in spec.tables)
+    if not new:
+        raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
+    grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
+    with connect(spec.source, "source") as source, connect(spec.sink, "sink") as sink:
+        described = src.describe_tables(source, list(new))
+        replica.ensure_meta(sink)
+        replica.ensure_tables(sink, described)  # before the publication: its changes need a target
+        src.ensure_publication(source, spec.publication, src.describe_tables(source, list(grown.tables)))
+    state.save(grown)
+    if snapshot:
+        SnapshotRequests(state.requests).add(new)
+    return grown
+
+
+def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) -> int:
+    """Ask the feed to read `tables`' existing rows again (while it keeps streaming)."""
+    unknown = [t for t in tables if t not in spec.tables]
+    if unknown:
+        raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
+                          "add them first with changefeed alter --add-tables")
+    return SnapshotRequests(state.requests).add(tables)
+
+
 @dataclass
 class FeedStatus:
     name: str
+    state: str  # running (holder), paused, failed: reason, stopped
     slot: str
     slot_state: str
+    slot_retained_wal_bytes: int | None  # WAL the source keeps for the slot
     checkpoint_lsn: str | None
     checkpoint_commit_time: str | None
     lag_bytes: int | None
     lag_seconds: float | None
     batches: int
+    snapshot: dict[str, dict[str, int]]  # per table: chunks and rows applied
 
     def lines(self) -> list[str]:
-        return [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()]
+        out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
+               if k != "snapshot"]
+        return out + [f"snapshot {t}: {s['rows']:,} rows in {s['chunks']} chunks" for t, s in self.snapshot.items()]
 
 
-def status(spec: FeedSpec) -> FeedStatus:
+def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     with connect(spec.source, "source") as source, connect(spec.sink, "sink") as sink:
         slot = src.slot_state(source, spec.slot)
         current = src.flush_lsn(source)
@@ -108,6 +156,9 @@ def status(spec: FeedSpec) -> FeedStatus:
                 "(SELECT count(*) FROM changefeed.progress WHERE feed = %s) "
                 "FROM changefeed.progress WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1",
                 (spec.name, spec.name)).fetchone()
+        snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in replica.snapshot_totals(sink, spec.name).items()}
+    who = holder(feed_state)
+    runs = f"running ({who})" if who else "paused" if feed_state.paused else feed_state.failure() or "stopped"
     if slot is None:
         state = "missing"
     elif slot.wal_status == "lost" or slot.invalidation:
@@ -122,8 +173,9 @@ def status(spec: FeedSpec) -> FeedStatus:
         lag_s = 0.0 if lag_bytes == 0 else max(0.0, (current[1] - physical_ms(int(row[2]))) / 1000)
     elif slot and slot.confirmed_flush:
         lag_bytes = max(0, current[0] - slot.confirmed_flush)
-    return FeedStatus(spec.name, spec.slot, state, row[0] if row else None, row[1] if row else None,
-                      lag_bytes, lag_s, int(row[4]) if row else 0)
+    retained = max(0, current[0] - slot.restart_lsn) if slot and slot.restart_lsn else None
+    return FeedStatus(spec.name, runs, spec.slot, state, retained, row[0] if row else None,
+                      row[1] if row else None, lag_bytes, lag_s, int(row[4]) if row else 0, snapshot)
 
 
 def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
@@ -133,8 +185,17 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     from .spark.job import spark_session, start_query
 
     stop = stop_event or threading.Event()
+    if state.paused:
+        raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
     with ExitStack() as stack:
-        prepared = prepare(spec, state, stack)
+        try:
+            prepared = prepare(spec, state, stack)
+        except FeedBusy:
+            raise  # about this runner, not the feed
+        except ChangefeedError as e:
+            state.record_failure(e)  # only if the state folder exists: bad input leaves none
+            raise
+        state.failed_file.unlink(missing_ok=True)
         faults.mark_feed_group()
         faults.reach("startup")
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -144,13 +205,22 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         query = start_query(spark, spec, state, available_now=available_now)
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
-        meter = _Meter(report, lambda: replica.totals(prepared.sink_conn, spec.name))
+        meter = _Meter(report, lambda: replica.totals(prepared.sink_conn, spec.name),
+                       _SnapshotMeter(report, prepared.source_conn, prepared.sink_conn, spec.name))
         try:
             while query.isActive and not stop.is_set():
                 query.awaitTermination(report_every_s)
                 meter.update(query)
+                if spec.snapshot == "only" and _snapshot_done(query):
+                    report(f"feed {spec.name}: snapshot complete (--snapshot only)")
+                    break
+                if state.paused:
+                    report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
+                    break
             if query.exception() is not None:
-                raise _query_error(query.exception())
+                error = _query_error(query.exception())
+                state.record_failure(error)
+                raise error
             _release_wal(prepared, query)
         finally:
             if query.isActive:
@@ -160,18 +230,29 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         report(f"feed {spec.name}: stopped cleanly after {meter.changes} changes in {meter.batches} batches")
 
 
+def _end_offset(progress: dict[str, Any] | None) -> dict[str, Any]:
+    """The end offset of a progress report's (only) source, as a dict."""
+    import json
+
+    end = ((progress or {}).get("sources") or [{}])[0].get("endOffset") or {}
+    return json.loads(end) if isinstance(end, str) else end  # type: ignore[no-any-return]
+
+
+def _snapshot_done(query: Any) -> bool:
+    """The last completed batch left no table to snapshot."""
+    end = _end_offset(query.lastProgress)
+    return bool(end) and not (end.get("snap") or {}).get("pending")
+
+
 def _release_wal(prepared: Prepared, query: Any) -> None:
     """Advance the slot past the last batch the sink committed.
 
     Spark commits a batch to the source only when it plans the next one, so without this the slot
     would hold one batch of WAL more than needed after an AvailableNow run or a stop.
     """
-    import json
-
     for p in reversed(query.recentProgress):
-        end = (p["sources"] or [{}])[0].get("endOffset")
+        end = _end_offset(p)
         if end:
-            end = json.loads(end) if isinstance(end, str) else end
             src.advance(prepared.source_conn, prepared.spec.slot, int(end["lsn"]))
             return
 
@@ -198,8 +279,9 @@ class _Meter:
     Changes are counted at the sink: Spark's row counts are packed chunks, not changes.
     """
 
-    def __init__(self, report: Callable[[str], None], totals: Callable[[], tuple[int, int]]) -> None:
-        self.report, self.totals = report, totals
+    def __init__(self, report: Callable[[str], None], totals: Callable[[], tuple[int, int]],
+                 snapshot: "_SnapshotMeter | None" = None) -> None:
+        self.report, self.totals, self.snapshot = report, totals, snapshot
         self._base = totals()
         self.batches = self.changes = 0
         self._t0 = time.monotonic()
@@ -218,3 +300,37 @@ class _Meter:
         elapsed = time.monotonic() - self._t0
         self.report(f"  {self.changes} changes in {self.batches} batches, "
                     f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s overall, last batch {dur:.2f}s{lag}")
+        if self.snapshot is not None:
+            self.snapshot.update(tuple((_end_offset(last).get("snap") or {}).get("pending", ())))
+
+
+class _SnapshotMeter:
+    """Per table being snapshotted: rows applied of the estimated total, rate and ETA."""
+
+    def __init__(self, report: Callable[[str], None], source: Any, sink: Any, feed: str) -> None:
+        self.report, self.source, self.sink, self.feed = report, source, sink, feed
+        self._seen: dict[str, tuple[float, int]] = {}  # table -> (when first seen pending, rows then)
+        self._last: dict[str, int] = {}  # rows applied per table at the last report
+
+    def update(self, pending: tuple[str, ...]) -> None:
+        from .postgres.snapshot import estimated_rows
+
+        applied = {t: rows for t, (_, rows) in replica.snapshot_totals(self.sink, self.feed).items()}
+        moved = {t for t, rows in applied.items() if rows != self._last.get(t)}
+        for table in sorted(set(pending) | moved):
+            rows = applied.get(table, 0)
+            if table not in pending:
+                self.report(f"  snapshot {table}: done, {rows:,} rows")
+                self._seen.pop(table, None)
+                continue
+            t0, rows0 = self._seen.setdefault(table, (time.monotonic(), self._last.get(table, 0)))
+            rate = (rows - rows0) / max(time.monotonic() - t0, 1e-9)
+            total = estimated_rows(self.source, table)
+            line = f"  snapshot {table}: {rows:,} rows"
+            if total:
+                line += f" of ~{total:,} ({min(rows / total, 1):.0%})"
+            line += f", {rate:,.0f} rows/s"
+            if total and rate > 0:
+                line += f", ETA {max(total - rows, 0) / rate:.0f}s"
+            self.report(line)
+        self._last = applied

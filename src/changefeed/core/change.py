@@ -59,6 +59,17 @@ def pack(batch: Any) -> Any:
     return pa.RecordBatch.from_arrays([pa.array([batch.num_rows], pa.int32()), changes], names=["rows", "changes"])
 
 
+def progress_batch(progress: "Progress") -> Any:
+    """A record batch holding just the `P` row for `progress`."""
+    import pyarrow as pa
+
+    row: dict[str, Any] = {n: None for n in NAMES}
+    row.update(op=PROGRESS, lsn=progress.end_lsn, seq=0, xid=0, commit_time=progress.last_commit_time,
+               commit_ts=progress.resolved_ts, meta=progress.to_meta())
+    schema = arrow_schema()
+    return pa.RecordBatch.from_arrays([pa.array([row[f.name]], type=f.type) for f in schema], schema=schema)
+
+
 def unpack(packed: Any) -> Iterator[Any]:
     """The record batches of changes inside a record batch of packed rows (zero-copy)."""
     import pyarrow as pa
@@ -97,12 +108,14 @@ class TableShape:
 
 @dataclass(frozen=True)
 class Progress:
-    """What a `P` row says: this partition delivered every commit up to `end_lsn`."""
+    """What a `P` row says: this partition delivered every commit up to `end_lsn`, or (with
+    `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn"}."""
 
     end_lsn: int
     resolved_ts: int
     last_commit_time: int | None  # Unix µs of the last delivered commit, None if none
     changes: int
+    chunk: dict[str, Any] | None = None
 
     def to_meta(self) -> str:
         return json.dumps(self.__dict__)

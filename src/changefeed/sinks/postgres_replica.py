@@ -42,6 +42,12 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
         " feed text NOT NULL, batch_id bigint NOT NULL, end_lsn pg_lsn NOT NULL, resolved_ts bigint NOT NULL,"
         " commit_time timestamptz, changes bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),"
         " PRIMARY KEY (feed, end_lsn))")
+    # One row per snapshot chunk applied: a chunk is applied once (the key refuses a second).
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.snapshot_chunks ("
+        " feed text NOT NULL, chunk_no bigint NOT NULL, table_name text NOT NULL, rows bigint NOT NULL,"
+        " read_lsn pg_lsn NOT NULL, batch_id bigint NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (feed, chunk_no))")
 
 
 def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
@@ -76,6 +82,24 @@ def totals(conn: psycopg.Connection[Any], feed: str) -> tuple[int, int]:
     row = conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress WHERE feed = %s",
                        (feed,)).fetchone()
     return int(row[0]), int(row[1])  # type: ignore[index]
+
+
+def forget(conn: psycopg.Connection[Any], feed: str) -> bool:
+    """Delete `feed`'s bookkeeping rows (its replica tables stay); True if there were any."""
+    deleted = False
+    for table in ("progress", "snapshot_chunks"):
+        if conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')").fetchone()[0]:  # type: ignore[index]
+            deleted |= conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s", (feed,)).rowcount > 0
+    return deleted
+
+
+def snapshot_totals(conn: psycopg.Connection[Any], feed: str) -> dict[str, tuple[int, int]]:
+    """Per table: (chunks, rows) of snapshot the replica has applied for `feed`."""
+    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.snapshot_chunks')").fetchone()[0]:  # type: ignore[index]
+        return {}
+    return {r[0]: (int(r[1]), int(r[2])) for r in conn.execute(
+        f"SELECT table_name, count(*), sum(rows) FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s "
+        "GROUP BY table_name", (feed,))}
 
 
 @dataclass
@@ -155,6 +179,14 @@ class BatchApplier:
                 "VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s)",
                 (self.feed, self.batch_id, format_lsn(end), max(x.resolved_ts for x in p),
                  max(times) if times else None, changes))
+            chunks = [x.chunk for x in p if x.chunk]
+            if chunks:
+                with self.conn.cursor() as cur:
+                    cur.executemany(
+                        f"INSERT INTO {META_SCHEMA}.snapshot_chunks (feed, chunk_no, table_name, rows, read_lsn, "
+                        "batch_id) VALUES (%s, %s, %s, %s, %s::pg_lsn, %s)",
+                        [(self.feed, c["no"], c["table"], c["rows"], format_lsn(c["read_lsn"]), self.batch_id)
+                         for c in chunks])
             faults.reach("before_sink_commit")
         self.conn.execute("COMMIT")
         faults.reach("after_sink_commit")

@@ -41,7 +41,10 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
               .option("max_changes_per_batch", str(spec.max_changes_per_batch))
-              .option("resolved_interval_s", str(spec.resolved_interval_s)))
+              .option("resolved_interval_s", str(spec.resolved_interval_s))
+              .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
+              .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
+              .option("requests_dir", str(state.requests)))
     # One writer task per batch: it applies the batch in one target transaction (see spark.sink).
     writer = (reader.load().coalesce(1).writeStream.format("changefeed-postgres")
               .queryName(f"changefeed_{spec.name}")

@@ -17,10 +17,16 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from .. import faults
 from ..core import change as ch
+from ..core import snapshot
+from ..config import DEFAULT_CHUNK_ROWS
+from ..core.requests import SnapshotRequests
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
+from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
 from ..postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from ..postgres.connect import connect
+
+DEFAULT_CHUNKS_PER_BATCH = 4
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
@@ -37,9 +43,18 @@ class WindowPartition(InputPartition):
         self.start, self.end, self.rows_per_batch = start, end, rows_per_batch
 
 
+class ChunkPartition(InputPartition):
+    """One snapshot chunk of a batch: existing rows of one key range, labelled with the window."""
+
+    def __init__(self, uri: str, chunk: list[Any], start: dict[str, int], end: dict[str, int],
+                 rows_per_batch: int) -> None:
+        self.uri, self.chunk, self.start, self.end, self.rows_per_batch = uri, chunk, start, end, rows_per_batch
+
+
 class ChangefeedSource(DataSource):
     """Options: uri, slot, publication, feed, max_bytes_per_batch, max_changes_per_batch,
-    resolved_interval_s."""
+    resolved_interval_s, snapshot_tables (read first on a fresh checkpoint), snapshot_chunk_rows,
+    snapshot_chunks_per_batch, requests_dir (snapshot requests, see core.requests)."""
 
     @classmethod
     def name(cls) -> str:
@@ -62,6 +77,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
+        self.snapshot_tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
+        self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
+        self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
+        self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
+        self._tables: dict[str, src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conn: Any = None
         self._block = 0
@@ -78,7 +98,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         state = src.slot_state(self.conn, self.slot)
         src.check_slot_usable(state, self.slot, None, self.feed)
         assert state is not None and state.confirmed_flush is not None
-        return {"lsn": state.confirmed_flush, "ts": 0}
+        return {"lsn": state.confirmed_flush, "ts": 0,
+                "snap": snapshot.Cursor(pending=tuple(self.snapshot_tables)).to_json()}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -94,12 +115,30 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         lsn, ms = src.heartbeat(self.conn, HEARTBEAT_PREFIX)
         return {"lsn": lsn, "ts": ceiling_of_ms(ms)}
 
-    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+    def _boundary_key(self, table: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
+        if table not in self._tables:
+            self._tables[table] = src.describe_tables(self.conn, [table])[0]
+        return snap_pg.chunk_boundary(self.conn, self._tables[table], after, rows)
+
+    def _plan_snapshot(self, start: dict[str, Any]) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
+        cursor = snapshot.Cursor.from_offset(start)
+        if self.requests is not None:
+            for no, tables in self.requests.after(cursor.requests):
+                cursor = cursor.request(tables, no)
+        return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark plans a batch only once the previous one is committed downstream, so `start` is
         # safe to release now (Spark's own `commit(start)` comes later): the cut below then
         # decodes only the new window.
         self.commit(start)
-        if self._available_now is not None:
+        chunks, cursor = self._plan_snapshot(start)
+        if chunks:
+            # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
+            end = self._boundary()
+            if isinstance(limit, ReadAllAvailable):
+                limit = self.getDefaultReadLimit()
+        elif self._available_now is not None:
             end = self._available_now
             if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
                 limit = self.getDefaultReadLimit()
@@ -112,7 +151,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             # the WAL it holds) and the resolved ts keep moving.
             end = self._boundary()
         end = {**end, "ts": window_end_ts(start["ts"], physical_ms(end["ts"]))}
-        if end["lsn"] <= start["lsn"]:
+        if end["lsn"] <= start["lsn"] and cursor == snapshot.Cursor.from_offset(start):
             return start
         lsn = end["lsn"]
         if isinstance(limit, ReadMaxBytes) and lsn - start["lsn"] > limit.max_bytes:
@@ -121,14 +160,23 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         elif isinstance(limit, ReadMaxRows):
             lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, limit.max_rows)
         self._planned_at = time.monotonic()
-        return {"lsn": lsn, "ts": end["ts"]}
+        out: dict[str, Any] = {"lsn": max(lsn, start["lsn"]), "ts": end["ts"], "snap": cursor.to_json()}
+        if chunks:
+            out["chunks"] = [c.to_json() for c in chunks]
+        return out
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> list[WindowPartition]:
-        if end["lsn"] <= start["lsn"]:
-            return []
-        return [WindowPartition(self.uri, self.slot, self.publication, start, end, self.rows_per_batch)]
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
+        parts: list[InputPartition] = []
+        if end["lsn"] > start["lsn"]:
+            parts.append(WindowPartition(self.uri, self.slot, self.publication, start, end, self.rows_per_batch))
+        parts += [ChunkPartition(self.uri, c, start, end, self.rows_per_batch) for c in end.get("chunks", ())]
+        return parts
 
-    def read(self, partition: WindowPartition) -> Iterator[Any]:  # type: ignore[override]
+    def read(self, partition: InputPartition) -> Iterator[Any]:  # type: ignore[override]
+        if isinstance(partition, ChunkPartition):
+            yield from _read_chunk(partition)
+            return
+        assert isinstance(partition, WindowPartition)
         conn = connect(partition.uri, "source", autocommit=False)
         try:
             # The slot is at `start` already (latestOffset released it before planning); a slot
@@ -157,3 +205,17 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def stop(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
+    """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
+    chunk = snapshot.Chunk.from_json(part.chunk)
+    with connect(part.uri, "source") as conn:
+        found = snap_pg.ChunkRead()
+        for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start["lsn"], part.end["ts"],
+                                     found, part.rows_per_batch):
+            yield ch.pack(rb)
+    done = ch.Progress(part.end["lsn"], part.end["ts"], None, found.rows,
+                       {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn})
+    yield ch.pack(ch.progress_batch(done))
+    faults.reach("snapshot_chunk")

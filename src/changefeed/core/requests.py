@@ -1,0 +1,43 @@
+"""Snapshot requests: tables to (re-)read, handed from `changefeed alter/snapshot` to a feed.
+
+Each request is a numbered JSON file (`000001.json`: {"tables": [...]}) in the feed's
+`requests` folder, written atomically. The running feed takes in those numbered above what its
+checkpoint says it has taken (see core.snapshot.Cursor.requests), so a request is acted on once,
+also across restarts, and one made while the feed is stopped waits for its next run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class SnapshotRequests:
+    def __init__(self, folder: Path | str) -> None:
+        self.folder = Path(folder)
+
+    def _numbers(self) -> list[int]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(p.stem) for p in self.folder.glob("*.json") if p.stem.isdigit())
+
+    def add(self, tables: Sequence[str]) -> int:
+        """Queue a request; returns its number."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            no = (self._numbers() or [0])[-1] + 1
+            tmp = self.folder / f".{no:06d}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps({"tables": list(tables)}))
+            try:
+                os.link(tmp, self.folder / f"{no:06d}.json")  # fails if another request took `no`
+                return no
+            except FileExistsError:
+                continue
+            finally:
+                tmp.unlink()
+
+    def after(self, taken: int) -> list[tuple[int, list[str]]]:
+        """Requests numbered above `taken`, in order: (number, tables)."""
+        return [(no, json.loads((self.folder / f"{no:06d}.json").read_text())["tables"])
+                for no in self._numbers() if no > taken]

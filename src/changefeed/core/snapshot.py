@@ -1,0 +1,78 @@
+"""Snapshot planning: which existing rows a batch delivers, as chunks of primary-key ranges.
+
+The plan lives in the source's offsets, so Spark's checkpoint makes it crash-safe: a batch's end
+offset lists its chunks and the cursor after them. A replayed batch reads the same chunks again
+(with a fresh snapshot, see postgres/snapshot.py); a committed one is never read again, so a
+killed snapshot resumes from its last finished chunk.
+
+Keys are lists of the key columns' text forms; a chunk is the key range (lo, hi] of one table
+(lo None: from the table's start, hi None: to its end). Pure: the boundary query is injected.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+Key = list[str]
+# (table, exclusive lower key or None, rows) -> the key closing a chunk of that many rows, or
+# None when fewer rows remain (the chunk runs to the table's end)
+Boundary = Callable[[str, Key | None, int], Key | None]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    no: int  # feed-wide sequence number: one chunk, one record on the sink
+    table: str
+    lo: Key | None
+    hi: Key | None
+
+    def to_json(self) -> list[Any]:
+        return [self.no, self.table, self.lo, self.hi]
+
+    @classmethod
+    def from_json(cls, v: Sequence[Any]) -> "Chunk":
+        return cls(int(v[0]), str(v[1]), v[2], v[3])
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where the snapshot stands after a batch: tables still to read (the first one from `after`
+    on), the next chunk number, and how many snapshot requests were taken in."""
+
+    pending: tuple[str, ...] = ()
+    after: Key | None = None
+    next_no: int = 0
+    requests: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pending": list(self.pending), "after": self.after, "no": self.next_no, "req": self.requests}
+
+    @classmethod
+    def from_offset(cls, offset: dict[str, Any]) -> "Cursor":
+        s = offset.get("snap") or {}
+        return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)))
+
+    def request(self, tables: Sequence[str], upto: int) -> "Cursor":
+        """Take in requests up to number `upto` for `tables`: each is read (again) from its start,
+        after what is pending; a table being read now finishes first and is then read again."""
+        pending = list(self.pending)
+        for t in tables:
+            if t not in pending[1:]:
+                pending.append(t)
+        return replace(self, pending=tuple(pending), requests=max(self.requests, upto))
+
+    def plan(self, boundary: Boundary, chunks: int, rows: int) -> tuple[list[Chunk], "Cursor"]:
+        """The next `chunks` chunks of about `rows` rows each, and the cursor after them."""
+        out: list[Chunk] = []
+        pending, after, no = list(self.pending), self.after, self.next_no
+        while pending and len(out) < chunks:
+            hi = boundary(pending[0], after, rows)
+            out.append(Chunk(no, pending[0], after, hi))
+            no += 1
+            if hi is None:
+                pending.pop(0)
+                after = None
+            else:
+                after = hi
+        return out, Cursor(tuple(pending), after, no, self.requests)

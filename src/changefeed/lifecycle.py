@@ -1,0 +1,83 @@
+"""A feed's life outside `run`: create, list, pause, resume, remove.
+
+Feed definitions live under the state directory (`DIR/NAME/feed.json`). A paused feed keeps its
+slot, so the source holds its WAL and `resume` catches up from the checkpoint; a runner that sees
+the pause stops cleanly at its next report. `remove` drops what the feed created on the source
+(slot, publication), its rows in the sink's bookkeeping tables, and its state folder; the
+replica's tables stay.
+"""
+from __future__ import annotations
+
+import shutil
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from psycopg import sql
+
+from .config import FeedSpec, FeedState
+from .errors import ConfigError, FeedBusy
+from .feed import holder, prepare
+from .postgres import source as src
+from .postgres.connect import connect, redact
+from .sinks import postgres_replica as replica
+
+
+def create(spec: FeedSpec, state: FeedState) -> None:
+    """Check everything and create publication, slot and target tables, without running."""
+    if state.load() is not None:
+        raise ConfigError(f"feed {spec.name} already exists ({state.spec_file})",
+                          "run it with changefeed run --name NAME, or remove it first")
+    with ExitStack() as stack:
+        prepare(spec, state, stack)
+
+
+@dataclass
+class Listed:
+    name: str
+    state: str  # running (with holder), paused, stopped
+    tables: tuple[str, ...]
+    source: str
+    sink: str
+
+
+def list_feeds(root: Path | str) -> list[Listed]:
+    out = []
+    for spec_file in sorted(Path(root).glob("*/feed.json")):
+        state = FeedState(root, spec_file.parent.name)
+        spec = state.load()
+        assert spec is not None
+        who = holder(state)
+        status = f"running ({who})" if who else "paused" if state.paused else state.failure() or "stopped"
+        out.append(Listed(spec.name, status, spec.tables, redact(spec.source), redact(spec.sink)))
+    return out
+
+
+def pause(state: FeedState) -> None:
+    state.paused_file.touch()
+
+
+def remove(spec: FeedSpec, state: FeedState) -> list[str]:
+    """Drop the feed's slot, publication, sink bookkeeping and state folder; returns what went."""
+    who = holder(state)
+    if who:
+        raise FeedBusy(f"feed {spec.name} is running: held by {who}", "stop it (or pause it) first, then remove it")
+    gone = []
+    with connect(spec.source, "source") as source:
+        src.lock_feed(source, spec.name)  # refuses while a runner elsewhere holds the feed
+        slot = src.slot_state(source, spec.slot)
+        if slot is not None:
+            if slot.active_pid:
+                raise FeedBusy(f"replication slot {spec.slot} is in use by backend pid {slot.active_pid}",
+                               "stop whatever reads it, then remove the feed")
+            source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
+            gone.append(f"slot {spec.slot}")
+        if source.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (spec.publication,)).fetchone():
+            source.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(spec.publication)))
+            gone.append(f"publication {spec.publication}")
+    with connect(spec.sink, "sink") as sink:
+        if replica.forget(sink, spec.name):
+            gone.append("its rows in the sink's changefeed.progress and changefeed.snapshot_chunks")
+    shutil.rmtree(state.dir)
+    gone.append(f"state folder {state.dir}")
+    return gone

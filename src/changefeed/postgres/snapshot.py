@@ -1,0 +1,166 @@
+"""Read a table's existing rows as snapshot chunks that fit into the change stream.
+
+Why a chunk read at any time after its batch was planned is correct (no locks, no pause):
+
+A chunk travels in the batch whose WAL window is [start, end) and is applied on the replica as
+upserts (op `r`), in the same transaction as that window's changes. Read with an MVCC snapshot
+S, a chunk holds each key's state after exactly the transactions S sees. If S sees every
+transaction whose commit record starts before `end` (everything the replica holds once this batch
+is applied), each chunk row is its key's state at some point at or after `end`, and every change
+S does not see commits later, so it reaches the replica in a later batch and overwrites the row
+in commit order. A change S does see but that commits at or after `end` is applied once more
+later: a full row image that leads, change by change, to the same state (an unchanged TOAST
+value is taken from the row before it, which already holds that value). So no change is lost,
+each key ends equal to the source, and once the stream has passed the chunk's read position the
+replica is again a consistent cut.
+
+S is taken after `end` was planned (at a flushed position), so S misses a transaction committed
+before `end` only if that transaction's commit record was written but it is not yet visible: it
+is still in S's in-progress list while the commit log already says committed (a commit waiting
+for a synchronous standby). The first statement of the read checks for exactly that and, if
+found, tries again with a new snapshot.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+from psycopg import sql
+
+from ..core import change as ch
+from ..core.lsn import parse_lsn
+from ..core.snapshot import Key
+from ..errors import SourceNotReady, TransientError
+from .source import SourceTable, describe_tables, split_table
+
+STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
+
+
+def _range(table: SourceTable, lo: Key | None, hi: Key | None) -> sql.Composable:
+    """WHERE clause for keys in (lo, hi], comparing as the key's btree order does."""
+    key = sql.SQL("({})").format(sql.SQL(", ").join(map(sql.Identifier, table.key)))
+    types = [table.types[table.columns.index(k)] for k in table.key]
+
+    def row(values: Key) -> sql.Composable:
+        return sql.SQL("({})").format(sql.SQL(", ").join(
+            sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t)) for v, t in zip(values, types)))
+
+    parts = ([sql.SQL("{} > {}").format(key, row(lo))] if lo is not None else []) + \
+            ([sql.SQL("{} <= {}").format(key, row(hi))] if hi is not None else [])
+    return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts) if parts else sql.SQL("")
+
+
+def _order(table: SourceTable) -> sql.Composable:
+    return sql.SQL(", ").join(map(sql.Identifier, table.key))
+
+
+def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key | None, rows: int) -> Key | None:
+    """The key of the `rows`-th row after `after` in key order, None if fewer rows remain."""
+    row = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET %s LIMIT 1").format(
+        # aliased: ORDER BY a bare name would pick the text output column and sort as text
+        sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
+                           for i, k in enumerate(table.key)),
+        sql.Identifier(table.schema, table.name), _range(table, after, None), _order(table)),
+        (rows - 1,)).fetchone()
+    return None if row is None else list(row)
+
+
+def estimated_rows(conn: psycopg.Connection[Any], qualified: str) -> int | None:
+    """The planner's row estimate for a table (None if it was never analysed)."""
+    schema, name = split_table(qualified)
+    row = conn.execute("SELECT c.reltuples FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                       "WHERE n.nspname = %s AND c.relname = %s", (schema, name)).fetchone()
+    return int(row[0]) if row and row[0] >= 0 else None
+
+
+def _shape(conn: psycopg.Connection[Any], table: SourceTable) -> ch.TableShape:
+    ident, missing = conn.execute(
+        "SELECT c.relreplident::text, (SELECT array_agg((a.attmissingval::text::text[])[1] ORDER BY a.attnum) "
+        " FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+        " AND a.attgenerated = '') FROM pg_class c WHERE c.oid = %s::regclass",
+        (f'"{table.schema}"."{table.name}"',)).fetchone()  # type: ignore[misc]
+    return ch.TableShape(table.schema, table.name, table.columns, table.types, table.key, ident,
+                         tuple(missing or (None,) * len(table.columns)))
+
+
+def _stable_snapshot(conn: psycopg.Connection[Any]) -> None:
+    """Open a REPEATABLE READ transaction whose snapshot misses no written commit (see above)."""
+    for _ in range(STALL_RETRIES):
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        stalled = conn.execute(
+            "SELECT array_agg(x::text) FROM pg_snapshot_xip(pg_current_snapshot()) x "
+            "WHERE pg_xact_status(x) = 'committed'").fetchone()[0]  # type: ignore[index]
+        if not stalled:
+            return
+        conn.execute("ROLLBACK")
+        time.sleep(0.05)
+    raise TransientError(f"transactions {', '.join(stalled)} committed on the source but stay invisible "
+                         "(waiting for a synchronous standby?); a snapshot now could miss them",
+                         "check synchronous replication on the source; the feed retries from its checkpoint")
+
+
+@dataclass
+class ChunkRead:
+    """What reading a chunk found: its rows, and a WAL position by which every commit its
+    snapshot saw had been written (the replica is a consistent cut again once past it)."""
+
+    rows: int = 0
+    read_lsn: int = 0
+
+
+def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi: Key | None,
+               lsn: int, ts: int, result: ChunkRead, rows_per_batch: int,
+               bytes_per_batch: int = 32 << 20) -> Iterator[Any]:
+    """The chunk's rows as Arrow record batches of `r` changes, an `R` row first; fills `result`.
+
+    `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
+    so a replayed batch skips them, and its resolved ts).
+    """
+    tables = describe_tables(conn, [qualified])
+    table = tables[0]
+    _stable_snapshot(conn)
+    try:
+        result.read_lsn = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        shape = _shape(conn, table)
+        query = sql.SQL("COPY (SELECT {} FROM {}{} ORDER BY {}) TO STDOUT").format(
+            sql.SQL(", ").join(map(sql.Identifier, table.columns)), sql.Identifier(table.schema, table.name),
+            _range(table, lo, hi), _order(table))
+        lines: list[bytes] = []
+        size = 0
+        first = True
+        with conn.cursor().copy(query) as copy:
+            for data in copy:
+                line = bytes(data)
+                lines.append(line[:-1] if line.endswith(b"\n") else line)
+                size += len(line)
+                if len(lines) >= rows_per_batch or size >= bytes_per_batch:
+                    yield _rows(shape, lines, lsn, ts, result.rows, first)
+                    result.rows += len(lines)
+                    lines, size, first = [], 0, False
+        if lines or first:
+            yield _rows(shape, lines, lsn, ts, result.rows, first)
+            result.rows += len(lines)
+        conn.execute("COMMIT")
+    except psycopg.errors.UndefinedTable:
+        raise SourceNotReady(f"table {qualified} disappeared during its snapshot",
+                             "remove it from the feed's tables, or re-create it") from None
+    finally:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.execute("ROLLBACK")
+
+
+def _rows(shape: ch.TableShape, lines: list[bytes], lsn: int, ts: int, seq0: int, describe: bool) -> Any:
+    """A record batch of `r` rows with these COPY lines, after an `R` row when `describe`."""
+    n = len(lines) + describe
+    ops = ([ch.RELATION] if describe else []) + ["r"] * len(lines)
+    meta = ([shape.to_meta()] if describe else []) + [None] * len(lines)
+    schema = ch.arrow_schema()
+    cols = {"op": ops, "schema": [shape.schema] * n, "table": [shape.table] * n, "lsn": [lsn] * n,
+            "seq": list(range(seq0, seq0 + n)), "xid": [0] * n, "commit_time": [None] * n, "commit_ts": [ts] * n,
+            "after": ([None] if describe else []) + lines, "before": [None] * n, "old_key": [None] * n,
+            "unchanged": [None] * n, "meta": meta}
+    return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
