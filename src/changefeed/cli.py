@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_CHUNK_ROWS, DEFAULT_MAX_BYTES, DEFAULT_RESOLVED_S, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
+from .config import DEFAULT_CHUNK_ROWS, DEFAULT_MAX_BYTES, DEFAULT_RESOLVED_S, DEFAULT_RETENTION_S, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
 from .errors import ChangefeedError, ConfigError
 
 DEFAULT_STATE = "./changefeed-state"
@@ -22,6 +22,8 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "trigger_interval_s": args.trigger_interval,
         "resolved_interval_s": parse_duration(args.resolved) if args.resolved is not None else None,
         "snapshot": args.snapshot, "snapshot_chunk_rows": args.snapshot_chunk_rows,
+        "retention_s": parse_duration(args.retention) if args.retention is not None else None,
+        "max_retained_wal": parse_size(args.max_retained_wal) if args.max_retained_wal is not None else None,
     }.items() if v is not None}
     if stored is None:
         return FeedSpec(name=args.name, source=given.get("source", ""), sink=given.get("sink", ""),
@@ -31,7 +33,9 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
                         trigger_interval_s=given.get("trigger_interval_s", 0.0),
                         resolved_interval_s=given.get("resolved_interval_s", DEFAULT_RESOLVED_S),
                         snapshot=given.get("snapshot", "initial"),
-                        snapshot_chunk_rows=given.get("snapshot_chunk_rows", DEFAULT_CHUNK_ROWS)).validate()
+                        snapshot_chunk_rows=given.get("snapshot_chunk_rows", DEFAULT_CHUNK_ROWS),
+                        retention_s=given.get("retention_s", DEFAULT_RETENTION_S),
+                        max_retained_wal=given.get("max_retained_wal", 0)).validate()
     for key in ("source", "sink", "tables"):
         if key in given and given[key] != getattr(stored, key):
             raise ConfigError(f"feed {args.name} was created with a different --{key} ({state.spec_file})",
@@ -163,6 +167,10 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                           "only; only: stop once the existing rows are delivered (stored on first run)")
     cmd.add_argument("--snapshot-chunk-rows", type=int,
                      help=f"rows per snapshot chunk, a primary-key range (default {DEFAULT_CHUNK_ROWS})")
+    cmd.add_argument("--retention", help="stop when the checkpoint is older than this, e.g. 24h, 90m "
+                                         "(default 24h; 0 = no limit)")
+    cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "
+                                                "(default 0: no limit)")
 
 
 def _running_args(cmd: argparse.ArgumentParser) -> None:
@@ -205,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
     _running_args(resume)
     resume.set_defaults(func=cmd_resume, source=None, sink=None, tables=None, max_bytes_per_batch=None,
                         max_changes_per_batch=None, trigger_interval=None, resolved=None, snapshot=None,
-                        snapshot_chunk_rows=None)
+                        snapshot_chunk_rows=None, retention=None, max_retained_wal=None)
 
     alter = sub.add_parser("alter", help="add tables to a feed, running or not; their existing rows follow")
     alter.add_argument("--name", required=True)

@@ -14,6 +14,7 @@ DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_RESOLVED_S = 1.0
 SNAPSHOT_MODES = ("initial", "never", "only")
 DEFAULT_CHUNK_ROWS = 50_000
+DEFAULT_RETENTION_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class FeedSpec:
     resolved_interval_s: float = DEFAULT_RESOLVED_S
     snapshot: str = "initial"  # existing rows first (initial), not at all (never), or only them (only)
     snapshot_chunk_rows: int = DEFAULT_CHUNK_ROWS
+    retention_s: float = DEFAULT_RETENTION_S  # most checkpoint age the slot may hold WAL for; 0 = no limit
+    max_retained_wal: int = 0  # most WAL bytes the slot may hold; 0 = no limit
 
     @property
     def slot(self) -> str:
@@ -58,7 +61,7 @@ class FeedSpec:
         if len(set(self.tables)) != len(self.tables):
             raise ConfigError("--tables lists a table twice", "list each table once")
         if min(self.max_bytes_per_batch, self.max_changes_per_batch, self.trigger_interval_s,
-               self.resolved_interval_s) < 0:
+               self.resolved_interval_s, self.retention_s, self.max_retained_wal) < 0:
             raise ConfigError("batch limits and intervals must not be negative", "use 0 for no limit")
         if self.snapshot not in SNAPSHOT_MODES:
             raise ConfigError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)}, got {self.snapshot!r}",

@@ -15,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from . import faults
+from . import faults, retention
 from .config import FeedSpec, FeedState
 from .core.requests import SnapshotRequests
 from .core.hlc import physical_ms
@@ -196,6 +196,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             state.record_failure(e)  # only if the state folder exists: bad input leaves none
             raise
         state.failed_file.unlink(missing_ok=True)
+        _check_retention(prepared, report)
         faults.mark_feed_group()
         faults.reach("startup")
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -214,6 +215,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 if spec.snapshot == "only" and _snapshot_done(query):
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
                     break
+                _check_retention(prepared, report)
                 if state.paused:
                     report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
@@ -228,6 +230,25 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 query.stop()
             meter.update(query)
         report(f"feed {spec.name}: stopped cleanly after {meter.changes} changes in {meter.batches} batches")
+
+
+def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
+    """Stop (typed error, recorded) past the retention budget; warn near it."""
+    spec = prepared.spec
+    slot = src.slot_state(prepared.source_conn, spec.slot)
+    if slot is None or slot.restart_lsn is None:
+        return
+    current, now_ms = src.flush_lsn(prepared.source_conn)
+    resolved = replica.last_resolved_ts(prepared.sink_conn, spec.name)
+    held = retention.Holding(spec.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
+                             None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000))
+    try:
+        warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
+    except ChangefeedError as e:
+        prepared.state.record_failure(e)
+        raise
+    if warning:
+        report(warning)
 
 
 def _end_offset(progress: dict[str, Any] | None) -> dict[str, Any]:

@@ -85,3 +85,31 @@ def test_create_list_pause_resume_remove(dbs: Dbs, tmp_path: Path) -> None:
     with dbs.dst() as d:
         assert d.execute("SELECT count(*) FROM changefeed.progress WHERE feed = %s", (dbs.name,)).fetchone() == (0,)
         assert d.execute("SELECT count(*) FROM t").fetchone() == (150,)  # the replica's data stays
+
+
+def test_paused_feed_past_its_wal_budget_fails_with_the_documented_error(dbs: Dbs, tmp_path: Path) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    state = str(tmp_path / "state")
+    name = ["--name", dbs.name, "--state", state]
+    first = changefeed_cli("run", *name, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.t",
+                           "--max-retained-wal", "1MB", "--available-now")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert changefeed_cli("pause", *name).returncode == 0
+    with dbs.src() as c:
+        c.execute("INSERT INTO t SELECT g, repeat('x', 200) FROM generate_series(1, 20000) g")  # ~5 MB of WAL
+    resumed = changefeed_cli("resume", *name, "--available-now")
+    slot = f"changefeed_{dbs.name}"
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    for mention in ("past its retention budget", slot, "--max-retained-wal", "changefeed remove", "0/"):
+        assert mention in resumed.stderr, (mention, resumed.stderr)
+    assert "Traceback" not in resumed.stderr
+    status = changefeed_cli("status", *name, "--json")
+    assert json.loads(status.stdout)["state"].startswith("failed: feed"), status.stdout
+    assert listed(state)[dbs.name].startswith("failed: ")
+    assert slot_and_publication(dbs)[0] is not None  # never dropped silently
+
+    bigger = changefeed_cli("run", *name, "--max-retained-wal", "1GB", "--available-now")  # the operator's call
+    assert bigger.returncode == 0, bigger.stderr[-3000:]
+    assert fingerprint(dbs.source, "public.t") == fingerprint(dbs.sink, "public.t")
+    assert listed(state) == {dbs.name: "stopped"}

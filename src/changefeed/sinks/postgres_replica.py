@@ -77,6 +77,14 @@ def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
     return int(row[0]) if row and row[0] is not None else 0  # type: ignore[index]
 
 
+def last_resolved_ts(conn: psycopg.Connection[Any], feed: str) -> int | None:
+    """The resolved ts of the last batch applied for `feed`, None if none was."""
+    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.progress')").fetchone()[0]:  # type: ignore[index]
+        return None
+    row = conn.execute(f"SELECT max(resolved_ts) FROM {META_SCHEMA}.progress WHERE feed = %s", (feed,)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
 def totals(conn: psycopg.Connection[Any], feed: str) -> tuple[int, int]:
     """(batches, changes) the replica has recorded for `feed`."""
     row = conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress WHERE feed = %s",
