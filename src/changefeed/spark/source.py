@@ -1,8 +1,9 @@
 """`changefeed` PySpark streaming source: PostgreSQL logical decoding as micro-batches.
 
-Offsets are `{"lsn", "ts"}`: the batch's upper WAL bound and its resolved commit timestamp (no
-change in a later batch gets a smaller one). A batch holds what starts in [start, end) (see
-postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
+Offsets are `{"lsn", "ts", "snap", "chunks"}`: the batch's upper WAL bound, its resolved commit
+timestamp (no change in a later batch gets a smaller one), the snapshot cursor after it, and the
+snapshot chunks it carries (see core.snapshot; each chunk is one more input partition). A batch
+holds what starts in [start, end) (see postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
 end, a commit's end (a change limit) or a WAL page boundary (a byte limit, found without decoding).
 The driver only plans offsets and advances the slot in `commit`; executors decode in `read`.
 """
