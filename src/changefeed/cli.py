@@ -1,4 +1,5 @@
-"""Command line: `changefeed run | alter | snapshot | status | demo` (also `python -m changefeed`)."""
+"""Command line: `changefeed run | create | list | pause | resume | remove | alter | snapshot | status | demo`
+(also `python -m changefeed`)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DEFAULT_CHUNK_ROWS, DEFAULT_MAX_BYTES, DEFAULT_RESOLVED_S, DEFAULT_RETENTION_S, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
+from .config import DEFAULT_CHUNK_ROWS, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
 from .errors import ChangefeedError, ConfigError
 
 DEFAULT_STATE = "./changefeed-state"
@@ -25,17 +26,8 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "retention_s": parse_duration(args.retention) if args.retention is not None else None,
         "max_retained_wal": parse_size(args.max_retained_wal) if args.max_retained_wal is not None else None,
     }.items() if v is not None}
-    if stored is None:
-        return FeedSpec(name=args.name, source=given.get("source", ""), sink=given.get("sink", ""),
-                        tables=given.get("tables", ()),
-                        max_bytes_per_batch=given.get("max_bytes_per_batch", DEFAULT_MAX_BYTES),
-                        max_changes_per_batch=given.get("max_changes_per_batch", 0),
-                        trigger_interval_s=given.get("trigger_interval_s", 0.0),
-                        resolved_interval_s=given.get("resolved_interval_s", DEFAULT_RESOLVED_S),
-                        snapshot=given.get("snapshot", "initial"),
-                        snapshot_chunk_rows=given.get("snapshot_chunk_rows", DEFAULT_CHUNK_ROWS),
-                        retention_s=given.get("retention_s", DEFAULT_RETENTION_S),
-                        max_retained_wal=given.get("max_retained_wal", 0)).validate()
+    if stored is None:  # what is not given takes FeedSpec's defaults
+        return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate()
     for key in ("source", "sink", "tables"):
         if key in given and given[key] != getattr(stored, key):
             raise ConfigError(f"feed {args.name} was created with a different --{key} ({state.spec_file})",
@@ -85,9 +77,12 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from .feed import run
+
     spec, state = _stored(args)
     state.paused_file.unlink(missing_ok=True)
-    return cmd_run(args)
+    run(spec, state, available_now=args.available_now, master=args.master)
+    return 0
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
@@ -211,9 +206,7 @@ def parser() -> argparse.ArgumentParser:
     resume.add_argument("--name", required=True)
     resume.add_argument("--state", default=DEFAULT_STATE)
     _running_args(resume)
-    resume.set_defaults(func=cmd_resume, source=None, sink=None, tables=None, max_bytes_per_batch=None,
-                        max_changes_per_batch=None, trigger_interval=None, resolved=None, snapshot=None,
-                        snapshot_chunk_rows=None, retention=None, max_retained_wal=None)
+    resume.set_defaults(func=cmd_resume)
 
     alter = sub.add_parser("alter", help="add tables to a feed, running or not; their existing rows follow")
     alter.add_argument("--name", required=True)

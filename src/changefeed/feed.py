@@ -35,14 +35,18 @@ def state_lock(state: FeedState) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            raise FeedBusy(f"feed {state.dir.name} is already running: held by {holder}",
+            raise FeedBusy(f"feed {state.dir.name} is already running: held by {_holder_of(fd)}",
                            "stop the other runner first, or use another --name or --state") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
     finally:
         os.close(fd)
+
+
+def _holder_of(fd: int) -> str:
+    """What the runner holding the lock file wrote into it."""
+    return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
 
 
 def holder(state: FeedState) -> str | None:
@@ -55,9 +59,15 @@ def holder(state: FeedState) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except BlockingIOError:
-        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        return _holder_of(fd)
     finally:
         os.close(fd)
+
+
+def run_state(state: FeedState) -> str:
+    """running (holder), paused, failed: reason (of the last run), or stopped."""
+    who = holder(state)
+    return f"running ({who})" if who else "paused" if state.paused else state.failure() or "stopped"
 
 
 @dataclass
@@ -66,7 +76,6 @@ class Prepared:
     state: FeedState
     source_conn: Any  # holds the feed's advisory lock while the feed runs
     sink_conn: Any
-    created_slot: bool
 
 
 def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
@@ -83,10 +92,9 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
         src.check_slot_usable(slot, spec.slot, replica.checkpoint_lsn(sink, spec.name), spec.name)
     # -- nothing was created up to here --
     src.ensure_publication(source, spec.publication, tables)
-    created = False
-    if slot is None:
+    created = slot is None
+    if created:
         src.create_slot(source, spec.slot)
-        created = True
     try:
         replica.ensure_meta(sink)
         replica.ensure_tables(sink, tables)
@@ -95,7 +103,7 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
             source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
         raise
     state.save(spec)
-    return Prepared(spec, state, source, sink, created)
+    return Prepared(spec, state, source, sink)
 
 
 def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
@@ -106,10 +114,10 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
     grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
     with connect(spec.source, "source") as source, connect(spec.sink, "sink") as sink:
-        described = src.describe_tables(source, list(new))
+        described = src.describe_tables(source, list(grown.tables))
         replica.ensure_meta(sink)
-        replica.ensure_tables(sink, described)  # before the publication: its changes need a target
-        src.ensure_publication(source, spec.publication, src.describe_tables(source, list(grown.tables)))
+        replica.ensure_tables(sink, described[len(spec.tables):])  # before the publication: changes need a target
+        src.ensure_publication(source, spec.publication, described)
     state.save(grown)
     if snapshot:
         SnapshotRequests(state.requests).add(new)
@@ -150,15 +158,13 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
         slot = src.slot_state(source, spec.slot)
         current = src.flush_lsn(source)
         row = None
-        if sink.execute("SELECT to_regclass('changefeed.progress')").fetchone()[0]:  # type: ignore[index]
+        if replica.has_meta(sink, "progress"):
             row = sink.execute(
                 "SELECT end_lsn::text, commit_time::text, resolved_ts, end_lsn - '0/0'::pg_lsn, "
                 "(SELECT count(*) FROM changefeed.progress WHERE feed = %s) "
                 "FROM changefeed.progress WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1",
                 (spec.name, spec.name)).fetchone()
         snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in replica.snapshot_totals(sink, spec.name).items()}
-    who = holder(feed_state)
-    runs = f"running ({who})" if who else "paused" if feed_state.paused else feed_state.failure() or "stopped"
     if slot is None:
         state = "missing"
     elif slot.wal_status == "lost" or slot.invalidation:
@@ -174,7 +180,7 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     elif slot and slot.confirmed_flush:
         lag_bytes = max(0, current[0] - slot.confirmed_flush)
     retained = max(0, current[0] - slot.restart_lsn) if slot and slot.restart_lsn else None
-    return FeedStatus(spec.name, runs, spec.slot, state, retained, row[0] if row else None,
+    return FeedStatus(spec.name, run_state(feed_state), spec.slot, state, retained, row[0] if row else None,
                       row[1] if row else None, lag_bytes, lag_s, int(row[4]) if row else 0, snapshot)
 
 
@@ -314,15 +320,15 @@ class _Meter:
         if not last:
             return
         dur = last.get("durationMs", {}).get("triggerExecution", 0) / 1000
-        end = (last.get("sources") or [{}])[0].get("endOffset") or {}
+        end = _end_offset(last)
         lag = ""
-        if isinstance(end, dict) and end.get("ts"):
+        if end.get("ts"):
             lag = f", resolved lag {max(0.0, time.time() - physical_ms(int(end['ts'])) / 1000):.1f}s"
         elapsed = time.monotonic() - self._t0
         self.report(f"  {self.changes} changes in {self.batches} batches, "
                     f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s overall, last batch {dur:.2f}s{lag}")
         if self.snapshot is not None:
-            self.snapshot.update(tuple((_end_offset(last).get("snap") or {}).get("pending", ())))
+            self.snapshot.update(tuple((end.get("snap") or {}).get("pending", ())))
 
 
 class _SnapshotMeter:

@@ -17,7 +17,7 @@ from psycopg import sql
 
 from .config import FeedSpec, FeedState
 from .errors import ConfigError, FeedBusy
-from .feed import holder, prepare
+from .feed import holder, prepare, run_state
 from .postgres import source as src
 from .postgres.connect import connect, redact
 from .sinks import postgres_replica as replica
@@ -35,7 +35,7 @@ def create(spec: FeedSpec, state: FeedState) -> None:
 @dataclass
 class Listed:
     name: str
-    state: str  # running (with holder), paused, stopped
+    state: str  # see feed.run_state
     tables: tuple[str, ...]
     source: str
     sink: str
@@ -47,9 +47,7 @@ def list_feeds(root: Path | str) -> list[Listed]:
         state = FeedState(root, spec_file.parent.name)
         spec = state.load()
         assert spec is not None
-        who = holder(state)
-        status = f"running ({who})" if who else "paused" if state.paused else state.failure() or "stopped"
-        out.append(Listed(spec.name, status, spec.tables, redact(spec.source), redact(spec.sink)))
+        out.append(Listed(spec.name, run_state(state), spec.tables, redact(spec.source), redact(spec.sink)))
     return out
 
 

@@ -59,15 +59,20 @@ def pack(batch: Any) -> Any:
     return pa.RecordBatch.from_arrays([pa.array([batch.num_rows], pa.int32()), changes], names=["rows", "changes"])
 
 
-def progress_batch(progress: "Progress") -> Any:
-    """A record batch holding just the `P` row for `progress`."""
+def record_batch(columns: dict[str, list[Any]]) -> Any:
+    """A record batch of change rows from one equally long list per field."""
     import pyarrow as pa
 
+    schema = arrow_schema()
+    return pa.RecordBatch.from_arrays([pa.array(columns[f.name], type=f.type) for f in schema], schema=schema)
+
+
+def progress_batch(progress: "Progress") -> Any:
+    """A record batch holding just the `P` row for `progress`."""
     row: dict[str, Any] = {n: None for n in NAMES}
     row.update(op=PROGRESS, lsn=progress.end_lsn, seq=0, xid=0, commit_time=progress.last_commit_time,
                commit_ts=progress.resolved_ts, meta=progress.to_meta())
-    schema = arrow_schema()
-    return pa.RecordBatch.from_arrays([pa.array([row[f.name]], type=f.type) for f in schema], schema=schema)
+    return record_batch({n: [v] for n, v in row.items()})
 
 
 def unpack(packed: Any) -> Iterator[Any]:

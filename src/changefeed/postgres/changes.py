@@ -256,8 +256,6 @@ class ChangeBuilder:
 
     def take(self) -> Any:
         """The rows of closed transactions as one Arrow record batch (then forgets them)."""
-        import pyarrow as pa
-
         n = self.pending()
         cols: dict[str, list[Any]] = {
             "op": self._op[:n], "schema": self._schema[:n], "table": self._table[:n],
@@ -272,8 +270,7 @@ class ChangeBuilder:
         self._reset()
         self._op, self._schema, self._table, self._after, self._before = open_rows
         self._sparse = open_sparse
-        schema = ch.arrow_schema()
-        return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
+        return ch.record_batch(cols)
 
     def finish(self) -> Any:
         """Close the window: drop an unfinished transaction, append the `P` progress row, take all."""

@@ -28,14 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-import pyarrow as pa
 from psycopg import sql
 
 from ..core import change as ch
 from ..core.lsn import parse_lsn
 from ..core.snapshot import Key
 from ..errors import SourceNotReady, TransientError
-from .source import SourceTable, describe_tables, split_table
+from .source import SourceTable, describe_tables, missing_values, split_table
 
 STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
 
@@ -78,13 +77,11 @@ def estimated_rows(conn: psycopg.Connection[Any], qualified: str) -> int | None:
 
 
 def _shape(conn: psycopg.Connection[Any], table: SourceTable) -> ch.TableShape:
-    ident, missing = conn.execute(
-        "SELECT c.relreplident::text, (SELECT array_agg((a.attmissingval::text::text[])[1] ORDER BY a.attnum) "
-        " FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
-        " AND a.attgenerated = '') FROM pg_class c WHERE c.oid = %s::regclass",
-        (f'"{table.schema}"."{table.name}"',)).fetchone()  # type: ignore[misc]
+    oid, ident = conn.execute("SELECT oid, relreplident::text FROM pg_class WHERE oid = %s::regclass",
+                              (f'"{table.schema}"."{table.name}"',)).fetchone()  # type: ignore[misc]
+    missing = missing_values(conn, oid)
     return ch.TableShape(table.schema, table.name, table.columns, table.types, table.key, ident,
-                         tuple(missing or (None,) * len(table.columns)))
+                         tuple(missing.get(c) for c in table.columns))
 
 
 def _stable_snapshot(conn: psycopg.Connection[Any]) -> None:
@@ -158,9 +155,7 @@ def _rows(shape: ch.TableShape, lines: list[bytes], lsn: int, ts: int, seq0: int
     n = len(lines) + describe
     ops = ([ch.RELATION] if describe else []) + ["r"] * len(lines)
     meta = ([shape.to_meta()] if describe else []) + [None] * len(lines)
-    schema = ch.arrow_schema()
-    cols = {"op": ops, "schema": [shape.schema] * n, "table": [shape.table] * n, "lsn": [lsn] * n,
+    return ch.record_batch({"op": ops, "schema": [shape.schema] * n, "table": [shape.table] * n, "lsn": [lsn] * n,
             "seq": list(range(seq0, seq0 + n)), "xid": [0] * n, "commit_time": [None] * n, "commit_ts": [ts] * n,
             "after": ([None] if describe else []) + lines, "before": [None] * n, "old_key": [None] * n,
-            "unchanged": [None] * n, "meta": meta}
-    return pa.RecordBatch.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
+            "unchanged": [None] * n, "meta": meta})

@@ -96,11 +96,16 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[So
     return out
 
 
+def missing_values(conn: psycopg.Connection[Any], oid: int) -> dict[str, str]:
+    """Per column added with a default: the value rows older than the column read as."""
+    return dict(conn.execute(
+        "SELECT attname, (attmissingval::text::text[])[1] FROM pg_attribute "
+        "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND atthasmissing", (oid,)).fetchall())
+
+
 def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> RelationInfo:
     """Type names, primary key and missing values of a pgoutput Relation, from the catalog."""
-    missing = dict(conn.execute(
-        "SELECT attname, (attmissingval::text::text[])[1] FROM pg_attribute "
-        "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND atthasmissing", (rel.oid,)).fetchall())
+    missing = missing_values(conn, rel.oid)
     types = conn.execute(
         "SELECT format_type(t, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY u(t, m, i) ORDER BY i",
         ([c.type_oid for c in rel.columns], [c.typmod for c in rel.columns])).fetchall()

@@ -64,9 +64,14 @@ def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
                             "create the types it uses on the sink, or create the table yourself") from None
 
 
+def has_meta(conn: psycopg.Connection[Any], table: str) -> bool:
+    """Whether the bookkeeping table `changefeed.TABLE` exists (readers create nothing)."""
+    return conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')").fetchone()[0] is not None  # type: ignore[index]
+
+
 def checkpoint_lsn(conn: psycopg.Connection[Any], feed: str) -> int | None:
     """The feed's checkpoint on this sink, None if it has none (read-only: creates nothing)."""
-    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.progress')").fetchone()[0]:  # type: ignore[index]
+    if not has_meta(conn, "progress"):
         return None
     return applied_upto(conn, feed) or None
 
@@ -79,7 +84,7 @@ def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
 
 def last_resolved_ts(conn: psycopg.Connection[Any], feed: str) -> int | None:
     """The resolved ts of the last batch applied for `feed`, None if none was."""
-    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.progress')").fetchone()[0]:  # type: ignore[index]
+    if not has_meta(conn, "progress"):
         return None
     row = conn.execute(f"SELECT max(resolved_ts) FROM {META_SCHEMA}.progress WHERE feed = %s", (feed,)).fetchone()
     return None if row is None or row[0] is None else int(row[0])
@@ -96,14 +101,14 @@ def forget(conn: psycopg.Connection[Any], feed: str) -> bool:
     """Delete `feed`'s bookkeeping rows (its replica tables stay); True if there were any."""
     deleted = False
     for table in ("progress", "snapshot_chunks"):
-        if conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')").fetchone()[0]:  # type: ignore[index]
+        if has_meta(conn, table):
             deleted |= conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s", (feed,)).rowcount > 0
     return deleted
 
 
 def snapshot_totals(conn: psycopg.Connection[Any], feed: str) -> dict[str, tuple[int, int]]:
     """Per table: (chunks, rows) of snapshot the replica has applied for `feed`."""
-    if not conn.execute(f"SELECT to_regclass('{META_SCHEMA}.snapshot_chunks')").fetchone()[0]:  # type: ignore[index]
+    if not has_meta(conn, "snapshot_chunks"):
         return {}
     return {r[0]: (int(r[1]), int(r[2])) for r in conn.execute(
         f"SELECT table_name, count(*), sum(rows) FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s "

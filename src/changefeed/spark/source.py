@@ -133,16 +133,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         # safe to release now (Spark's own `commit(start)` comes later): the cut below then
         # decodes only the new window.
         self.commit(start)
+        if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
+            limit = self.getDefaultReadLimit()
         chunks, cursor = self._plan_snapshot(start)
         if chunks:
             # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
             end = self._boundary()
-            if isinstance(limit, ReadAllAvailable):
-                limit = self.getDefaultReadLimit()
         elif self._available_now is not None:
             end = self._available_now
-            if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
-                limit = self.getDefaultReadLimit()
         else:
             flushed, _ = src.flush_lsn(self.conn)
             idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
@@ -152,7 +150,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             # the WAL it holds) and the resolved ts keep moving.
             end = self._boundary()
         end = {**end, "ts": window_end_ts(start["ts"], physical_ms(end["ts"]))}
-        if end["lsn"] <= start["lsn"] and cursor == snapshot.Cursor.from_offset(start):
+        if end["lsn"] <= start["lsn"]:  # (never with chunks: their end is a fresh heartbeat)
             return start
         lsn = end["lsn"]
         if isinstance(limit, ReadMaxBytes) and lsn - start["lsn"] > limit.max_bytes:
@@ -161,7 +159,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         elif isinstance(limit, ReadMaxRows):
             lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, limit.max_rows)
         self._planned_at = time.monotonic()
-        out: dict[str, Any] = {"lsn": max(lsn, start["lsn"]), "ts": end["ts"], "snap": cursor.to_json()}
+        out: dict[str, Any] = {"lsn": lsn, "ts": end["ts"], "snap": cursor.to_json()}
         if chunks:
             out["chunks"] = [c.to_json() for c in chunks]
         return out
