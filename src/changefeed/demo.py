@@ -16,6 +16,7 @@ import psycopg
 
 from .config import FeedSpec, FeedState
 from .local_postgres import LocalPostgres
+from .sinks.postgres_replica import applied_upto
 
 SCHEMA = """
 CREATE TABLE accounts (id bigint PRIMARY KEY, owner text NOT NULL, balance numeric(14,2) NOT NULL,
@@ -61,11 +62,9 @@ def _fingerprint(uri: str, table: str) -> tuple[int, str]:
     return int(row[0]), str(row[1])  # type: ignore[index]
 
 
-def _caught_up(source: str, sink: str, feed: str, target_lsn: int) -> bool:
+def _caught_up(sink: str, feed: str, target_lsn: int) -> bool:
     with psycopg.connect(sink) as c:
-        row = c.execute("SELECT max(end_lsn) - '0/0'::pg_lsn FROM changefeed.progress WHERE feed = %s",
-                        (feed,)).fetchone()
-    return row is not None and row[0] is not None and int(row[0]) >= target_lsn
+        return applied_upto(c, feed) >= target_lsn
 
 
 def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writers: int = 2) -> int:
@@ -112,7 +111,7 @@ def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writer
             target = int(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])  # type: ignore[index]
         print(f"demo: workload done ({sum(counts)} transfers); waiting for the replica to catch up")
         deadline = time.monotonic() + 300
-        while not _caught_up(source.uri(), replica.uri(), spec.name, target):
+        while not _caught_up(replica.uri(), spec.name, target):
             if failure or not feed_thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the feed did not catch up: {failure[0] if failure else 'timeout'}")
             time.sleep(0.5)
