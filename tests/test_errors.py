@@ -438,13 +438,14 @@ def test_slot_missing_while_checkpoint_exists(runner: Runner, tmp_path: Path) ->
         c.execute("SELECT pg_drop_replication_slot(%s)", (runner.slot,))
         c.execute("INSERT INTO public.items VALUES (901, 'after the slot was lost')")
     src_before, dst_before = source_snapshot(d.source), sink_snapshot(d.sink)
-    checkpoint_before = sorted(str(p.relative_to(runner.state)) for p in runner.state.rglob("*"))
+    checkpoint = runner.state / d.name / "checkpoint"  # (the run records its failure next to it)
+    checkpoint_before = sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*"))
     proc, dt = cli(*run_args(d.name, d.source, d.sink, "public.items", runner.state), cwd=tmp_path)
     err = assert_clean_failure(proc, dt, EX_DEFINITE, runner.slot, "missing", "checkpoint")
     assert cluster_slot(d.source, runner.slot) is None, "the lost slot was silently re-created"
     assert source_snapshot(d.source) == src_before
     assert sink_snapshot(d.sink) == dst_before, "the sink was changed"
-    assert sorted(str(p.relative_to(runner.state)) for p in runner.state.rglob("*")) == checkpoint_before
+    assert sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*")) == checkpoint_before
     # and the same again with only the stored definition (no --source/--sink/--tables)
     proc, dt = cli("run", "--name", d.name, "--state", str(runner.state), "--available-now", cwd=tmp_path)
     assert_clean_failure(proc, dt, EX_DEFINITE, runner.slot, "missing")

@@ -58,3 +58,10 @@ class SlotLost(DefiniteError):
 
 class SinkError(DefiniteError):
     """The sink refused the data in a way that retrying will not fix."""
+
+
+def start_over_hint(feed: str) -> str:
+    """The way back when the WAL a feed needs is gone: give everything back, take a fresh snapshot."""
+    return (f"changefeed remove --name {feed} (drops its slot and publication, forgets its checkpoint), truncate "
+            f"its replica tables, then changefeed run --name {feed} --source ... --sink ... --tables ... "
+            "(a fresh snapshot); changefeed never skips WAL and never re-creates a slot silently")

@@ -226,6 +226,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
             if query.exception() is not None:
+                _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
                 error = _query_error(query.exception())
                 state.record_failure(error)
                 raise error
@@ -239,16 +240,19 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
 
 
 def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
-    """Stop (typed error, recorded) past the retention budget; warn near it."""
+    """Stop (typed error, recorded) when PostgreSQL invalidated the slot or past the retention
+    budget; warn near the budget."""
     spec = prepared.spec
     slot = src.slot_state(prepared.source_conn, spec.slot)
-    if slot is None or slot.restart_lsn is None:
-        return
-    current, now_ms = src.flush_lsn(prepared.source_conn)
-    resolved = replica.last_resolved_ts(prepared.sink_conn, spec.name)
-    held = retention.Holding(spec.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
-                             None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000))
     try:
+        src.check_slot_usable(slot, spec.slot, replica.checkpoint_lsn(prepared.sink_conn, spec.name), spec.name)
+        assert slot is not None
+        if slot.restart_lsn is None:
+            return
+        current, now_ms = src.flush_lsn(prepared.source_conn)
+        resolved = replica.last_resolved_ts(prepared.sink_conn, spec.name)
+        held = retention.Holding(spec.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
+                                 None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000))
         warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
     except ChangefeedError as e:
         prepared.state.record_failure(e)

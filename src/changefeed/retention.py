@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .core.lsn import format_lsn
-from .errors import DefiniteError
+from .errors import DefiniteError, start_over_hint
 
 WARN_AT = 0.8
 
@@ -41,9 +41,8 @@ def check(h: Holding, feed: str, retention_s: float, max_bytes: int) -> str | No
         raise RetentionExceeded(
             f"feed {feed} is past its retention budget: replication slot {h.slot} at {format_lsn(h.restart_lsn)} "
             + " and ".join(over),
-            f"either raise the budget (run with a larger --max-retained-wal / --retention) and let it catch up, or "
-            f"give the WAL back and start over: changefeed remove --name {feed}, truncate its replica tables, then "
-            f"changefeed run --name {feed} --source ... --sink ... --tables ... (a fresh snapshot)")
+            "either raise the budget (run with a larger --max-retained-wal / --retention) and let it catch up, or "
+            f"give the WAL back and start over: {start_over_hint(feed)}")
     near = []
     if max_bytes and h.retained_bytes >= WARN_AT * max_bytes:
         near.append(f"{h.retained_bytes / max_bytes:.0%} of --max-retained-wal")

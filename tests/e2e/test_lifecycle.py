@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
+from changefeed.local_postgres import LocalPostgres
 from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed
 
 pytestmark = pytest.mark.timeout(600)
@@ -113,3 +116,59 @@ def test_paused_feed_past_its_wal_budget_fails_with_the_documented_error(dbs: Db
     assert bigger.returncode == 0, bigger.stderr[-3000:]
     assert fingerprint(dbs.source, "public.t") == fingerprint(dbs.sink, "public.t")
     assert listed(state) == {dbs.name: "stopped"}
+
+
+def test_slot_invalidated_by_postgres_stops_the_running_feed(servers: tuple[LocalPostgres, LocalPostgres],
+                                                              tmp_path: Path) -> None:
+    """A source that caps slot WAL (max_slot_wal_keep_size) removes WAL the idle feed still needs:
+    the running feed stops with the documented error, later runs refuse, remove cleans up."""
+    source = LocalPostgres.start(tmp_path / "capped", settings={"max_slot_wal_keep_size": "1MB"})
+    try:
+        name = "capped"
+        with psycopg.connect(servers[1].uri(), autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {name}_{os.getpid()}")
+        sink = servers[1].uri(f"{name}_{os.getpid()}")
+        with psycopg.connect(source.uri(), autocommit=True) as c:
+            c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+            c.execute("INSERT INTO t SELECT g, 'x' FROM generate_series(1, 10) g")
+        state, log = str(tmp_path / "state"), tmp_path / "feed.log"
+        args = ["--name", name, "--state", state]
+        # one batch, then none for an hour: the slot stays where that batch left it
+        proc = start_changefeed("run", *args, "--source", source.uri(), "--sink", sink, "--tables", "public.t",
+                                "--trigger-interval", "3600", log=log)
+        try:
+            def applied() -> bool:
+                with psycopg.connect(sink) as d:
+                    if d.execute("SELECT to_regclass('changefeed.progress')").fetchone() == (None,):
+                        return False
+                    return d.execute("SELECT count(*) FROM changefeed.progress").fetchone() != (0,)
+            wait_until("the first batch", applied, log)
+            with psycopg.connect(source.uri(), autocommit=True) as c:
+                for i in range(3):  # three WAL segments further on, then a checkpoint removes the old ones
+                    c.execute("INSERT INTO t VALUES (%s, 'y')", (100 + i,))
+                    c.execute("SELECT pg_switch_wal()")
+                c.execute("CHECKPOINT")
+                lost = c.execute("SELECT wal_status, invalidation_reason FROM pg_replication_slots "
+                                 "WHERE slot_name = %s", (f"changefeed_{name}",)).fetchone()
+            assert lost == ("lost", "wal_removed"), f"the test did not get PostgreSQL to invalidate the slot: {lost}"
+            assert proc.wait(timeout=60) == 2, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out = log.read_text()
+        with psycopg.connect(sink) as d:
+            (checkpoint,) = d.execute("SELECT max(end_lsn)::text FROM changefeed.progress").fetchone()  # type: ignore[misc]
+        for mention in ("invalidated by PostgreSQL", "wal_removed", f"changefeed_{name}", f"checkpoint at {checkpoint}",
+                        f"changefeed remove --name {name}", "fresh snapshot"):
+            assert mention in out, (mention, out[-3000:])
+        assert "Traceback" not in out
+        status = json.loads(changefeed_cli("status", *args, "--json").stdout)
+        assert status["state"].startswith("failed: replication slot") and "invalidated" in status["slot_state"], status
+        again = changefeed_cli("run", *args)  # refused before Spark starts; the slot is not re-created
+        assert again.returncode == 2 and "invalidated by PostgreSQL" in again.stderr, again.stderr[-3000:]
+        removed = changefeed_cli("remove", *args)
+        assert removed.returncode == 0, removed.stderr
+        with psycopg.connect(source.uri()) as c:
+            assert c.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (0,)
+    finally:
+        source.stop("immediate")

@@ -18,7 +18,7 @@ from psycopg import sql
 
 from ..core.lsn import format_lsn, parse_lsn
 from .changes import RelationInfo
-from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError
+from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError, start_over_hint
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
 
@@ -149,23 +149,18 @@ def create_slot(conn: psycopg.Connection[Any], slot: str) -> int:
     return parse_lsn(row[0])  # type: ignore[index]
 
 
-_START_AFRESH = ("start the feed afresh: drop publication {slot} on the source, delete its state folder "
-                 "and its rows in changefeed.progress on the sink, then run it again "
-                 "(changefeed never re-creates a slot silently)")
-
-
 def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | None, feed: str) -> None:
     """Fail loudly when a slot the checkpoint depends on is gone or can no longer deliver."""
-    fresh_start = _START_AFRESH.format(slot=slot)
     if state is None:
         at = f" at {format_lsn(checkpoint_lsn)}" if checkpoint_lsn else ""
         raise SlotLost(f"replication slot {slot} is missing but feed {feed} has a checkpoint{at}; "
-                       "changes after it may have been lost", fresh_start)
+                       "changes after it may have been lost", start_over_hint(feed))
     if state.wal_status == "lost" or state.invalidation:
+        needed = state.restart_lsn or checkpoint_lsn  # PostgreSQL clears restart_lsn when it invalidates
+        after = f" after its checkpoint at {format_lsn(needed)}" if needed else ""
         raise SlotLost(
-            f"replication slot {slot} was invalidated by PostgreSQL "
-            f"({state.invalidation or 'WAL removed'}); WAL needed after {format_lsn(state.restart_lsn or 0)} is gone",
-            f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then {fresh_start}")
+            f"replication slot {slot} was invalidated by PostgreSQL ({state.invalidation or 'WAL removed'}, "
+            f"see max_slot_wal_keep_size): WAL feed {feed} needs{after} is gone", start_over_hint(feed))
     if state.plugin != "pgoutput":
         raise SlotLost(f"replication slot {slot} exists but uses plugin {state.plugin}, not pgoutput",
                        "drop that slot or choose another feed --name")
@@ -237,11 +232,12 @@ def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
     except psycopg.errors.ObjectInUse as e:
         raise TransientError(f"replication slot {slot} is in use: {e}", "wait for the other reader to finish") from None
     except psycopg.errors.UndefinedObject as e:
-        raise SlotLost(f"replication slot {slot} disappeared: {e}", _START_AFRESH.format(slot=slot)) from None
+        raise SlotLost(f"replication slot {slot} disappeared: {e}", _LOST_HINT) from None
     except psycopg.errors.ObjectNotInPrerequisiteState as e:
-        raise SlotLost(f"replication slot {slot} can no longer deliver changes: {e}",
-                       f"drop the slot (SELECT pg_drop_replication_slot('{slot}')), then "
-                       + _START_AFRESH.format(slot=slot)) from None
+        raise SlotLost(f"replication slot {slot} can no longer deliver changes: {e}", _LOST_HINT) from None
+
+
+_LOST_HINT = "changefeed status --name FEED shows why; the feed has to start over from a fresh snapshot"
 
 
 def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
