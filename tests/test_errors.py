@@ -259,9 +259,12 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--resolved": "-1s"}, ["'-1s'", "duration"]),
     ({"--snapshot": "sometimes"}, ["--snapshot", "'sometimes'", "initial"]),
     ({"--snapshot-chunk-rows": "0"}, ["--snapshot-chunk-rows", "at least 1"]),
+    ({"--metrics-port": "70000"}, ["metrics", "127.0.0.1:70000", "0-65535"]),
+    ({"--metrics-port": "http"}, ["--metrics-port", "'http'"]),
 ], ids=["upper-name", "space-name", "digit-name", "long-name", "three-part-table", "table-twice", "kafka-sink",
         "kafka-source", "empty-sink", "negative-changes", "negative-interval", "bytes-lots", "bytes-negative",
-        "resolved-soon", "resolved-negative", "snapshot-mode", "snapshot-chunk-rows"])
+        "resolved-soon", "resolved-negative", "snapshot-mode", "snapshot-chunk-rows", "metrics-port-range",
+        "metrics-port-word"])
 def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str], problem: list[str]) -> None:
     opts = {"--name": fresh.name, "--source": fresh.source, "--sink": fresh.sink, "--tables": "public.items",
             "--state": str(tmp_path / "state"), **change}
@@ -270,6 +273,18 @@ def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str], p
     assert_clean_failure(proc, dt, EX_USAGE, *problem)
     assert_nothing_created(fresh.source, fresh.sink, tmp_path / "state", fresh.name)
     assert not (tmp_path / "state").exists(), "malformed options should be rejected before the state folder is made"
+
+
+def test_metrics_port_taken(fresh: Dbs, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, dt = cli(*run_args(fresh.name, fresh.source, fresh.sink, "public.items", tmp_path / "state",
+                                 "--metrics-port", str(port)), cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_USAGE, f"127.0.0.1:{port}", "--metrics-port")
+    assert_nothing_created(fresh.source, fresh.sink, tmp_path / "state", fresh.name)
+    assert not (tmp_path / "state").exists(), "a taken metrics port should be found before the state folder is made"
 
 
 @pytest.mark.parametrize("role", ["source", "sink"])

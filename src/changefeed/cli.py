@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .config import DEFAULT_CHUNK_ROWS, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
 from .errors import ChangefeedError, ConfigError
@@ -40,8 +41,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     state = FeedState(args.state, args.name)
     spec = _spec_from_args(args, state)
-    run(spec, state, available_now=args.available_now, master=args.master)
+    run(spec, state, **_running(args))
     return 0
+
+
+def _running(args: argparse.Namespace) -> dict[str, Any]:
+    """The options of `_running_args`, as keywords of feed.run."""
+    return {"available_now": args.available_now, "master": args.master,
+            "metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -81,7 +88,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     spec, state = _stored(args)
     state.paused_file.unlink(missing_ok=True)
-    run(spec, state, available_now=args.available_now, master=args.master)
+    run(spec, state, **_running(args))
     return 0
 
 
@@ -122,7 +129,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .feed import status
+    from .status import status
 
     spec, state = _stored(args)
     st = status(spec, state)
@@ -172,6 +179,10 @@ def _running_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--available-now", action="store_true",
                      help="deliver everything committed before start, then exit 0")
     cmd.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port at /metrics while "
+                                                      "running (0: any free port, printed at start)")
+    cmd.add_argument("--metrics-host", default="127.0.0.1",
+                     help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for all)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -17,7 +17,8 @@ from psycopg import sql
 
 from .config import FeedSpec, FeedState
 from .errors import ConfigError, FeedBusy
-from .feed import holder, prepare, run_state
+from .feed import prepare
+from .runner_lock import holder, run_state
 from .postgres import source as src
 from .postgres.connect import connect, redact
 from .sinks import postgres_replica as replica
@@ -35,7 +36,7 @@ def create(spec: FeedSpec, state: FeedState) -> None:
 @dataclass
 class Listed:
     name: str
-    state: str  # see feed.run_state
+    state: str  # see runner_lock.run_state
     tables: tuple[str, ...]
     source: str
     sink: str

@@ -23,7 +23,7 @@ BIG = "(SELECT string_agg(md5(random()::text), '') FROM generate_series(1, 3200)
 
 
 def workload(c: psycopg.Connection) -> None:
-    c.execute(f"""
+    c.execute("""
         INSERT INTO kinds SELECT g, g, g * 10000000000, g / 7.0, 'row ' || g, g % 2 = 0, now(), current_date,
             jsonb_build_object('g', g, 'nested', jsonb_build_array(1, 'two', null)), decode(md5(g::text), 'hex'),
             gen_random_uuid(), ARRAY[g, g + 1], ARRAY['a' || g, NULL, 'tab' || chr(9) || 'x'], NULL

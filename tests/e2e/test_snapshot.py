@@ -117,6 +117,10 @@ def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: 
         assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table), table
     with dbs.dst() as d:
         assert d.execute("SELECT sum(balance) FROM accounts").fetchone()[0] == 1000 * ACCOUNTS  # type: ignore[index]
+        readers = d.execute("SELECT count(*), count(DISTINCT read_task) FROM changefeed.snapshot_chunks "
+                            "WHERE feed = %s GROUP BY batch_id", (dbs.name,)).fetchall()
+    assert max(n for n, _ in readers) > 1 and all(n == tasks for n, tasks in readers), \
+        f"chunks of a batch were not read by a Spark task each: (chunks, tasks) per batch {readers}"
 
     applied, planned = applied_chunks(dbs), planned_chunks(state, dbs.name)
     nos = [c[0] for c in planned]

@@ -114,7 +114,8 @@ class TableShape:
 @dataclass(frozen=True)
 class Progress:
     """What a `P` row says: this partition delivered every commit up to `end_lsn`, or (with
-    `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn"}."""
+    `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn", "task"} (the
+    Spark task attempt that read it)."""
 
     end_lsn: int
     resolved_ts: int

@@ -41,13 +41,28 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
         f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.progress ("
         " feed text NOT NULL, batch_id bigint NOT NULL, end_lsn pg_lsn NOT NULL, resolved_ts bigint NOT NULL,"
         " commit_time timestamptz, changes bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),"
-        " PRIMARY KEY (feed, end_lsn))")
+        " began_at timestamptz DEFAULT now(), PRIMARY KEY (feed, end_lsn))")
+    # began_at: now() is the batch transaction's start, so applied_at - began_at is its apply time.
+    _ensure_column(conn, "progress", "began_at", "timestamptz", default="now()")
     # One row per snapshot chunk applied: a chunk is applied once (the key refuses a second).
+    # read_task: the Spark task attempt that read the chunk.
     conn.execute(
         f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.snapshot_chunks ("
         " feed text NOT NULL, chunk_no bigint NOT NULL, table_name text NOT NULL, rows bigint NOT NULL,"
         " read_lsn pg_lsn NOT NULL, batch_id bigint NOT NULL,"
-        " applied_at timestamptz NOT NULL DEFAULT clock_timestamp(), PRIMARY KEY (feed, chunk_no))")
+        " applied_at timestamptz NOT NULL DEFAULT clock_timestamp(), read_task bigint, PRIMARY KEY (feed, chunk_no))")
+    _ensure_column(conn, "snapshot_chunks", "read_task", "bigint")
+
+
+def _ensure_column(conn: psycopg.Connection[Any], table: str, column: str, type_: str, default: str = "") -> None:
+    """Add a bookkeeping column that sinks made by an older version lack (existing rows get NULL,
+    the default is for new ones). Only then: ALTER TABLE would lock out other feeds' batches."""
+    if conn.execute(f"SELECT 1 FROM pg_attribute WHERE attrelid = '{META_SCHEMA}.{table}'::regclass "
+                    "AND attname = %s AND NOT attisdropped", (column,)).fetchone():
+        return
+    conn.execute(f"ALTER TABLE {META_SCHEMA}.{table} ADD COLUMN IF NOT EXISTS {column} {type_}")
+    if default:
+        conn.execute(f"ALTER TABLE {META_SCHEMA}.{table} ALTER COLUMN {column} SET DEFAULT {default}")
 
 
 def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
@@ -197,9 +212,9 @@ class BatchApplier:
                 with self.conn.cursor() as cur:
                     cur.executemany(
                         f"INSERT INTO {META_SCHEMA}.snapshot_chunks (feed, chunk_no, table_name, rows, read_lsn, "
-                        "batch_id) VALUES (%s, %s, %s, %s, %s::pg_lsn, %s)",
-                        [(self.feed, c["no"], c["table"], c["rows"], format_lsn(c["read_lsn"]), self.batch_id)
-                         for c in chunks])
+                        "batch_id, read_task) VALUES (%s, %s, %s, %s, %s::pg_lsn, %s, %s)",
+                        [(self.feed, c["no"], c["table"], c["rows"], format_lsn(c["read_lsn"]), self.batch_id,
+                          c.get("task")) for c in chunks])
             faults.reach("before_sink_commit")
         self.conn.execute("COMMIT")
         faults.reach("after_sink_commit")

@@ -35,7 +35,12 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
     return spark
 
 
-def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False) -> Any:
+def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
+                parallel_reads: bool = False) -> Any:
+    """Start the feed's query. `parallel_reads` (while snapshot chunks are pending) reads a batch's
+    input partitions, its WAL window and its chunks, as parallel tasks and shuffles them to the one
+    writer task; without it the writer task reads them itself, one after the other, and no shuffle
+    is paid for. Either way the batch is applied in one transaction (see spark.sink)."""
     reader = (spark.readStream.format("changefeed")
               .option("uri", spec.source).option("slot", spec.slot).option("publication", spec.publication)
               .option("feed", spec.name)
@@ -45,8 +50,9 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
               .option("requests_dir", str(state.requests)))
-    # One writer task per batch: it applies the batch in one target transaction (see spark.sink).
-    writer = (reader.load().coalesce(1).writeStream.format("changefeed-postgres")
+    changes = reader.load()
+    changes = changes.repartition(1) if parallel_reads else changes.coalesce(1)
+    writer = (changes.writeStream.format("changefeed-postgres")
               .queryName(f"changefeed_{spec.name}")
               .option("uri", spec.sink).option("feed", spec.name)
               .option("checkpointLocation", str(state.checkpoint)))

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
@@ -214,7 +215,9 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
         for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start["lsn"], part.end["ts"],
                                      found, part.rows_per_batch):
             yield ch.pack(rb)
+    task = TaskContext.get()
     done = ch.Progress(part.end["lsn"], part.end["ts"], None, found.rows,
-                       {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn})
+                       {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
+                        "task": task.taskAttemptId() if task else None})
     yield ch.pack(ch.progress_batch(done))
     faults.reach("snapshot_chunk")

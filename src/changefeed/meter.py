@@ -1,0 +1,151 @@
+"""What a running feed tells while it runs: a progress line every few seconds, per-table
+snapshot progress, and the gauges of its metrics endpoint."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from .config import FeedState
+from .core.hlc import physical_ms
+from .metrics import FeedMetrics, TableSnapshot
+from .metrics import serve as serve_metrics
+from .postgres import source as src
+from .sinks import postgres_replica as replica
+from .status import checkpoint_lag_s, resolved_lag_s, retained_bytes
+
+if TYPE_CHECKING:
+    from .feed import Prepared
+
+
+class Meter:
+    """One human line every few seconds: what the sink recorded since start, and Spark's last batch.
+
+    Changes are counted at the sink: Spark's row counts are packed chunks, not changes.
+    """
+
+    def __init__(self, report: Callable[[str], None], totals: Callable[[], tuple[int, int]],
+                 snapshot: "SnapshotMeter | None" = None, gauges: "Gauges | None" = None) -> None:
+        self.report, self.totals, self.snapshot, self.gauges = report, totals, snapshot, gauges
+        self._base = totals()
+        self.batches = self.changes = 0
+        self._t0 = time.monotonic()
+        self._previous = (0, self._t0)  # changes and time at the last update: the interval's rate
+
+    def update(self, query: Any) -> None:
+        batches, changes = self.totals()
+        self.batches, self.changes = batches - self._base[0], changes - self._base[1]
+        now = time.monotonic()
+        rate = (self.changes - self._previous[0]) / max(now - self._previous[1], 1e-9)
+        self._previous = (self.changes, now)
+        last = query.lastProgress
+        dur = last.get("durationMs", {}).get("triggerExecution", 0) / 1000 if last else None
+        end = end_offset(last)
+        pending = tuple((end.get("snap") or {}).get("pending", ()))
+        if self.gauges is not None:
+            self.gauges.update(query, pending, changes_total=self.changes, batches_total=self.batches,
+                               changes_per_second=rate, batch_duration_seconds=dur)
+        if not last:
+            return
+        lag = ""
+        if end.get("ts"):
+            lag = f", resolved lag {max(0.0, time.time() - physical_ms(int(end['ts'])) / 1000):.1f}s"
+        elapsed = now - self._t0
+        self.report(f"  {self.changes} changes in {self.batches} batches, "
+                    f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s overall, last batch {dur:.2f}s{lag}")
+        if self.snapshot is not None:
+            self.snapshot.update(pending)
+
+
+def start_metrics(stack: ExitStack, feed: str, host: str, port: int | None,
+                   report: Callable[[str], None]) -> FeedMetrics | None:
+    """Serve the feed's metrics until `stack` closes. Called before prepare: a port that is taken
+    fails the run before anything is created."""
+    if port is None:
+        return None
+    metrics = FeedMetrics(feed)
+    server = serve_metrics(metrics, host, port)
+    stack.callback(server.close)
+    report(f"feed {feed}: metrics on {server.url}")
+    return metrics
+
+
+class Gauges:
+    """Fills the metrics endpoint at every report: the meter's numbers, lags by status()'s
+    definitions, retained WAL, snapshot progress and the run's state."""
+
+    def __init__(self, metrics: FeedMetrics, prepared: Prepared) -> None:
+        self.metrics, self.prepared = metrics, prepared
+
+    def update(self, query: Any, pending: tuple[str, ...], **meter: Any) -> None:
+        """A meter value that is None (no batch done since a query (re)start) keeps the last one."""
+        state, reason = _phase(self.prepared.state, query)
+        self.metrics.update(state=state, reason=reason, **{k: v for k, v in meter.items() if v is not None})
+        with suppress(psycopg.Error):  # a server gone away must not mask why the feed stops
+            self.metrics.update(**self._read(pending))
+
+    def _read(self, pending: tuple[str, ...]) -> dict[str, Any]:
+        spec, source, sink = self.prepared.spec, self.prepared.source_conn, self.prepared.sink_conn
+        current, now_ms = src.flush_lsn(source)
+        out: dict[str, Any] = {"slot_retained_wal_bytes": retained_bytes(src.slot_state(source, spec.slot), current)}
+        resolved = replica.last_resolved_ts(sink, spec.name)
+        if resolved is not None:
+            out["checkpoint_lag_seconds"] = checkpoint_lag_s(current, now_ms, replica.applied_upto(sink, spec.name),
+                                                             resolved)
+            out["resolved_lag_seconds"] = resolved_lag_s(now_ms, resolved)
+        applied = replica.snapshot_totals(sink, spec.name)
+        out["snapshot"] = {t: TableSnapshot(*applied.get(t, (0, 0)), pending=t in pending)
+                           for t in sorted(set(applied) | set(pending))}
+        return out
+
+
+def _phase(state: FeedState, query: Any) -> tuple[str, str]:
+    """(state, failure reason) of this run for the metrics: failed wins, then paused, running, stopped."""
+    failure = state.failure()
+    if failure:
+        return "failed", failure.removeprefix("failed: ")
+    return ("paused" if state.paused else "running" if query.isActive else "stopped"), ""
+
+
+class SnapshotMeter:
+    """Per table being snapshotted: rows applied of the estimated total, rate and ETA."""
+
+    def __init__(self, report: Callable[[str], None], source: Any, sink: Any, feed: str) -> None:
+        self.report, self.source, self.sink, self.feed = report, source, sink, feed
+        self._seen: dict[str, tuple[float, int]] = {}  # table -> (when first seen pending, rows then)
+        self._last: dict[str, int] = {}  # rows applied per table at the last report
+        self._last_at = time.monotonic()  # when that was
+
+    def update(self, pending: tuple[str, ...]) -> None:
+        from .postgres.snapshot import estimated_rows
+
+        now = time.monotonic()
+        applied = {t: rows for t, (_, rows) in replica.snapshot_totals(self.sink, self.feed).items()}
+        moved = {t for t, rows in applied.items() if rows != self._last.get(t)}
+        for table in sorted(set(pending) | moved):
+            rows = applied.get(table, 0)
+            if table not in pending:
+                self.report(f"  snapshot {table}: done, {rows:,} rows")
+                self._seen.pop(table, None)
+                continue
+            t0, rows0 = self._seen.setdefault(table, (self._last_at, self._last.get(table, 0)))
+            rate = (rows - rows0) / max(now - t0, 1e-9)
+            total = estimated_rows(self.source, table)
+            line = f"  snapshot {table}: {rows:,} rows"
+            if total:
+                line += f" of ~{total:,} ({min(rows / total, 1):.0%})"
+            line += f", {rate:,.0f} rows/s"
+            if total and rate > 0:
+                line += f", ETA {max(total - rows, 0) / rate:.0f}s"
+            self.report(line)
+        self._last, self._last_at = applied, now
+
+
+def end_offset(progress: dict[str, Any] | None) -> dict[str, Any]:
+    """The end offset of a progress report's (only) source, as a dict."""
+    end = ((progress or {}).get("sources") or [{}])[0].get("endOffset") or {}
+    return json.loads(end) if isinstance(end, str) else end  # type: ignore[no-any-return]
