@@ -117,7 +117,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
         spark = spark_session(master)
-        parallel = _chunks_to_read(spec, state, _logged_end(state))
+        parallel = _chunks_to_read(spec, state)
         query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
@@ -135,8 +135,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 if state.paused:
                     report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
-                if query.isActive and parallel != _chunks_to_read(
-                        spec, state, end_offset(query.lastProgress) or _logged_end(state)):
+                if query.isActive and parallel != _chunks_to_read(spec, state):
                     parallel = not parallel
                     report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read them "
                                                     "in parallel tasks" if parallel else
@@ -194,11 +193,13 @@ def _logged_end(state: FeedState) -> dict[str, Any] | None:
     return json.loads(last[-1]) if len(last) > 2 else None  # type: ignore[no-any-return]
 
 
-def _chunks_to_read(spec: FeedSpec, state: FeedState, end: dict[str, Any] | None) -> bool:
-    """Whether snapshot chunks are pending after `end` (None: a fresh checkpoint) or requested."""
+def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
+    """Whether the last batch Spark planned (it may still run) carries snapshot chunks, or chunks
+    are pending after it, or requested; a fresh checkpoint has its initial snapshot ahead."""
+    end = _logged_end(state)
     cursor = snapshot.Cursor.from_offset(end) if end else snapshot.Cursor(
         pending=() if spec.snapshot == "never" else spec.tables)
-    return bool(cursor.pending) or bool(SnapshotRequests(state.requests).after(cursor.requests))
+    return bool((end or {}).get("chunks") or cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
 
 
 def _release_wal(prepared: Prepared, query: Any) -> None:
