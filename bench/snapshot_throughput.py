@@ -1,0 +1,468 @@
+#!/usr/bin/env python
+"""Snapshot throughput: how fast does the feed copy a table's existing rows, next to a plain COPY?
+
+Measures, on one pair of fresh local PostgreSQL servers (source, sink), the initial snapshot of
+one table of --rows rows (~100-byte rows, written once, then VACUUM ANALYZE), --runs times each,
+interleaved so that every run's figures come from the same moment:
+
+  b      a plain `COPY (SELECT * FROM snap_t ORDER BY id) TO STDOUT` on the source, streamed
+         into `COPY snap_copy_K FROM STDIN` (a fresh table with the same columns and key, in a
+         fresh sink database): what the two servers alone can do for a bulk copy;
+  c-par  `changefeed run --snapshot only` (a Spark process) on a fresh feed, sink database and
+         state folder: a batch's chunks are read as parallel Spark tasks and shuffled to the one
+         writer task (`repartition(1)`), as the runner does while chunks are pending;
+  c-seq  the same feed with the chunks read one after the other by the writer task itself
+         (`coalesce(1)`). BENCH-ONLY SWITCH: the feed has no option for this; the script runs
+         it through `python -c` with `changefeed.feed._chunks_to_read` replaced by a function
+         that always says "no chunks pending", so the runner never asks for parallel reads.
+
+A feed run is timed four ways: its whole-process wall time (JVM and Spark start-up included);
+"snapshot only", from the start of the first batch that carried chunks (its progress row's
+`began_at`, the writer's transaction start) to the last chunk applied (`snapshot_chunks.applied_at`);
+"from query start", from the feed's `running` log line to the last chunk applied; and "warm", the
+rows of the batches after the first over the time from the first batch's commit to the last one's.
+"snapshot only" flatters the parallel mode: its writer task, and so `began_at`, starts only once
+the batch's chunks are read (after the shuffle); "from query start" and "warm" time both modes
+alike (see bench/README.md).
+
+After each feed run the replica table is compared with the source (count + md5 of rows in key
+order), every chunk must have been applied once (count = distinct chunk numbers, rows add up
+to --rows) and the chunks' Spark read tasks must show the mode (parallel: one task per chunk,
+sequential: one per batch). A mismatch or a failed feed run makes the script exit 1. Each run's
+feed is removed afterwards (`changefeed remove`: slot, publication, bookkeeping, state).
+
+    .venv/bin/python bench/snapshot_throughput.py                      # 1M rows, 3 runs
+    .venv/bin/python bench/snapshot_throughput.py --rows 100000 --runs 1
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replica_throughput import ROOT, fmt_rate, fmt_ratio, log, machine_facts, spread  # noqa: E402
+
+from changefeed.config import DEFAULT_CHUNK_ROWS  # noqa: E402
+from changefeed.local_postgres import LocalPostgres  # noqa: E402
+
+TABLE = "snap_t"
+SOURCE_DB = "snap"
+COLUMNS = "id bigint PRIMARY KEY, a int, b text, c timestamptz"
+COPY_ROWS = 100_000  # rows per COPY statement while writing the table
+
+# The sequential mode: the same `changefeed run`, with the runner told that no snapshot chunks
+# are pending, so it starts the query with coalesce(1) (the writer task reads the chunks itself)
+# instead of repartition(1). A bench-only switch, not a feed option.
+SEQUENTIAL = ("import sys\n"
+              "import changefeed.feed as f\n"
+              "f._chunks_to_read = lambda *a: False  # bench only: never read chunks as parallel tasks\n"
+              "from changefeed.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+
+MODES = ("par", "seq")
+MODE_TEXT = {"par": "parallel chunk reads (repartition(1))", "seq": "sequential chunk reads (coalesce(1))"}
+# how a feed run is timed: (key, label); rows/s = rows / seconds
+WAYS = (("whole", "whole process (incl. JVM/Spark start-up)"),
+        ("snap", "snapshot only (1st chunk batch began -> last applied)"),
+        ("query", "from query start (running line -> last applied)"),
+        ("warm", "warm (batches after the 1st: its applied -> last)"))
+
+_children: list[subprocess.Popen[str]] = []
+
+
+# -- workload -----------------------------------------------------------------------------------
+
+def write_table(conn: psycopg.Connection, n: int, seed: int = 42) -> float:
+    """Create snap_t and fill it with `n` deterministic rows (ids 1..n), in one transaction."""
+    rng = random.Random(seed)
+    base = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    t0 = time.monotonic()
+    with conn.transaction():
+        conn.execute(f"CREATE TABLE {TABLE} ({COLUMNS})")
+        for start in range(1, n + 1, COPY_ROWS):
+            lines = []
+            for i in range(start, min(start + COPY_ROWS, n + 1)):
+                a = rng.randrange(-2**31, 2**31)
+                b = rng.randbytes(40).hex()  # 80 chars
+                c = (base + timedelta(microseconds=rng.randrange(10**14))).isoformat(sep=" ")
+                lines.append(f"{i}\t{a}\t{b}\t{c}\n")
+            with conn.cursor().copy(f"COPY {TABLE} (id, a, b, c) FROM STDIN") as cp:
+                cp.write("".join(lines))
+    # VACUUM too, not only ANALYZE: it sets the hint bits, so the first reader measured (b of
+    # run 1) does not pay for writing them
+    conn.execute(f"VACUUM (ANALYZE) {TABLE}")
+    return time.monotonic() - t0
+
+
+def fingerprint(uri: str, table: str) -> tuple[int, str]:
+    with psycopg.connect(uri) as c:
+        row = c.execute(f"SELECT count(*), coalesce(md5(string_agg(x::text, '|' ORDER BY x.id)), '') "
+                        f"FROM {table} x").fetchone()
+    return int(row[0]), str(row[1])
+
+
+# -- b: COPY -> COPY --------------------------------------------------------------------------
+
+def run_copy(src_uri: str, dst_uri: str, table: str) -> float:
+    """Stream the source table, in key order, into a fresh table on the sink; seconds taken."""
+    with psycopg.connect(dst_uri, autocommit=True) as d:
+        d.execute(f"CREATE TABLE {table} ({COLUMNS})")
+    with psycopg.connect(src_uri) as s, psycopg.connect(dst_uri) as d:
+        t0 = time.monotonic()
+        with s.cursor().copy(f"COPY (SELECT * FROM {TABLE} ORDER BY id) TO STDOUT") as out, \
+                d.cursor().copy(f"COPY {table} FROM STDIN") as inp:
+            for data in out:  # chunks of bytes as the server sends them
+                inp.write(data)
+        d.commit()
+        return time.monotonic() - t0
+
+
+# -- c: the feed ------------------------------------------------------------------------------
+
+@dataclass
+class FeedRun:
+    wall: float
+    rc: int
+    running_at: float | None  # epoch seconds of the feed's "running (" line
+    marks: dict[str, float] = field(default_factory=dict)  # seconds after start of its running/complete/stopped lines
+    lines: list[str] = field(default_factory=list)
+    restarts: list[str] = field(default_factory=list)  # the runner's "restarting the query ..." lines
+    stderr_tail: str = ""
+    log_file: Path | None = None
+
+
+def run_feed(mode: str, name: str, src_uri: str, sink_uri: str, state: Path, logdir: Path, chunk_rows: int,
+             timeout: float, extra: list[str]) -> FeedRun:
+    head = [sys.executable, "-m", "changefeed"] if mode == "par" else [sys.executable, "-c", SEQUENTIAL]
+    cmd = [*head, "run", "--name", name, "--source", src_uri, "--sink", sink_uri, "--tables", f"public.{TABLE}",
+           "--snapshot", "only", "--snapshot-chunk-rows", str(chunk_rows), "--state", str(state), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out_path, err_path = logdir / f"{name}.out", logdir / f"{name}.err"
+    stamped: list[tuple[float, float, str]] = []  # (seconds since start, epoch seconds, line)
+    with open(err_path, "w") as err:
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=str(ROOT),
+                             start_new_session=True)
+        _children.append(p)
+        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            assert p.stdout is not None
+            for line in p.stdout:
+                stamped.append((time.monotonic() - t0, time.time(), line.rstrip("\n")))
+            rc = p.wait()
+        finally:
+            timer.cancel()
+            _children.remove(p)
+        wall = time.monotonic() - t0
+    out_path.write_text("".join(f"{t:8.2f}s  {ln}\n" for t, _, ln in stamped))
+    running_at = next((at for _, at, ln in stamped if ": running (" in ln), None)
+    marks = {what: next(t for t, _, ln in stamped if text in ln)
+             for what, text in (("running", ": running ("), ("snapshot complete", ": snapshot complete"),
+                                ("stopped", ": stopped cleanly")) if any(text in ln for _, _, ln in stamped)}
+    restarts = [f"{t:.2f}s {ln.strip()}" for t, _, ln in stamped if "restarting the query" in ln]
+    tail = "\n".join(err_path.read_text(errors="replace").splitlines()[-40:])
+    return FeedRun(wall, rc, running_at, marks, [ln for _, _, ln in stamped], restarts, tail, out_path)
+
+
+def feed_failure(r: FeedRun, what: str) -> str:
+    return (f"{what} exited {r.rc} after {r.wall:.1f}s (log {r.log_file})\n"
+            f"--- stdout ---\n" + "\n".join(r.lines[-20:]) + f"\n--- stderr (tail) ---\n{r.stderr_tail}")
+
+
+@dataclass
+class Batch:
+    """A batch that carried snapshot chunks, as the sink recorded it."""
+
+    batch_id: int
+    chunks: int
+    empty: int  # chunks with no rows
+    tasks: int  # distinct Spark read tasks of its chunks
+    rows: int
+    began: float  # epoch seconds: its progress row's began_at (the writer's transaction start)
+    applied: float  # epoch seconds: its chunks' applied_at (at its commit)
+
+
+@dataclass
+class Chunks:
+    """What the sink recorded for a feed's snapshot."""
+
+    count: int
+    distinct: int
+    rows: int
+    with_task: int  # chunks with a read_task
+    batches: list[Batch]  # in end_lsn order
+
+
+def chunk_record(uri: str, feed: str) -> Chunks:
+    with psycopg.connect(uri) as c:
+        count, distinct, rows, with_task = c.execute(
+            "SELECT count(*), count(DISTINCT chunk_no), coalesce(sum(rows), 0), count(read_task) "
+            "FROM changefeed.snapshot_chunks WHERE feed = %s", (feed,)).fetchone()
+        batches = c.execute(
+            "SELECT s.batch_id, count(*), count(*) FILTER (WHERE s.rows = 0), count(DISTINCT s.read_task), "
+            "sum(s.rows), extract(epoch FROM min(p.began_at)), extract(epoch FROM max(s.applied_at)) "
+            "FROM changefeed.snapshot_chunks s JOIN changefeed.progress p ON p.feed = s.feed AND p.batch_id = s.batch_id "
+            "WHERE s.feed = %s GROUP BY s.batch_id ORDER BY min(p.end_lsn)", (feed,)).fetchall()
+    return Chunks(int(count), int(distinct), int(rows), int(with_task),
+                  [Batch(int(b), int(n), int(e), int(t), int(r), float("nan") if x is None else float(x), float(y))
+                   for b, n, e, t, r, x, y in batches])
+
+
+def mode_shown(mode: str, ck: Chunks) -> str | None:
+    """None if the chunks' read tasks show the mode, else what is wrong."""
+    if ck.with_task < ck.count:
+        return f"{ck.count - ck.with_task} of {ck.count} chunks have no read_task"
+    shape = [(b.batch_id, b.chunks, b.tasks) for b in ck.batches]
+    if mode == "par":
+        if any(b.tasks != b.chunks for b in ck.batches) or not any(b.chunks > 1 for b in ck.batches):
+            return (f"parallel mode, but (batch, chunks, read tasks) {shape}: expected one task per chunk, "
+                    "and a batch with more than one chunk")
+    elif any(b.tasks != 1 for b in ck.batches):
+        return f"sequential mode, but (batch, chunks, read tasks) {shape}: expected one task per batch"
+    return None
+
+
+def fmt_one(x: float) -> str:
+    return f"{'n/a':>7}" if math.isnan(x) else f"{x:>7,.0f}"
+
+
+def remove_feed(name: str, state: Path) -> str | None:
+    """`changefeed remove`: drops the feed's slot, publication, sink bookkeeping and state."""
+    p = subprocess.run([sys.executable, "-m", "changefeed", "remove", "--name", name, "--state", str(state)],
+                       capture_output=True, text=True, cwd=str(ROOT), timeout=120, check=False)
+    return None if p.returncode == 0 else f"changefeed remove --name {name} exited {p.returncode}: {p.stderr.strip()}"
+
+
+# -- main -------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows in the table (default 1,000,000)")
+    ap.add_argument("--runs", type=int, default=3, help="measured runs of each system (default 3)")
+    ap.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
+                    help=f"--snapshot-chunk-rows of the feed (default {DEFAULT_CHUNK_ROWS:,})")
+    ap.add_argument("--workdir", help="where servers, state and logs go (default: a temp dir, removed at exit)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory and the sink databases "
+                                                        "(always kept with --workdir)")
+    ap.add_argument("--feed-timeout", type=float, default=1200, help="seconds before a feed run is killed")
+    ap.add_argument("--feed-arg", action="append", default=[],
+                    help="extra argument for `changefeed run` (repeatable), e.g. --feed-arg=--master=local[2]")
+    args = ap.parse_args()
+    if args.rows < 1 or args.runs < 1 or args.chunk_rows < 1:
+        ap.error("need --rows >= 1, --runs >= 1 and --chunk-rows >= 1")
+
+    if args.workdir:
+        work = Path(args.workdir).absolute()
+        if work.exists() and any(work.iterdir()):
+            ap.error(f"--workdir {work} is not empty")
+        work.mkdir(parents=True, exist_ok=True)
+        remove_work = False
+    else:
+        work = Path(tempfile.mkdtemp(prefix="snapshot-bench-"))
+        remove_work = not args.keep
+    logdir, state = work / "logs", work / "state"
+    logdir.mkdir()
+
+    servers: list[LocalPostgres] = []
+
+    def cleanup() -> None:
+        for p in list(_children):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for s in servers:
+            s.stop("immediate")
+        servers.clear()
+        if remove_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    atexit.register(cleanup)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    t_start = time.monotonic()
+    log(f"work directory {work}{' (removed at exit)' if remove_work else ''}")
+    source = LocalPostgres.start(work / "source")
+    servers.append(source)
+    sink = LocalPostgres.start(work / "sink")
+    servers.append(sink)
+    log(f"source on port {source.port}, sink on port {sink.port}")
+    facts = machine_facts(source)
+
+    with psycopg.connect(source.uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {SOURCE_DB}")
+    src_uri = source.uri(SOURCE_DB)
+    log(f"writing {TABLE}: {args.rows:,} rows ...")
+    with psycopg.connect(src_uri, autocommit=True) as c:
+        secs = write_table(c, args.rows)
+        heap, total_size = c.execute(f"SELECT pg_relation_size('{TABLE}'), pg_total_relation_size('{TABLE}')").fetchone()
+    src_fp = fingerprint(src_uri, TABLE)
+    n_chunks = args.rows // args.chunk_rows + 1  # the last chunk runs to the table's end (it may be empty)
+    log(f"  {src_fp[0]:,} rows in {secs:.1f}s; table {heap / 2**20:,.0f} MiB ({total_size / 2**20:,.0f} MiB with "
+        f"its key); {n_chunks} chunk(s) of up to {args.chunk_rows:,} rows")
+    if src_fp[0] != args.rows:
+        print(f"FAILED: the source has {src_fp[0]:,} rows, not {args.rows:,}")
+        return 1
+
+    def drop_db(name: str) -> None:
+        if not remove_work:
+            return  # kept for a look (--workdir, --keep)
+        with psycopg.connect(sink.uri(), autocommit=True) as c:
+            c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    n = args.rows
+    res: dict[str, list[float]] = {"b": [], **{f"{m}_{w}": [] for m in MODES for w, _ in WAYS}}
+    shapes: dict[str, list[str]] = {m: [] for m in MODES}  # per run: chunks and read tasks per batch
+    failures: list[str] = []
+    per_run: list[str] = []
+    for k in range(1, args.runs + 1):
+        log(f"run {k}/{args.runs}")
+        with psycopg.connect(sink.uri(), autocommit=True) as c:
+            for db in (f"copy_{k}", f"par_{k}", f"seq_{k}"):
+                c.execute(f"CREATE DATABASE {db}")
+        # b
+        table = f"snap_copy_{k}"
+        secs = run_copy(src_uri, sink.uri(f"copy_{k}"), table)
+        res["b"].append(n / secs)
+        fp = fingerprint(sink.uri(f"copy_{k}"), table)
+        ok = fp == src_fp
+        log(f"  b     COPY -> COPY: {secs:.2f}s, {n / secs:,.0f} rows/s; copy {'EQUALS' if ok else 'DIFFERS FROM'} "
+            f"source ({fp[0]:,} rows, md5 {fp[1][:12]} vs {src_fp[1][:12]})")
+        if not ok:
+            failures.append(f"run {k} b: copy_{k}.{table} differs from the source: {fp} vs {src_fp}")
+        drop_db(f"copy_{k}")
+        # c-par and c-seq, taking turns at going first, so that neither always runs right after b
+        for mode in (MODES if k % 2 else MODES[::-1]):
+            name, db = f"{mode}{k}", f"{mode}_{k}"
+            rates = dict.fromkeys((w for w, _ in WAYS), float("nan"))
+            r = run_feed(mode, name, src_uri, sink.uri(db), state, logdir, args.chunk_rows, args.feed_timeout,
+                         args.feed_arg)
+            if r.rc != 0:
+                failures.append(feed_failure(r, f"run {k} c-{mode} feed {name}"))
+                log(f"  c-{mode} FAILED: exit {r.rc} after {r.wall:.1f}s (see report below)")
+                shapes[mode].append("failed")
+            else:
+                fp = fingerprint(sink.uri(db), TABLE)
+                ok = fp == src_fp
+                if not ok:
+                    failures.append(f"run {k} c-{mode}: {db}.{TABLE} differs from the source: {fp} vs {src_fp}")
+                ck = chunk_record(sink.uri(db), name)
+                once = ck.count == ck.distinct and ck.rows == n
+                if not once:
+                    failures.append(f"run {k} c-{mode}: {ck.count} chunk records for {ck.distinct} chunks, "
+                                    f"{ck.rows:,} rows for {n:,}")
+                wrong = mode_shown(mode, ck)
+                if wrong:
+                    failures.append(f"run {k} c-{mode}: {wrong}" + "".join(
+                        f"; the feed said at {x}" for x in r.restarts)
+                        + ("; so its chunks were read again without the shuffle: the comparison is void "
+                           "(see bench/README.md)" if r.restarts else ""))
+                secs_of: dict[str, tuple[float, int]] = {"whole": (r.wall, n)}  # seconds, rows
+                if ck.batches:
+                    first, last = ck.batches[0], max(b.applied for b in ck.batches)
+                    secs_of["snap"] = (last - first.began, n)
+                    if r.running_at is not None:
+                        secs_of["query"] = (last - r.running_at, n)
+                    warm_rows = sum(b.rows for b in ck.batches[1:])
+                    if warm_rows:
+                        secs_of["warm"] = (last - first.applied, warm_rows)
+                for w, (secs, rows) in secs_of.items():
+                    if not math.isnan(secs):  # began_at may be missing
+                        rates[w] = rows / max(secs, 1e-6)
+                shape = (f"{len(ck.batches)} batch(es), chunks per batch {[b.chunks for b in ck.batches]} "
+                         f"({sum(b.empty for b in ck.batches)} empty), read tasks per batch "
+                         f"{[b.tasks for b in ck.batches]}")
+                shapes[mode].append(shape)
+                log(f"  c-{mode} feed: " + "; ".join(
+                    f"{w} {secs:.2f}s{f' for {rows:,} rows' if rows != n else ''} ({rates[w]:,.0f} rows/s)"
+                    for w, (secs, rows) in secs_of.items()))
+                log(f"    every chunk applied once: {once}; {shape}")
+                log("    process: " + ", ".join(f"{w} line {t:.2f}s" for w, t in r.marks.items())
+                    + f", exit {r.wall:.2f}s")
+                if r.running_at is not None:
+                    log("    batches with chunks, seconds after the running line: " + ", ".join(
+                        f"{b.batch_id} began {b.began - r.running_at:.2f} applied {b.applied - r.running_at:.2f}"
+                        for b in ck.batches))
+                for x in r.restarts:
+                    log(f"    the runner restarted its query: {x}")
+                log(f"    replica {'EQUALS' if ok else 'DIFFERS FROM'} source "
+                    f"({fp[0]:,} rows, md5 {fp[1][:12]} vs {src_fp[1][:12]})")
+            if (state / name / "feed.json").exists():  # also after a failed run: no slot left behind
+                gone = remove_feed(name, state)
+                if gone:
+                    failures.append(f"run {k} c-{mode}: {gone}")
+            drop_db(db)
+            for w, _ in WAYS:
+                res[f"{mode}_{w}"].append(rates[w])
+        per_run.append(f"  run {k}: b {res['b'][-1]:>9,.0f}" + "".join(
+            f"  c-{m} " + " /".join(fmt_one(res[f"{m}_{w}"][-1]) for w, _ in WAYS) for m in MODES))
+
+    def ratios(num: str, den: str) -> tuple[float, float, float] | None:
+        return spread([x / y for x, y in zip(res[num], res[den])])
+
+    with psycopg.connect(source.uri(SOURCE_DB)) as c:
+        slots = c.execute("SELECT count(*) FROM pg_replication_slots").fetchone()[0]
+    if slots:
+        failures.append(f"{slots} replication slot(s) left on the source after removing the feeds")
+
+    total = time.monotonic() - t_start
+    print()
+    print("=" * 100)
+    print(f"snapshot throughput: {n:,} rows of ~100 bytes (table {heap / 2**20:,.0f} MiB, "
+          f"{total_size / 2**20:,.0f} MiB with its key), {n_chunks} chunk(s) of up to {args.chunk_rows:,} rows, "
+          f"{args.runs} run(s)")
+    for f in facts:
+        print(f)
+    print()
+    print(f"{'rows/s':<64}{'median':>13} {'min':>13} {'max':>13}")
+    print(f"{'b      COPY TO STDOUT -> COPY FROM STDIN (baseline)':<64}{fmt_rate(spread(res['b']))}")
+    for m in MODES:
+        print(f"c-{m}  feed, {MODE_TEXT[m]}:")
+        for w, text in WAYS:
+            print(f"{'         ' + text:<64}{fmt_rate(spread(res[f'{m}_{w}']))}")
+    print()
+    print("ratios, computed per run, median [min - max]:")
+    for w, text in WAYS:
+        print(f"  {text}:")
+        print(f"    c-par/b        {fmt_ratio(ratios(f'par_{w}', 'b'))}")
+        print(f"    c-seq/b        {fmt_ratio(ratios(f'seq_{w}', 'b'))}")
+        print(f"    c-par/c-seq    {fmt_ratio(ratios(f'par_{w}', f'seq_{w}'))}")
+    print()
+    print("chunk reads per run (Spark read tasks, from snapshot_chunks.read_task):")
+    for m in MODES:
+        for k, s in enumerate(shapes[m], 1):
+            print(f"  c-{m} run {k}: {s}")
+    print()
+    print(f"per run (rows/s; c: {' / '.join(w for w, _ in WAYS)}):")
+    print("\n".join(per_run))
+    print(f"\ntotal benchmark time {total / 60:.1f} min; feed logs in {logdir}"
+          f"{' (removed at exit; use --keep)' if remove_work else ''}")
+    if failures:
+        print("\nFAILED:")
+        for f in failures:
+            print(f"- {f}")
+        return 1
+    print("verdict: every copy and replica equals the source, every chunk was applied once, "
+          "the read tasks show both modes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
