@@ -75,13 +75,12 @@ def _last_progress(sink: Any, feed: str) -> tuple[Any, ...] | None:
     """The last applied batch: end LSN, commit time, resolved ts, end LSN as int, batch count, duration.
 
     began_at is read through to_jsonb: a sink made before it existed has no such column until its
-    feed runs again, and status creates nothing. Rows older than the column got the time it was
-    added, after their applied_at: no duration for them.
+    feed runs again, and status creates nothing. Rows older than the column have no duration.
     """
     return sink.execute(  # type: ignore[no-any-return]
         "SELECT end_lsn::text, commit_time::text, resolved_ts, end_lsn - '0/0'::pg_lsn, "
         "(SELECT count(*) FROM changefeed.progress WHERE feed = %s), "
-        "CASE WHEN b.began <= applied_at THEN extract(epoch FROM applied_at - b.began) END "
+        "extract(epoch FROM applied_at - b.began) "
         f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (feed, feed)).fetchone()
 
 

@@ -58,14 +58,15 @@ def _order(table: SourceTable) -> sql.Composable:
 
 
 def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key | None, rows: int) -> Key | None:
-    """The key of the `rows`-th row after `after` in key order, None if fewer rows remain."""
-    row = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET %s LIMIT 1").format(
+    """The key of the `rows`-th row after `after` in key order, None if no row follows that one
+    (the last chunk then runs to the end: a table of exactly n chunks gets no empty n+1st)."""
+    found = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET %s LIMIT 2").format(
         # aliased: ORDER BY a bare name would pick the text output column and sort as text
         sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
                            for i, k in enumerate(table.key)),
         sql.Identifier(table.schema, table.name), _range(table, after, None), _order(table)),
-        (rows - 1,)).fetchone()
-    return None if row is None else list(row)
+        (rows - 1,)).fetchall()
+    return list(found[0]) if len(found) == 2 else None
 
 
 def estimated_rows(conn: psycopg.Connection[Any], qualified: str) -> int | None:
