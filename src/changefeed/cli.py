@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_CHUNK_ROWS, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
+from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
 from .errors import ChangefeedError, ConfigError
 
 DEFAULT_STATE = "./changefeed-state"
@@ -24,6 +24,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "trigger_interval_s": args.trigger_interval,
         "resolved_interval_s": parse_duration(args.resolved) if args.resolved is not None else None,
         "snapshot": args.snapshot, "snapshot_chunk_rows": args.snapshot_chunk_rows,
+        "snapshot_chunks_per_batch": args.snapshot_chunks_per_batch,
         "retention_s": parse_duration(args.retention) if args.retention is not None else None,
         "max_retained_wal": parse_size(args.max_retained_wal) if args.max_retained_wal is not None else None,
     }.items() if v is not None}
@@ -169,6 +170,9 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                           "only; only: stop once the existing rows are delivered (stored on first run)")
     cmd.add_argument("--snapshot-chunk-rows", type=int,
                      help=f"rows per snapshot chunk, a primary-key range (default {DEFAULT_CHUNK_ROWS})")
+    cmd.add_argument("--snapshot-chunks-per-batch", type=int,
+                     help="snapshot chunks per batch, each read by a Spark task of its own "
+                          f"(default {DEFAULT_CHUNKS_PER_BATCH})")
     cmd.add_argument("--retention", help="stop when the checkpoint is older than this, e.g. 24h, 90m "
                                          "(default 24h; 0 = no limit)")
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "

@@ -14,6 +14,7 @@ DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_RESOLVED_S = 1.0
 SNAPSHOT_MODES = ("initial", "never", "only")
 DEFAULT_CHUNK_ROWS = 50_000
+DEFAULT_CHUNKS_PER_BATCH = 4  # also the snapshot's read parallelism: one Spark task per chunk
 DEFAULT_RETENTION_S = 24 * 3600.0
 
 
@@ -31,6 +32,7 @@ class FeedSpec:
     resolved_interval_s: float = DEFAULT_RESOLVED_S
     snapshot: str = "initial"  # existing rows first (initial), not at all (never), or only them (only)
     snapshot_chunk_rows: int = DEFAULT_CHUNK_ROWS
+    snapshot_chunks_per_batch: int = DEFAULT_CHUNKS_PER_BATCH
     retention_s: float = DEFAULT_RETENTION_S  # most checkpoint age the slot may hold WAL for; 0 = no limit
     max_retained_wal: int = 0  # most WAL bytes the slot may hold; 0 = no limit
 
@@ -69,6 +71,9 @@ class FeedSpec:
         if self.snapshot_chunk_rows < 1:
             raise ConfigError(f"--snapshot-chunk-rows must be at least 1, got {self.snapshot_chunk_rows}",
                               f"the default is {DEFAULT_CHUNK_ROWS}")
+        if self.snapshot_chunks_per_batch < 1:
+            raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
+                              f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")
         return self
 
     def to_json(self) -> str:

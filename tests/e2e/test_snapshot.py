@@ -31,15 +31,18 @@ def test_existing_rows_of_every_type_arrive_by_snapshot(dbs: Dbs, tmp_path: Path
     with dbs.src() as c:
         c.execute(SCHEMA)
         workload(c)  # every column type, TOASTed values, composite keys: all before the feed exists
-    feed_once(dbs, tmp_path, snapshot_chunk_rows=37)
+    feed_once(dbs, tmp_path, snapshot_chunk_rows=37, snapshot_chunks_per_batch=6)
     for table in TABLES:
         assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table), table
     with dbs.dst() as d:
         chunks = d.execute("SELECT table_name, count(*), sum(rows) FROM changefeed.snapshot_chunks "
                            "WHERE feed = %s GROUP BY 1 ORDER BY 1", (dbs.name,)).fetchall()
+        per_batch = d.execute("SELECT max(n) FROM (SELECT count(*) n FROM changefeed.snapshot_chunks "
+                              "WHERE feed = %s GROUP BY batch_id) b", (dbs.name,)).fetchone()
     with dbs.src() as c:
         counts = {t: c.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in TABLES}  # type: ignore[index]
     assert {t: int(r) for t, _, r in chunks} == counts
+    assert per_batch == (6,)  # --snapshot-chunks-per-batch
     assert {t: n for t, n, _ in chunks} == {t: max(1, -(-n // 37)) for t, n in counts.items()}  # no empty tail
 
 

@@ -49,6 +49,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("resolved_interval_s", str(spec.resolved_interval_s))
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
+              .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
               .option("requests_dir", str(state.requests)))
     changes = reader.load()
     changes = changes.repartition(1) if parallel_reads else changes.coalesce(1)

@@ -20,15 +20,13 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from .. import faults
 from ..core import change as ch
 from ..core import snapshot
-from ..config import DEFAULT_CHUNK_ROWS
+from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH
 from ..core.requests import SnapshotRequests
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
 from ..postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from ..postgres.connect import connect
-
-DEFAULT_CHUNKS_PER_BATCH = 4
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
