@@ -240,35 +240,42 @@ class FeedRun:
     log_file: Path | None = None
 
 
-def run_feed(name: str, source_uri: str, sink_uri: str, state: Path, logdir: Path, tag: str,
-             timeout: float, extra: list[str]) -> FeedRun:
-    cmd = [sys.executable, "-m", "changefeed", "run", "--name", name, "--source", source_uri,
-           "--sink", sink_uri, "--tables", f"public.{TABLE}", "--available-now", "--state", str(state), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out_path, err_path = logdir / f"{name}-{tag}.out", logdir / f"{name}-{tag}.err"
-    stamped: list[tuple[float, str]] = []
+def run_stamped(cmd: list[str], out_path: Path, timeout: float) -> tuple[int, float, list[tuple[float, float, str]], str]:
+    """Run `cmd` in its own process group (SIGKILLed after `timeout`), stamping each stdout line:
+    (exit code, wall seconds, [(seconds since start, epoch seconds, line)], stderr tail). The
+    stamped stdout goes to `out_path`, stderr next to it (.err)."""
+    err_path = out_path.with_suffix(".err")
+    stamped: list[tuple[float, float, str]] = []
     with open(err_path, "w") as err:
         t0 = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=str(ROOT),
-                             start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             cwd=str(ROOT), start_new_session=True)
         _children.append(p)
         timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
         timer.start()
         try:
             assert p.stdout is not None
             for line in p.stdout:
-                stamped.append((time.monotonic() - t0, line.rstrip("\n")))
+                stamped.append((time.monotonic() - t0, time.time(), line.rstrip("\n")))
             rc = p.wait()
         finally:
             timer.cancel()
             _children.remove(p)
         wall = time.monotonic() - t0
-    out_path.write_text("".join(f"{t:8.2f}s  {ln}\n" for t, ln in stamped))
-    t_run = next((t for t, ln in stamped if ": running (" in ln), None)
-    t_end = next((t for t, ln in stamped if ": stopped cleanly" in ln), None)
-    tail = "\n".join(err_path.read_text(errors="replace").splitlines()[-40:])
+    out_path.write_text("".join(f"{t:8.2f}s  {ln}\n" for t, _, ln in stamped))
+    return rc, wall, stamped, "\n".join(err_path.read_text(errors="replace").splitlines()[-40:])
+
+
+def run_feed(name: str, source_uri: str, sink_uri: str, state: Path, logdir: Path, tag: str,
+             timeout: float, extra: list[str]) -> FeedRun:
+    cmd = [sys.executable, "-m", "changefeed", "run", "--name", name, "--source", source_uri,
+           "--sink", sink_uri, "--tables", f"public.{TABLE}", "--available-now", "--state", str(state), *extra]
+    out_path = logdir / f"{name}-{tag}.out"
+    rc, wall, stamped, tail = run_stamped(cmd, out_path, timeout)
+    t_run = next((t for t, _, ln in stamped if ": running (" in ln), None)
+    t_end = next((t for t, _, ln in stamped if ": stopped cleanly" in ln), None)
     return FeedRun(wall, rc, (t_end - t_run) if t_run is not None and t_end is not None else None,
-                   [ln for _, ln in stamped], tail, out_path)
+                   [ln for _, _, ln in stamped], tail, out_path)
 
 
 def feed_failure(r: FeedRun, what: str) -> str:
@@ -341,6 +348,44 @@ def machine_facts(source: LocalPostgres) -> list[str]:
 
 # -- main -------------------------------------------------------------------------------------
 
+def bench_setup(ap: argparse.ArgumentParser, workdir: str | None, keep: bool, prefix: str,
+                servers: tuple[str, ...]) -> tuple[Path, bool, list[LocalPostgres]]:
+    """The work directory (--workdir, else a temp dir removed at exit unless --keep) with a logs
+    folder, fresh PostgreSQL servers named `servers` in it, and the clean-up at exit (feed
+    processes, servers, work directory). Returns (work, removed at exit, servers)."""
+    if workdir:
+        work = Path(workdir).absolute()
+        if work.exists() and any(work.iterdir()):
+            ap.error(f"--workdir {work} is not empty")
+        work.mkdir(parents=True, exist_ok=True)
+        remove_work = False
+    else:
+        work = Path(tempfile.mkdtemp(prefix=prefix))
+        remove_work = not keep
+    (work / "logs").mkdir()
+    started: list[LocalPostgres] = []
+
+    def cleanup() -> None:
+        for p in list(_children):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for s in started:
+            s.stop("immediate")
+        started.clear()
+        if remove_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    atexit.register(cleanup)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    log(f"work directory {work}{' (removed at exit)' if remove_work else ''}")
+    for name in servers:
+        started.append(LocalPostgres.start(work / name))
+    log(", ".join(f"{n} on port {s.port}" for n, s in zip(servers, started)))
+    return work, remove_work, list(started)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--changes", type=int, default=1_000_000, help="changes in the workload (default 1,000,000)")
@@ -354,42 +399,10 @@ def main() -> int:
     if args.changes < 10 or args.runs < 1:
         ap.error("need --changes >= 10 and --runs >= 1")
 
-    if args.workdir:
-        work = Path(args.workdir).absolute()
-        if work.exists() and any(work.iterdir()):
-            ap.error(f"--workdir {work} is not empty")
-        work.mkdir(parents=True, exist_ok=True)
-        remove_work = False
-    else:
-        work = Path(tempfile.mkdtemp(prefix="replica-bench-"))
-        remove_work = not args.keep
-    logdir, state = work / "logs", work / "state"
-    logdir.mkdir()
-
-    servers: list[LocalPostgres] = []
-
-    def cleanup() -> None:
-        for p in list(_children):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for s in servers:
-            s.stop("immediate")
-        servers.clear()
-        if remove_work:
-            shutil.rmtree(work, ignore_errors=True)
-
-    atexit.register(cleanup)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
     t_start = time.monotonic()
-    log(f"work directory {work}{' (removed at exit)' if remove_work else ''}")
-    source = LocalPostgres.start(work / "source")
-    servers.append(source)
-    replica = LocalPostgres.start(work / "replica")
-    servers.append(replica)
-    log(f"source on port {source.port}, replica on port {replica.port}")
+    work, remove_work, (source, replica) = bench_setup(ap, args.workdir, args.keep, "replica-bench-",
+                                                       ("source", "replica"))
+    logdir, state = work / "logs", work / "state"
     facts = machine_facts(source)
 
     with psycopg.connect(source.uri(), autocommit=True) as c:

@@ -37,16 +37,10 @@ feed is removed afterwards (`changefeed remove`: slot, publication, bookkeeping,
 from __future__ import annotations
 
 import argparse
-import atexit
 import math
-import os
 import random
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -56,10 +50,10 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replica_throughput import ROOT, fmt_rate, fmt_ratio, log, machine_facts, spread  # noqa: E402
+from replica_throughput import (ROOT, bench_setup, feed_failure, fmt_rate, fmt_ratio, log,  # noqa: E402
+                                machine_facts, run_stamped, spread)
 
 from changefeed.config import DEFAULT_CHUNK_ROWS  # noqa: E402
-from changefeed.local_postgres import LocalPostgres  # noqa: E402
 
 TABLE = "snap_t"
 SOURCE_DB = "snap"
@@ -83,7 +77,6 @@ WAYS = (("whole", "whole process (incl. JVM/Spark start-up)"),
         ("query", "from query start (running line -> last applied)"),
         ("warm", "warm (batches after the 1st: its applied -> last)"))
 
-_children: list[subprocess.Popen[str]] = []
 
 
 # -- workload -----------------------------------------------------------------------------------
@@ -152,38 +145,13 @@ def run_feed(mode: str, name: str, src_uri: str, sink_uri: str, state: Path, log
     head = [sys.executable, "-m", "changefeed"] if mode == "par" else [sys.executable, "-c", SEQUENTIAL]
     cmd = [*head, "run", "--name", name, "--source", src_uri, "--sink", sink_uri, "--tables", f"public.{TABLE}",
            "--snapshot", "only", "--snapshot-chunk-rows", str(chunk_rows), "--state", str(state), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    out_path, err_path = logdir / f"{name}.out", logdir / f"{name}.err"
-    stamped: list[tuple[float, float, str]] = []  # (seconds since start, epoch seconds, line)
-    with open(err_path, "w") as err:
-        t0 = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=str(ROOT),
-                             start_new_session=True)
-        _children.append(p)
-        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            assert p.stdout is not None
-            for line in p.stdout:
-                stamped.append((time.monotonic() - t0, time.time(), line.rstrip("\n")))
-            rc = p.wait()
-        finally:
-            timer.cancel()
-            _children.remove(p)
-        wall = time.monotonic() - t0
-    out_path.write_text("".join(f"{t:8.2f}s  {ln}\n" for t, _, ln in stamped))
+    rc, wall, stamped, tail = run_stamped(cmd, logdir / f"{name}.out", timeout)
     running_at = next((at for _, at, ln in stamped if ": running (" in ln), None)
     marks = {what: next(t for t, _, ln in stamped if text in ln)
              for what, text in (("running", ": running ("), ("snapshot complete", ": snapshot complete"),
                                 ("stopped", ": stopped cleanly")) if any(text in ln for _, _, ln in stamped)}
     restarts = [f"{t:.2f}s {ln.strip()}" for t, _, ln in stamped if "restarting the query" in ln]
-    tail = "\n".join(err_path.read_text(errors="replace").splitlines()[-40:])
-    return FeedRun(wall, rc, running_at, marks, [ln for _, _, ln in stamped], restarts, tail, out_path)
-
-
-def feed_failure(r: FeedRun, what: str) -> str:
-    return (f"{what} exited {r.rc} after {r.wall:.1f}s (log {r.log_file})\n"
-            f"--- stdout ---\n" + "\n".join(r.lines[-20:]) + f"\n--- stderr (tail) ---\n{r.stderr_tail}")
+    return FeedRun(wall, rc, running_at, marks, [ln for _, _, ln in stamped], restarts, tail, logdir / f"{name}.out")
 
 
 @dataclass
@@ -268,42 +236,10 @@ def main() -> int:
     if args.rows < 1 or args.runs < 1 or args.chunk_rows < 1:
         ap.error("need --rows >= 1, --runs >= 1 and --chunk-rows >= 1")
 
-    if args.workdir:
-        work = Path(args.workdir).absolute()
-        if work.exists() and any(work.iterdir()):
-            ap.error(f"--workdir {work} is not empty")
-        work.mkdir(parents=True, exist_ok=True)
-        remove_work = False
-    else:
-        work = Path(tempfile.mkdtemp(prefix="snapshot-bench-"))
-        remove_work = not args.keep
-    logdir, state = work / "logs", work / "state"
-    logdir.mkdir()
-
-    servers: list[LocalPostgres] = []
-
-    def cleanup() -> None:
-        for p in list(_children):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        for s in servers:
-            s.stop("immediate")
-        servers.clear()
-        if remove_work:
-            shutil.rmtree(work, ignore_errors=True)
-
-    atexit.register(cleanup)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
     t_start = time.monotonic()
-    log(f"work directory {work}{' (removed at exit)' if remove_work else ''}")
-    source = LocalPostgres.start(work / "source")
-    servers.append(source)
-    sink = LocalPostgres.start(work / "sink")
-    servers.append(sink)
-    log(f"source on port {source.port}, sink on port {sink.port}")
+    work, remove_work, (source, sink) = bench_setup(ap, args.workdir, args.keep, "snapshot-bench-",
+                                                    ("source", "sink"))
+    logdir, state = work / "logs", work / "state"
     facts = machine_facts(source)
 
     with psycopg.connect(source.uri(), autocommit=True) as c:
