@@ -9,9 +9,11 @@ import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -70,6 +72,15 @@ def fingerprint(uri: str, table: str) -> tuple[int, str]:
                         f"FROM {table} x").fetchone()
     assert row is not None
     return int(row[0]), str(row[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], log: Path, timeout: float = 180) -> Any:
+    """Poll `check` until it returns something truthy (returned); past `timeout`, fail with the feed's log."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; feed log:\n{log.read_text()[-3000:]}"
+        time.sleep(0.3)
+    return got
 
 
 def changefeed_cli(*args: str, timeout: float = 600, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -122,8 +122,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
         meter = Meter(report, lambda: replica.totals(prepared.sink_conn, spec.name),
-                       SnapshotMeter(report, prepared.source_conn, prepared.sink_conn, spec.name),
-                       Gauges(metrics, prepared) if metrics else None)
+                      SnapshotMeter(report, prepared.source_conn, prepared.sink_conn, spec.name),
+                      Gauges(metrics, prepared) if metrics else None)
         try:
             while query.isActive and not stop.is_set():
                 query.awaitTermination(report_every_s)

@@ -62,7 +62,7 @@ class Meter:
 
 
 def start_metrics(stack: ExitStack, feed: str, host: str, port: int | None,
-                   report: Callable[[str], None]) -> FeedMetrics | None:
+                  report: Callable[[str], None]) -> FeedMetrics | None:
     """Serve the feed's metrics until `stack` closes. Called before prepare: a port that is taken
     fails the run before anything is created."""
     if port is None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Dbs, changefeed_cli, start_changefeed
+from conftest import Dbs, changefeed_cli, start_changefeed, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,13 +37,7 @@ def scrape(port: int) -> dict[tuple[str, str], float]:
 def scraped(what: str, port: int, ok: Callable[[dict[tuple[str, str], float]], bool], log: Path,
             timeout: float = 180) -> dict[tuple[str, str], float]:
     """The first scrape for which `ok` holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = scrape(port)
-        if m and ok(m):
-            return m
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}; feed log:\n{log.read_text()[-3000:]}")
+    return wait_for(what, lambda: (m := scrape(port)) and ok(m) and m, log, timeout)  # type: ignore[no-any-return]
 
 
 def test_metrics_endpoint_and_status_show_the_lag(dbs: Dbs, tmp_path: Path) -> None:

@@ -9,27 +9,15 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import Dbs, start_changefeed
+from conftest import Dbs, start_changefeed, wait_for
 
 from changefeed.core.hlc import physical_ms
 from changefeed.core.lsn import parse_lsn
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, log: Path) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; feed log:\n{log.read_text()[-3000:]}")
 
 
 def test_idle_feed_keeps_resolving_and_releasing_wal(dbs: Dbs, tmp_path: Path) -> None:
@@ -60,7 +48,7 @@ def test_idle_feed_keeps_resolving_and_releasing_wal(dbs: Dbs, tmp_path: Path) -
         return parse_lsn(row[0]), parse_lsn(row[1]), parse_lsn(row[2])
 
     try:
-        first = wait_for("the first batch", progress, 240, log)
+        first = wait_for("the first batch", progress, log, 240)
         confirmed0 = slot_lsns()[0]
         t0 = time.time()
         time.sleep(8)  # idle: with --resolved 500ms that is ~16 chances to close a timestamp
@@ -85,7 +73,7 @@ def test_idle_feed_keeps_resolving_and_releasing_wal(dbs: Dbs, tmp_path: Path) -
             c.execute("SELECT pg_log_standby_snapshot()")  # a running-xacts record: where restart_lsn may move to
         assert after - before > 30_000_000
         wait_for("the slot to pass the filtered writes (confirmed and restart LSN)",
-                 lambda: min(slot_lsns()[:2]) >= after, 60, log)
+                 lambda: min(slot_lsns()[:2]) >= after, log, 60)
     finally:
         p.send_signal(signal.SIGTERM)
         rc = p.wait(timeout=180)

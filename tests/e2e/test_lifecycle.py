@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from changefeed.local_postgres import LocalPostgres
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed
+from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,13 +27,6 @@ def slot_and_publication(dbs: Dbs) -> tuple[object, object]:
                          (f"changefeed_{dbs.name}",)).fetchone()
         pub = c.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (f"changefeed_{dbs.name}",)).fetchone()
     return slot, pub
-
-
-def wait_until(what: str, check, log: Path, timeout: float = 180) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.3)
 
 
 def test_create_list_pause_resume_remove(dbs: Dbs, tmp_path: Path) -> None:
@@ -54,7 +47,7 @@ def test_create_list_pause_resume_remove(dbs: Dbs, tmp_path: Path) -> None:
     p = start_changefeed("run", *name, log=log)
     equal = lambda: fingerprint(dbs.source, "public.t") == fingerprint(dbs.sink, "public.t")  # noqa: E731
     try:
-        wait_until("the snapshot", equal, log)
+        wait_for("the snapshot", equal, log)
         assert listed(state)[dbs.name].startswith("running (pid ")
         busy = changefeed_cli("remove", *name)
         assert busy.returncode == 2 and "is running" in busy.stderr, busy.stderr
@@ -142,7 +135,7 @@ def test_slot_invalidated_by_postgres_stops_the_running_feed(servers: tuple[Loca
                     if d.execute("SELECT to_regclass('changefeed.progress')").fetchone() == (None,):
                         return False
                     return d.execute("SELECT count(*) FROM changefeed.progress").fetchone() != (0,)
-            wait_until("the first batch", applied, log)
+            wait_for("the first batch", applied, log)
             with psycopg.connect(source.uri(), autocommit=True) as c:
                 for i in range(3):  # three WAL segments further on, then a checkpoint removes the old ones
                     c.execute("INSERT INTO t VALUES (%s, 'y')", (100 + i,))
