@@ -1,0 +1,396 @@
+"""Webhook sink, HTTP core: the sink URI's options, request bodies and keys, and a retrying client.
+
+Delivery is at least once: a request whose answer got lost is sent again, with the same body and
+the same `Idempotency-Key`, so an endpoint that remembers keys can drop the repeat. Failures that
+may pass (5xx, 408, 429, timeouts, dropped connections) are retried with capped exponential
+backoff and full jitter; answers that will not change (other 4xx, 3xx, a certificate the client
+does not trust) fail at once with `SinkError`, so the operator hears about them without waiting
+out the retries. Stdlib only and nothing at import: it runs inside Spark writer tasks.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import random
+import re
+import ssl
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Self
+from urllib.parse import unquote, unquote_plus, urlsplit
+
+from .. import __version__
+from ..config import parse_duration
+from ..errors import ConfigError, SinkError, TransientError
+
+SCHEMES = ("webhook-http", "webhook-https")
+USER_AGENT = f"changefeed/{__version__}"
+EXCERPT_CHARS = 200  # of a response body, in error messages
+STOP_POLL_S = 0.05  # how often a retry wait asks should_stop()
+_EXAMPLE = "webhook-https://HOST/PATH?flush_messages=500&retry_max=inf&timeout=10s"
+
+
+def _whole(text: str) -> int:
+    if not re.fullmatch(r"[0-9]+", text):
+        raise ValueError(text)
+    return int(text)
+
+
+def _whole_or_inf(text: str) -> int | None:
+    return None if text.lower() == "inf" else _whole(text)
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ConfigError:
+        raise ValueError(text) from None
+
+
+def _bool(text: str) -> bool:
+    return {"true": True, "false": False}[text.lower()]
+
+
+# query parameter -> (field, parser, what is allowed, check of the parsed value)
+_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str, Callable[[Any], bool]]] = {
+    "flush_messages": ("flush_messages", _whole, "a whole number >= 1", lambda v: v >= 1),
+    "flush_frequency": ("flush_frequency_s", _duration, "a duration >= 0 such as 500ms, 1s or 2m (0: off)",
+                        lambda v: v >= 0),
+    "retry_max": ("retry_max", _whole_or_inf, "a whole number >= 0 or inf", lambda v: v is None or v >= 0),
+    "retry_backoff": ("retry_backoff_s", _duration, "a duration > 0 such as 10ms, 500ms or 1s", lambda v: v > 0),
+    "retry_max_backoff": ("retry_max_backoff_s", _duration, "a duration > 0 such as 10s or 1m", lambda v: v > 0),
+    "timeout": ("timeout_s", _duration, "a duration > 0 such as 500ms, 30s or 1m", lambda v: v > 0),
+    "insecure_tls_skip_verify": ("insecure_tls_skip_verify", _bool, "true or false", lambda v: isinstance(v, bool)),
+    "resolved": ("emit_resolved", _bool, "true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def _show(value: Any) -> str:
+    """A default as it would be written in the URI."""
+    if value is None:
+        return "inf"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}s" if isinstance(value, float) else str(value)
+
+
+def _redact(url: str) -> str:
+    """`url` with its user:password (if any) replaced by ***; string-based so it works on bad URLs too."""
+    scheme, sep, rest = url.partition("://")
+    netloc_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    netloc = rest[:netloc_end]
+    if "@" not in netloc:
+        return url
+    return f"{scheme}{sep}***@{netloc.rpartition('@')[2]}{rest[netloc_end:]}"
+
+
+@dataclass(frozen=True, repr=False)
+class WebhookOptions:
+    """Where and how a webhook sink POSTs; `parse` reads them from the `--sink` URI."""
+
+    url: str  # the real http(s) URL to POST to, our options removed from its query
+    flush_messages: int = 1000  # most messages per request
+    flush_frequency_s: float = 0.0  # >0: a request also goes out once its first message waited this long
+    retry_max: int | None = 10  # retries after the first attempt; None: retry forever ("inf")
+    retry_backoff_s: float = 0.5  # first backoff; doubles each retry ...
+    retry_max_backoff_s: float = 30.0  # ... up to this; full jitter (uniform in [0, backoff])
+    timeout_s: float = 30.0  # per socket operation (connect, send, each wait for the answer)
+    insecure_tls_skip_verify: bool = False  # for tests / self-signed endpoints only
+    emit_resolved: bool = False  # the sink also POSTs resolved messages
+
+    def __post_init__(self) -> None:
+        """Values set in code get the same checks as values parsed from a URI."""
+        for param, (field, _, allowed, ok) in _OPTIONS.items():
+            value = getattr(self, field)
+            if not ok(value):
+                raise ConfigError(f"{param} must be {allowed}, got {value!r}", self._default_hint(param))
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"the webhook URL must be http(s)://HOST[:PORT]/PATH, got {self.redacted_url()}",
+                              f"e.g. {_EXAMPLE}")
+        if self.insecure_tls_skip_verify and parts.scheme != "https":
+            raise ConfigError("insecure_tls_skip_verify=true applies to webhook-https only, the URL is http",
+                              "remove insecure_tls_skip_verify, or use webhook-https://")
+
+    @staticmethod
+    def _default_hint(param: str) -> str:
+        field = _OPTIONS[param][0]
+        default = next(f.default for f in fields(WebhookOptions) if f.name == field)
+        return f"fix or remove {param}= in the --sink URI (default: {_show(default)})"
+
+    @classmethod
+    def parse(cls, uri: str) -> WebhookOptions:
+        """`webhook-https://[user:pass@]host[:port]/path?query` -> options; ours leave the query,
+        the endpoint's own parameters stay, in order."""
+        if re.search(r"[\x00-\x20\x7f]", uri):
+            raise ConfigError(f"the --sink URI contains a space or control character: {_redact(uri)!r}",
+                              "percent-encode it (a space is %20)")
+        try:
+            parts = urlsplit(uri)
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as e:
+            raise ConfigError(f"the --sink URI {_redact(uri)} is not a valid URL: {e}", f"e.g. {_EXAMPLE}") from None
+        if parts.scheme not in SCHEMES:
+            raise ConfigError(f"a webhook --sink URI starts with webhook-https:// or webhook-http://, "
+                              f"got scheme {parts.scheme or '<none>'!r}", f"e.g. {_EXAMPLE}")
+        if not parts.hostname:
+            raise ConfigError(f"the --sink URI {_redact(uri)} has no host", f"e.g. {_EXAMPLE}")
+        if parts.fragment:
+            raise ConfigError(f"the --sink URI {_redact(uri)} has a #fragment, which HTTP never sends",
+                              "remove it, or percent-encode a # in a value as %23")
+        values, kept = _split_query(parts.query)
+        url = f"{parts.scheme.removeprefix('webhook-')}://{parts.netloc}{parts.path}"
+        return cls(url=url + (f"?{'&'.join(kept)}" if kept else ""), **values)
+
+    def redacted_url(self) -> str:
+        """The URL with any user:password replaced by ***: for messages and logs."""
+        return _redact(self.url)
+
+    def __repr__(self) -> str:  # never the password
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url")
+        return f"WebhookOptions(url={self.redacted_url()!r}, {shown})"
+
+
+def _split_query(query: str) -> tuple[dict[str, Any], list[str]]:
+    """Our options (parsed, by field) and the endpoint's own query parameters (as written)."""
+    values: dict[str, Any] = {}
+    seen: set[str] = set()
+    kept: list[str] = []
+    for part in query.split("&"):
+        raw_name, _, raw_value = part.partition("=")
+        name = unquote_plus(raw_name)
+        if name not in _OPTIONS:
+            if part:
+                kept.append(part)
+            continue
+        if name in seen:
+            raise ConfigError(f"{name} is given twice in the --sink URI", "give each option once")
+        seen.add(name)
+        values[_OPTIONS[name][0]] = _option(name, unquote_plus(raw_value))
+    return values, kept
+
+
+_Invalid = object()
+
+
+def _option(param: str, text: str) -> Any:
+    _, parser, allowed, ok = _OPTIONS[param]
+    try:
+        value = parser(text)
+    except (ValueError, KeyError):
+        value = _Invalid
+    if value is _Invalid or not ok(value):
+        raise ConfigError(f"{param} must be {allowed}, got {text!r}", WebhookOptions._default_hint(param))
+    return value
+
+
+def request_body(messages: Sequence[bytes]) -> bytes:
+    """`{"payload":[<message>,...],"length":N}`. Each message is already a JSON document (the
+    envelope wrote it) and is embedded as is: decoding and encoding it again would cost as much
+    as formatting it did."""
+    return b'{"payload":[' + b",".join(messages) + b'],"length":' + str(len(messages)).encode() + b"}"
+
+
+def resolved_body(message: bytes) -> bytes:
+    """A resolved message (`{"resolved":"<ts>"}`) is a request's whole body. Checked to be JSON
+    (ValueError if not: a bug in the caller), being small and rare."""
+    json.loads(message)
+    return message
+
+
+def idempotency_key(feed: str, batch_id: int, first: int, last: int) -> str:
+    """The key of one request: `{feed}-{batch_id}-{first}-{last}`, the (0-based, inclusive) positions
+    within Spark batch `batch_id` of the messages it carries; `{feed}-{batch_id}-resolved` for the
+    batch's resolved message (first = last = -1). The same request always gets the same key: on a
+    retry, and when a batch replayed after a crash is cut the same way. Feed names have no `-`."""
+    if first == last == -1:
+        return f"{feed}-{batch_id}-resolved"
+    if not 0 <= first <= last:
+        raise ValueError(f"message positions must be 0 <= first <= last, got {first}-{last}")
+    return f"{feed}-{batch_id}-{first}-{last}"
+
+
+def backoff_delays(opts: WebhookOptions, rng: Callable[[], float] = random.random) -> Iterator[float]:
+    """The delays before retry 1, 2, ...: `rng() * min(retry_max_backoff, retry_backoff * 2**(n-1))`
+    (full jitter: retrying writers spread out instead of hitting a recovering endpoint together).
+    `retry_max` of them, or endlessly for None. The step is capped as it grows, so it never overflows."""
+    step = min(opts.retry_backoff_s, opts.retry_max_backoff_s)
+    n = 0
+    while opts.retry_max is None or n < opts.retry_max:
+        yield rng() * step
+        step = min(opts.retry_max_backoff_s, step * 2)
+        n += 1
+
+
+def _retry_after(header: str | None) -> float | None:
+    """Retry-After in (possibly fractional) seconds; the HTTP-date form is ignored (plain backoff)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*", header or "")
+    return float(m.group(1)) if m else None
+
+
+def _excerpt(data: bytes) -> str:
+    text = " ".join(data[: EXCERPT_CHARS * 4].decode("utf-8", errors="replace").split())
+    return (text[:EXCERPT_CHARS] + "...") if len(text) > EXCERPT_CHARS else text or "<empty body>"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """One attempt that may pass when repeated."""
+
+    what: str  # for messages: the status and body excerpt, or the exception
+    retry_after: float | None = None
+    stale: bool = False  # a kept-alive connection the server had closed: re-send at once, once
+
+
+# A connection the server closed while it sat idle fails the next request in one of these ways.
+_STALE = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, http.client.RemoteDisconnected)
+
+
+def _describe(e: BaseException, timeout_s: float) -> str:
+    if isinstance(e, TimeoutError):
+        return f"no answer within the timeout ({timeout_s:g}s)"
+    if isinstance(e, http.client.RemoteDisconnected):
+        return "the server closed the connection without answering"
+    return f"{type(e).__name__}: {e}"
+
+
+class WebhookClient:
+    """POSTs request bodies to one endpoint over one kept-alive connection, retrying what may pass.
+
+    One per writer task (not thread-safe). `sleep`, `rng` and `should_stop` are for tests and
+    for the task to give up promptly when the query stops. `attempts` and `retries` count HTTP
+    attempts and backoff waits over the client's life, for tests and metrics."""
+
+    def __init__(self, opts: WebhookOptions, *, sleep: Callable[[float], None] = time.sleep,
+                 rng: Callable[[], float] = random.random, should_stop: Callable[[], bool] = lambda: False) -> None:
+        self.opts = opts
+        self._sleep, self._rng, self._should_stop = sleep, rng, should_stop
+        parts = urlsplit(opts.url)
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname or "", parts.port
+        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT}
+        if parts.username is not None or parts.password is not None:
+            user_pass = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
+            self._headers["Authorization"] = "Basic " + base64.b64encode(user_pass).decode("ascii")
+        self._tls: ssl.SSLContext | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self.attempts = 0
+        self.retries = 0
+
+    def post(self, body: bytes, key: str, describe: str) -> None:
+        """Deliver one request; return once the endpoint answered 2xx. Every attempt sends the same
+        body and key. `describe` (e.g. "batch 12, messages 0-999") goes into error messages.
+
+        SinkError: the endpoint refused it (3xx, 4xx other than 408/429) or its certificate is not
+        trusted. TransientError: retries ran out, or should_stop() turned true while waiting."""
+        delays = backoff_delays(self.opts, self._rng)
+        attempts = 0
+        while True:
+            attempts += 1
+            failure = self._attempt(body, key, describe)
+            if failure is None:
+                return
+            if failure.stale:
+                continue  # the next attempt is on a fresh connection, so this happens once at most
+            delay = next(delays, None)
+            if delay is None:
+                raise self._exhausted(failure, attempts, describe)
+            if failure.retry_after is not None:
+                delay = min(self.opts.retry_max_backoff_s, max(failure.retry_after, delay))
+            self._wait(delay, failure, attempts, describe)
+            self.retries += 1
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self._https:
+                self._conn = http.client.HTTPSConnection(self._host, self._port, timeout=self.opts.timeout_s,
+                                                         context=self._tls_context())
+            else:
+                self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self.opts.timeout_s)
+        return self._conn
+
+    def _tls_context(self) -> ssl.SSLContext:
+        """Made on first use (it reads the system's trusted certificates, honouring SSL_CERT_FILE)."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+            if self.opts.insecure_tls_skip_verify:
+                self._tls.check_hostname = False
+                self._tls.verify_mode = ssl.CERT_NONE
+        return self._tls
+
+    def _attempt(self, body: bytes, key: str, describe: str) -> _Failure | None:
+        """One POST: None when acknowledged, a _Failure worth retrying, or SinkError."""
+        self.attempts += 1
+        # http.client drops the socket itself when an answer said Connection: close.
+        reused = self._conn is not None and self._conn.sock is not None
+        try:
+            conn = self._connection()
+            conn.request("POST", self._target, body=body, headers={**self._headers, "Idempotency-Key": key})
+            response = conn.getresponse()
+            data = response.read()  # all of it, so the connection can carry the next request
+        except ssl.SSLCertVerificationError as e:
+            self.close()
+            raise SinkError(
+                f"webhook {self.opts.redacted_url()}: TLS certificate verification failed for {describe}: "
+                f"{e.verify_message or e}",
+                "give the endpoint a certificate a trusted CA signed, or trust its CA (SSL_CERT_FILE=ca.pem); "
+                "for tests only, insecure_tls_skip_verify=true in the --sink URI turns verification off") from None
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            return _Failure(_describe(e, self.opts.timeout_s), stale=reused and isinstance(e, _STALE))
+        status = response.status
+        if 200 <= status < 300:
+            return None
+        self.close()  # a fresh connection for the retry (a load balancer may pick a healthy backend)
+        what = f"HTTP {status} {response.reason}: {_excerpt(data)}"
+        if status in (408, 429) or 500 <= status < 600:
+            return _Failure(what, retry_after=_retry_after(response.getheader("Retry-After")))
+        raise SinkError(f"webhook {self.opts.redacted_url()} refused {describe}: {what}",
+                        self._refused_hint(status, response.getheader("Location")))
+
+    @staticmethod
+    def _refused_hint(status: int, location: str | None) -> str:
+        then = ("then run the feed again: it re-sends this batch from its checkpoint, with the same "
+                "idempotency keys")
+        if 300 <= status < 400:
+            return f"the endpoint redirects (to {_redact(location or '?')}): put the final URL in --sink, {then}"
+        if status in (401, 403):
+            return f"check the credentials (user:password@ in the --sink URI) and the endpoint's access rules, {then}"
+        if status == 413:
+            return f"the request is too large for the endpoint: lower flush_messages in the --sink URI, {then}"
+        return f"fix the endpoint or its configuration, {then}"
+
+    def _wait(self, delay: float, failure: _Failure, attempts: int, describe: str) -> None:
+        """Sleep `delay` in small steps, giving up as soon as should_stop() says so."""
+        while True:
+            if self._should_stop():
+                raise TransientError(
+                    f"stopped while retrying {describe} to webhook {self.opts.redacted_url()} after "
+                    f"{attempts} attempt(s); last failure: {failure.what}",
+                    "the feed re-sends this request from its checkpoint when it runs again")
+            if delay <= 0:
+                return
+            step = min(delay, STOP_POLL_S)
+            self._sleep(step)
+            delay -= step
+
+    def _exhausted(self, failure: _Failure, attempts: int, describe: str) -> TransientError:
+        return TransientError(
+            f"webhook {self.opts.redacted_url()} did not take {describe} after {attempts} attempt(s); "
+            f"last failure: {failure.what}",
+            "run the feed again: it re-sends from its checkpoint, with the same idempotency keys; to ride out "
+            f"longer outages raise retry_max (now {_show(self.opts.retry_max)}) or set retry_max=inf in the --sink URI")
