@@ -9,7 +9,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,8 @@ from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
 from .postgres.connect import connect
 from .runner_lock import state_lock
-from .sinks import postgres_replica as replica
+from .sinks.ledger import Ledger
+from .sinks.registry import open_ledger, sink_kind
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Prepared:
     spec: FeedSpec
     state: FeedState
     source_conn: Any  # holds the feed's advisory lock while the feed runs
-    sink_conn: Any
+    ledger: Ledger
 
 
 def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
@@ -42,24 +43,24 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
     src.check_wal_level(source)
     tables = src.describe_tables(source, list(spec.tables))
     src.lock_feed(source, spec.name)
-    sink = stack.enter_context(connect(spec.sink, "sink"))
+    ledger = open_ledger(spec, state)
+    stack.callback(ledger.close)
     slot = src.slot_state(source, spec.slot)
     if state.has_checkpoint() or slot is not None:
-        src.check_slot_usable(slot, spec.slot, replica.checkpoint_lsn(sink, spec.name), spec.name)
+        src.check_slot_usable(slot, spec.slot, ledger.checkpoint_lsn(), spec.name)
     # -- nothing was created up to here --
     src.ensure_publication(source, spec.publication, tables)
     created = slot is None
     if created:
         src.create_slot(source, spec.slot)
     try:
-        replica.ensure_meta(sink)
-        replica.ensure_tables(sink, tables)
+        ledger.prepare(tables)
     except Exception:
         if created:  # leave nothing half-made behind: the next run starts clean
             source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
         raise
     state.save(spec)
-    return Prepared(spec, state, source, sink)
+    return Prepared(spec, state, source, ledger)
 
 
 def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
@@ -69,10 +70,11 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
     if not new:
         raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
     grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
-    with connect(spec.source, "source") as source, connect(spec.sink, "sink") as sink:
+    with connect(spec.source, "source") as source, ExitStack() as stack:
         described = src.describe_tables(source, list(grown.tables))
-        replica.ensure_meta(sink)
-        replica.ensure_tables(sink, described[len(spec.tables):])  # before the publication: changes need a target
+        ledger = open_ledger(spec, state)
+        stack.callback(ledger.close)
+        ledger.prepare(described[len(spec.tables):])  # before the publication: changes need a target
         src.ensure_publication(source, spec.publication, described)
     state.save(grown)
     if snapshot:
@@ -95,6 +97,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile."""
+    from pyspark.errors import StreamingQueryException
+
     from .spark.job import spark_session, start_query
 
     stop = stop_event or threading.Event()
@@ -117,16 +121,16 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
         spark = spark_session(master)
-        parallel = _chunks_to_read(spec, state)
+        parallel = _parallel_reads(spec, state)
         query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
-        meter = Meter(report, lambda: replica.totals(prepared.sink_conn, spec.name),
-                      SnapshotMeter(report, prepared.source_conn, prepared.sink_conn, spec.name),
+        meter = Meter(report, prepared.ledger.totals, SnapshotMeter(report, prepared.source_conn, prepared.ledger),
                       Gauges(metrics, prepared) if metrics else None)
         try:
             while query.isActive and not stop.is_set():
-                query.awaitTermination(report_every_s)
+                with suppress(StreamingQueryException):  # a failed query is handled below
+                    query.awaitTermination(report_every_s)
                 meter.update(query)
                 if spec.snapshot == "only" and _snapshot_done(query):
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
@@ -135,7 +139,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 if state.paused:
                     report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
-                if query.isActive and parallel != _chunks_to_read(spec, state):
+                if query.isActive and parallel != _parallel_reads(spec, state):
                     parallel = not parallel
                     report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read them "
                                                     "in parallel tasks" if parallel else
@@ -162,12 +166,12 @@ def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
     spec = prepared.spec
     slot = src.slot_state(prepared.source_conn, spec.slot)
     try:
-        src.check_slot_usable(slot, spec.slot, replica.checkpoint_lsn(prepared.sink_conn, spec.name), spec.name)
+        src.check_slot_usable(slot, spec.slot, prepared.ledger.checkpoint_lsn(), spec.name)
         assert slot is not None
         if slot.restart_lsn is None:
             return
         current, now_ms = src.flush_lsn(prepared.source_conn)
-        resolved = replica.last_resolved_ts(prepared.sink_conn, spec.name)
+        resolved = prepared.ledger.last_resolved_ts()
         held = retention.Holding(spec.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
                                  None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000))
         warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
@@ -191,6 +195,12 @@ def _logged_end(state: FeedState) -> dict[str, Any] | None:
         return None
     last = max(logged, key=lambda p: int(p.name)).read_text().splitlines()
     return json.loads(last[-1]) if len(last) > 2 else None  # type: ignore[no-any-return]
+
+
+def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
+    """Whether the query should read a batch's partitions in parallel tasks: the sink allows it
+    (see sinks.registry) and there are snapshot chunks to read."""
+    return sink_kind(spec.sink).parallel_reads and _chunks_to_read(spec, state)
 
 
 def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
@@ -220,9 +230,9 @@ def _query_error(exc: Any) -> ChangefeedError:
     text = str(exc)
     for name in ("SlotLost", "SinkError", "SourceNotReady", "ConnectionFailed", "AuthenticationFailed",
                  "TransientError", "FeedBusy", "ConfigError"):
-        m = re.search(rf"changefeed\.errors\.{name}: (.*)", text)
+        m = re.search(rf"changefeed\.errors\.{name}: (.*)(?:\n\s*hint: (.*))?", text)
         if m:
-            return getattr(errors, name)(m.group(1).strip())  # type: ignore[no-any-return]
+            return getattr(errors, name)(m.group(1).strip(), (m.group(2) or "").strip())  # type: ignore[no-any-return]
     return SinkError(f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
                      "see the log above; the feed resumes from its checkpoint when run again")
 

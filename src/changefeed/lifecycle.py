@@ -9,7 +9,7 @@ replica's tables stay.
 from __future__ import annotations
 
 import shutil
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from .feed import prepare
 from .runner_lock import holder, run_state
 from .postgres import source as src
 from .postgres.connect import connect, redact
-from .sinks import postgres_replica as replica
+from .sinks.registry import REPLICA, open_ledger, sink_kind
 
 
 def create(spec: FeedSpec, state: FeedState) -> None:
@@ -74,9 +74,10 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
         if source.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (spec.publication,)).fetchone():
             source.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(spec.publication)))
             gone.append(f"publication {spec.publication}")
-    with connect(spec.sink, "sink") as sink:
-        if replica.forget(sink, spec.name):
-            gone.append("its rows in the sink's changefeed.progress and changefeed.snapshot_chunks")
+    with closing(open_ledger(spec, state)) as ledger:
+        if ledger.forget():
+            gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
+                        if sink_kind(spec.sink) is REPLICA else "its delivery ledger")
     shutil.rmtree(state.dir)
     gone.append(f"state folder {state.dir}")
     return gone

@@ -15,11 +15,11 @@ from .core.hlc import physical_ms
 from .metrics import FeedMetrics, TableSnapshot
 from .metrics import serve as serve_metrics
 from .postgres import source as src
-from .sinks import postgres_replica as replica
 from .status import checkpoint_lag_s, resolved_lag_s, retained_bytes
 
 if TYPE_CHECKING:
     from .feed import Prepared
+    from .sinks.ledger import Ledger
 
 
 class Meter:
@@ -89,15 +89,14 @@ class Gauges:
             self.metrics.update(**self._read(pending))
 
     def _read(self, pending: tuple[str, ...]) -> dict[str, Any]:
-        spec, source, sink = self.prepared.spec, self.prepared.source_conn, self.prepared.sink_conn
+        spec, source, ledger = self.prepared.spec, self.prepared.source_conn, self.prepared.ledger
         current, now_ms = src.flush_lsn(source)
         out: dict[str, Any] = {"slot_retained_wal_bytes": retained_bytes(src.slot_state(source, spec.slot), current)}
-        resolved = replica.last_resolved_ts(sink, spec.name)
+        resolved = ledger.last_resolved_ts()
         if resolved is not None:
-            out["checkpoint_lag_seconds"] = checkpoint_lag_s(current, now_ms, replica.applied_upto(sink, spec.name),
-                                                             resolved)
+            out["checkpoint_lag_seconds"] = checkpoint_lag_s(current, now_ms, ledger.checkpoint_lsn() or 0, resolved)
             out["resolved_lag_seconds"] = resolved_lag_s(now_ms, resolved)
-        applied = replica.snapshot_totals(sink, spec.name)
+        applied = ledger.snapshot_totals()
         out["snapshot"] = {t: TableSnapshot(*applied.get(t, (0, 0)), pending=t in pending)
                            for t in sorted(set(applied) | set(pending))}
         return out
@@ -114,8 +113,8 @@ def _phase(state: FeedState, query: Any) -> tuple[str, str]:
 class SnapshotMeter:
     """Per table being snapshotted: rows applied of the estimated total, rate and ETA."""
 
-    def __init__(self, report: Callable[[str], None], source: Any, sink: Any, feed: str) -> None:
-        self.report, self.source, self.sink, self.feed = report, source, sink, feed
+    def __init__(self, report: Callable[[str], None], source: Any, ledger: "Ledger") -> None:
+        self.report, self.source, self.ledger = report, source, ledger
         self._seen: dict[str, tuple[float, int]] = {}  # table -> (when first seen pending, rows then)
         self._last: dict[str, int] = {}  # rows applied per table at the last report
         self._last_at = time.monotonic()  # when that was
@@ -124,7 +123,7 @@ class SnapshotMeter:
         from .postgres.snapshot import estimated_rows
 
         now = time.monotonic()
-        applied = {t: rows for t, (_, rows) in replica.snapshot_totals(self.sink, self.feed).items()}
+        applied = {t: rows for t, (_, rows) in self.ledger.snapshot_totals().items()}
         moved = {t for t, rows in applied.items() if rows != self._last.get(t)}
         for table in sorted(set(pending) | moved):
             rows = applied.get(table, 0)

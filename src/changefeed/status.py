@@ -4,6 +4,7 @@ Read from the source (slot, flush position, clock) and the sink's bookkeeping; c
 """
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,7 @@ from .core.lsn import format_lsn
 from .postgres import source as src
 from .postgres.connect import connect
 from .runner_lock import run_state
-from .sinks import postgres_replica as replica
+from .sinks.registry import open_ledger
 
 
 @dataclass
@@ -39,60 +40,27 @@ class FeedStatus:
         return out + [f"snapshot {t}: {s['rows']:,} rows in {s['chunks']} chunks" for t, s in self.snapshot.items()]
 
 
-RATE_WINDOW_S = 60
-
-# progress rows with their began_at as b.began (NULL on a sink made before the column)
-_PROGRESS_BEGAN = ("changefeed.progress p CROSS JOIN LATERAL "
-                   "(SELECT (to_jsonb(p) ->> 'began_at')::timestamptz AS began) b")
-
-
 def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
-    with connect(spec.source, "source") as source, connect(spec.sink, "sink") as sink:
+    with connect(spec.source, "source") as source, closing(open_ledger(spec, feed_state)) as ledger:
         slot = src.slot_state(source, spec.slot)
         current, now_ms = src.flush_lsn(source)
-        row = rate = None
-        if replica.has_meta(sink, "progress"):
-            row = _last_progress(sink, spec.name)
-            rate = _recent_rate(sink, spec.name) if row else None
-        snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in replica.snapshot_totals(sink, spec.name).items()}
+        last = ledger.last_batch()
+        rate = ledger.recent_rate() if last else None
+        snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()}
     lag_bytes = lag_s = resolved_lag = None
-    if row:
-        lag_bytes = max(0, current - int(row[3]))
-        lag_s = checkpoint_lag_s(current, now_ms, int(row[3]), int(row[2]))
-        resolved_lag = resolved_lag_s(now_ms, int(row[2]))
+    if last:
+        lag_bytes = max(0, current - last.end_lsn)
+        lag_s = checkpoint_lag_s(current, now_ms, last.end_lsn, last.resolved_ts)
+        resolved_lag = resolved_lag_s(now_ms, last.resolved_ts)
     elif slot and slot.confirmed_flush:
         lag_bytes = max(0, current - slot.confirmed_flush)
     return FeedStatus(
         name=spec.name, state=run_state(feed_state), slot=spec.slot, slot_state=_slot_text(slot),
-        slot_retained_wal_bytes=retained_bytes(slot, current), checkpoint_lsn=row[0] if row else None,
-        checkpoint_commit_time=row[1] if row else None, lag_bytes=lag_bytes, lag_seconds=lag_s,
+        slot_retained_wal_bytes=retained_bytes(slot, current),
+        checkpoint_lsn=format_lsn(last.end_lsn) if last else None,
+        checkpoint_commit_time=last.commit_time if last else None, lag_bytes=lag_bytes, lag_seconds=lag_s,
         resolved_lag_seconds=resolved_lag, changes_per_second=rate,
-        last_batch_seconds=None if not row or row[5] is None else round(float(row[5]), 3),
-        batches=int(row[4]) if row else 0, snapshot=snapshot)
-
-
-def _last_progress(sink: Any, feed: str) -> tuple[Any, ...] | None:
-    """The last applied batch: end LSN, commit time, resolved ts, end LSN as int, batch count, duration.
-
-    began_at is read through to_jsonb: a sink made before it existed has no such column until its
-    feed runs again, and status creates nothing. Rows older than the column have no duration.
-    """
-    return sink.execute(  # type: ignore[no-any-return]
-        "SELECT end_lsn::text, commit_time::text, resolved_ts, end_lsn - '0/0'::pg_lsn, "
-        "(SELECT count(*) FROM changefeed.progress WHERE feed = %s), "
-        "extract(epoch FROM applied_at - b.began) "
-        f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (feed, feed)).fetchone()
-
-
-def _recent_rate(sink: Any, feed: str) -> float:
-    """Changes per second applied over the last RATE_WINDOW_S, or since the first batch in it began
-    if that is later (a feed started 10 s ago is not averaged over a minute)."""
-    row = sink.execute(
-        "SELECT coalesce(sum(changes), 0), extract(epoch FROM now() - greatest(now() - make_interval(secs => %s), "
-        f"min(least(b.began, applied_at)))) FROM {_PROGRESS_BEGAN} "
-        "WHERE feed = %s AND applied_at > now() - make_interval(secs => %s)",
-        (RATE_WINDOW_S, feed, RATE_WINDOW_S)).fetchone()
-    return round(int(row[0]) / max(float(row[1]), 1.0), 1)
+        last_batch_seconds=last.seconds if last else None, batches=last.batches if last else 0, snapshot=snapshot)
 
 
 def _slot_text(slot: src.SlotState | None) -> str:

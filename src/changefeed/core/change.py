@@ -129,3 +129,21 @@ class Progress:
     @classmethod
     def from_meta(cls, meta: str) -> "Progress":
         return cls(**json.loads(meta))
+
+
+@dataclass(frozen=True)
+class BatchProgress:
+    """A whole micro-batch's progress, from the `P` rows of all its partitions (its WAL window and
+    its snapshot chunks): what a sink records with the batch."""
+
+    end_lsn: int
+    resolved_ts: int
+    last_commit_time: int | None
+    changes: int
+    chunks: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, parts: "list[Progress]") -> "BatchProgress":
+        times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
+        return cls(max(p.end_lsn for p in parts), max(p.resolved_ts for p in parts), max(times) if times else None,
+                   sum(p.changes for p in parts), tuple(p.chunk for p in parts if p.chunk))

@@ -25,6 +25,7 @@ from ..core.copytext import NULL
 from ..core.lsn import format_lsn
 from .. import faults
 from ..errors import SinkError
+from .ledger import RATE_WINDOW_S, LastBatch
 
 META_SCHEMA = "changefeed"
 SESSION_MEMORY = "256MB"
@@ -130,6 +131,67 @@ def snapshot_totals(conn: psycopg.Connection[Any], feed: str) -> dict[str, tuple
         "GROUP BY table_name", (feed,))}
 
 
+# progress rows with their began_at as b.began (NULL on a sink made before the column)
+_PROGRESS_BEGAN = (f"{META_SCHEMA}.progress p CROSS JOIN LATERAL "
+                   "(SELECT (to_jsonb(p) ->> 'began_at')::timestamptz AS began) b")
+
+
+class ReplicaLedger:
+    """The replica's ledger (sinks.ledger): its `changefeed.*` tables, on an open connection.
+
+    Readers create nothing: on a sink never prepared they answer "nothing recorded"."""
+
+    def __init__(self, conn: psycopg.Connection[Any], feed: str) -> None:
+        self.conn, self.feed = conn, feed
+
+    def prepare(self, tables: list[Any]) -> None:
+        ensure_meta(self.conn)
+        ensure_tables(self.conn, tables)
+
+    def checkpoint_lsn(self) -> int | None:
+        return checkpoint_lsn(self.conn, self.feed)
+
+    def last_resolved_ts(self) -> int | None:
+        return last_resolved_ts(self.conn, self.feed)
+
+    def last_batch(self) -> LastBatch | None:
+        """began_at is read through to_jsonb: a sink made before it existed has no such column until
+        its feed runs again. Rows older than the column have no duration."""
+        if not has_meta(self.conn, "progress"):
+            return None
+        row = self.conn.execute(
+            "SELECT end_lsn - '0/0'::pg_lsn, commit_time::text, resolved_ts, "
+            f"(SELECT count(*) FROM {META_SCHEMA}.progress WHERE feed = %s), "
+            "extract(epoch FROM applied_at - b.began) "
+            f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed, self.feed)).fetchone()
+        if row is None:
+            return None
+        return LastBatch(int(row[0]), row[1], int(row[2]), int(row[3]),
+                         None if row[4] is None else round(float(row[4]), 3))
+
+    def recent_rate(self) -> float:
+        if not has_meta(self.conn, "progress"):
+            return 0.0
+        row = self.conn.execute(
+            "SELECT coalesce(sum(changes), 0), extract(epoch FROM now() - greatest(now() - make_interval(secs => %s), "
+            f"min(least(b.began, applied_at)))) FROM {_PROGRESS_BEGAN} "
+            "WHERE feed = %s AND applied_at > now() - make_interval(secs => %s)",
+            (RATE_WINDOW_S, self.feed, RATE_WINDOW_S)).fetchone()
+        return round(int(row[0]) / max(float(row[1] or 0), 1.0), 1)  # type: ignore[index]
+
+    def totals(self) -> tuple[int, int]:
+        return totals(self.conn, self.feed) if has_meta(self.conn, "progress") else (0, 0)
+
+    def snapshot_totals(self) -> dict[str, tuple[int, int]]:
+        return snapshot_totals(self.conn, self.feed)
+
+    def forget(self) -> bool:
+        return forget(self.conn, self.feed)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 @dataclass
 class Applied:
     """What a batch did to the replica: `applied` is False for a batch recorded before."""
@@ -197,28 +259,24 @@ class BatchApplier:
         if not self._progress:
             raise SinkError(f"batch {self.batch_id} carries no progress row",
                             "this is a bug in the change stream; report it")
-        p = self._progress
-        end, changes = max(x.end_lsn for x in p), sum(x.changes for x in p)
-        applied = end > self.done
+        p = ch.BatchProgress.of(self._progress)
+        applied = p.end_lsn > self.done
         if applied:
-            times = [x.last_commit_time for x in p if x.last_commit_time is not None]
             self.conn.execute(
                 f"INSERT INTO {META_SCHEMA}.progress (feed, batch_id, end_lsn, resolved_ts, commit_time, changes) "
                 "VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s)",
-                (self.feed, self.batch_id, format_lsn(end), max(x.resolved_ts for x in p),
-                 max(times) if times else None, changes))
-            chunks = [x.chunk for x in p if x.chunk]
-            if chunks:
+                (self.feed, self.batch_id, format_lsn(p.end_lsn), p.resolved_ts, p.last_commit_time, p.changes))
+            if p.chunks:
                 with self.conn.cursor() as cur:
                     cur.executemany(
                         f"INSERT INTO {META_SCHEMA}.snapshot_chunks (feed, chunk_no, table_name, rows, read_lsn, "
                         "batch_id, read_task) VALUES (%s, %s, %s, %s, %s::pg_lsn, %s, %s)",
                         [(self.feed, c["no"], c["table"], c["rows"], format_lsn(c["read_lsn"]), self.batch_id,
-                          c.get("task")) for c in chunks])
+                          c.get("task")) for c in p.chunks])
             faults.reach("before_sink_commit")
         self.conn.execute("COMMIT")
         faults.reach("after_sink_commit")
-        return Applied(self.batch_id, end, changes, applied)
+        return Applied(self.batch_id, p.end_lsn, p.changes, applied)
 
     def rollback(self) -> None:
         if not self.conn.closed:

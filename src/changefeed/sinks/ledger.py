@@ -1,0 +1,156 @@
+"""A sink's ledger: what it has durably recorded for a feed, whatever the sink.
+
+The control plane (run, status, the metrics, the retention check, remove) asks the ledger how far
+the sink is: the checkpoint a restart resumes after, what was delivered, the snapshot chunks done.
+The replica keeps its ledger in its own `changefeed.*` tables, written in the batch's transaction
+(`postgres_replica.ReplicaLedger`). A sink with no place of its own to write to (a webhook) keeps
+it in the feed's state folder as `FileLedger`: one JSON line per batch, appended by the Spark
+driver once every message of the batch was acknowledged, before Spark records the batch as done.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..core.change import BatchProgress
+
+RATE_WINDOW_S = 60
+
+
+@dataclass(frozen=True)
+class LastBatch:
+    """The last batch a sink recorded."""
+
+    end_lsn: int
+    commit_time: str | None  # of its last commit, as text
+    resolved_ts: int
+    batches: int  # recorded in all
+    seconds: float | None  # its delivery time, None where unknown
+
+
+class Ledger(Protocol):
+    def prepare(self, tables: list[Any]) -> None:
+        """Create the bookkeeping and the targets of `tables` (postgres.source.SourceTable) if missing."""
+
+    def checkpoint_lsn(self) -> int | None:
+        """The end of the last batch recorded, None before the first."""
+
+    def last_resolved_ts(self) -> int | None: ...
+
+    def last_batch(self) -> LastBatch | None: ...
+
+    def recent_rate(self) -> float:
+        """Changes per second delivered over the last RATE_WINDOW_S (or since the first batch in it began)."""
+
+    def totals(self) -> tuple[int, int]:
+        """(batches, changes) recorded."""
+
+    def snapshot_totals(self) -> dict[str, tuple[int, int]]:
+        """Per table: (chunks, rows) of snapshot delivered."""
+
+    def forget(self) -> bool:
+        """Drop the feed's bookkeeping (not the delivered data); True if there was any."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Entry:
+    batch_id: int
+    progress: BatchProgress
+    began: float  # Unix s
+    done: float
+
+
+class FileLedger:
+    """The ledger of a sink without a place of its own: `delivered.jsonl` in the feed's state folder.
+
+    A line is appended (and fsynced) after the batch's messages were all acknowledged. A replayed
+    batch (the process died before Spark recorded it) appends its line again: entries are keyed by
+    their end LSN. A line torn by a crash while being written is ignored: its batch is replayed.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+
+    def record(self, batch_id: int, progress: BatchProgress, began: float, done: float) -> None:
+        line = json.dumps({"batch": batch_id, "progress": progress.__dict__, "began": began, "done": done})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _entries(self) -> list[_Entry]:
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        seen: dict[int, _Entry] = {}
+        for line in lines:
+            try:
+                d = json.loads(line)
+                p = d["progress"]
+                entry = _Entry(d["batch"], BatchProgress(p["end_lsn"], p["resolved_ts"], p["last_commit_time"],
+                                                         p["changes"], tuple(p["chunks"])), d["began"], d["done"])
+            except (ValueError, KeyError, TypeError):
+                continue  # torn by a crash: that batch is delivered again
+            seen.setdefault(entry.progress.end_lsn, entry)
+        return sorted(seen.values(), key=lambda e: e.progress.end_lsn)
+
+    def prepare(self, tables: list[Any]) -> None:
+        """Nothing to create: the file appears with the first batch."""
+
+    def checkpoint_lsn(self) -> int | None:
+        entries = self._entries()
+        return entries[-1].progress.end_lsn if entries else None
+
+    def last_resolved_ts(self) -> int | None:
+        entries = self._entries()
+        return max(e.progress.resolved_ts for e in entries) if entries else None
+
+    def last_batch(self) -> LastBatch | None:
+        entries = self._entries()
+        if not entries:
+            return None
+        last = entries[-1]
+        when = last.progress.last_commit_time
+        commit_time = None if when is None else time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.gmtime(when / 1e6)) + f".{when % 1_000_000:06d}+00"
+        return LastBatch(last.progress.end_lsn, commit_time, last.progress.resolved_ts, len(entries),
+                         round(last.done - last.began, 3))
+
+    def recent_rate(self) -> float:
+        now = time.time()
+        recent = [e for e in self._entries() if e.done > now - RATE_WINDOW_S]
+        if not recent:
+            return 0.0
+        since = max(now - RATE_WINDOW_S, min(min(e.began, e.done) for e in recent))
+        return round(sum(e.progress.changes for e in recent) / max(now - since, 1.0), 1)
+
+    def totals(self) -> tuple[int, int]:
+        entries = self._entries()
+        return len(entries), sum(e.progress.changes for e in entries)
+
+    def snapshot_totals(self) -> dict[str, tuple[int, int]]:
+        chunks: dict[int, dict[str, Any]] = {}
+        for e in self._entries():
+            for c in e.progress.chunks:
+                chunks.setdefault(int(c["no"]), c)  # a chunk counts once
+        out: dict[str, tuple[int, int]] = {}
+        for c in chunks.values():
+            n, rows = out.get(c["table"], (0, 0))
+            out[c["table"]] = (n + 1, rows + int(c["rows"]))
+        return out
+
+    def forget(self) -> bool:
+        existed = self.path.exists()
+        self.path.unlink(missing_ok=True)
+        return existed
+
+    def close(self) -> None:
+        """Nothing held open."""

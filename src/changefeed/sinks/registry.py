@@ -1,0 +1,60 @@
+"""Sink kinds by URI scheme: how `--sink` is checked, which Spark sink writes, where its ledger is.
+
+Adding a sink: its module(s) here and in `spark/`, and one entry in SINKS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import FeedSpec, FeedState
+    from .ledger import Ledger
+
+
+@dataclass(frozen=True)
+class SinkKind:
+    name: str
+    spark_format: str  # the Spark data source that writes it
+    messages: bool  # delivers formatted messages (--format), not rows
+    parallel_reads: bool  # arrival order of a batch's partitions at the writer does not matter
+
+
+REPLICA = SinkKind("replica", "changefeed-postgres", messages=False, parallel_reads=True)
+# A message sink delivers in arrival order: snapshot chunk rows must come after their window's changes.
+WEBHOOK = SinkKind("webhook", "changefeed-webhook", messages=True, parallel_reads=False)
+SINKS = {"postgresql": REPLICA, "postgres": REPLICA, "webhook-http": WEBHOOK, "webhook-https": WEBHOOK}
+EXAMPLES = "postgresql://USER:PASSWORD@HOST:5432/DB (a replica) or webhook-https://HOST/PATH"
+
+
+def sink_kind(uri: str) -> SinkKind:
+    scheme = uri.split("://", 1)[0] if "://" in uri else ""
+    if scheme not in SINKS:
+        raise ConfigError(f"--sink has an unknown scheme {scheme or '<none>'!r}", f"use {EXAMPLES}")
+    return SINKS[scheme]
+
+
+def validate_sink(uri: str) -> None:
+    """Check the sink URI and its options without connecting."""
+    if sink_kind(uri) is WEBHOOK:
+        from .webhook import WebhookOptions
+
+        WebhookOptions.parse(uri)
+
+
+def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":
+    """The feed's ledger; for the replica this connects (ConnectionFailed, AuthenticationFailed)."""
+    if sink_kind(spec.sink) is REPLICA:
+        from ..postgres.connect import connect
+        from .postgres_replica import ReplicaLedger
+
+        return ReplicaLedger(connect(spec.sink, "sink"), spec.name)
+    from .ledger import FileLedger
+
+    return FileLedger(ledger_path(state))
+
+
+def ledger_path(state: "FeedState") -> str:
+    return str(state.dir / "delivered.jsonl")
