@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
+from .core.envelope import FORMATS
 from .errors import ChangefeedError, ConfigError
 
 DEFAULT_STATE = "./changefeed-state"
@@ -27,6 +28,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "snapshot_chunks_per_batch": args.snapshot_chunks_per_batch,
         "retention_s": parse_duration(args.retention) if args.retention is not None else None,
         "max_retained_wal": parse_size(args.max_retained_wal) if args.max_retained_wal is not None else None,
+        "format": args.format, "diff": args.diff,
     }.items() if v is not None}
     if stored is None:  # what is not given takes FeedSpec's defaults
         return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate()
@@ -156,7 +158,8 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     """What defines a feed (stored on its first run or create; later runs may change the limits)."""
     cmd.add_argument("--name", required=True, help="feed name: lowercase letters, digits, _")
     cmd.add_argument("--source", help="source PostgreSQL URI (stored on first run)")
-    cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica (stored on first run)")
+    cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica, webhook-https://... (or "
+                                    "webhook-http://) for a webhook (stored on first run)")
     cmd.add_argument("--tables", help="comma-separated schema.table list (stored on first run)")
     cmd.add_argument("--state", default=DEFAULT_STATE, help=f"state directory (default {DEFAULT_STATE})")
     cmd.add_argument("--max-bytes-per-batch", help="most WAL bytes per batch, e.g. 64MB (default 64MB; 0 = no limit)")
@@ -177,6 +180,10 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                          "(default 24h; 0 = no limit)")
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "
                                                 "(default 0: no limit)")
+    cmd.add_argument("--format", choices=FORMATS,
+                     help="message envelope of a webhook sink: json (default), debezium, text")
+    cmd.add_argument("--diff", action="store_true", default=None,
+                     help="json envelope: also send the old row as `before`")
 
 
 def _running_args(cmd: argparse.ArgumentParser) -> None:

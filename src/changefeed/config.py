@@ -35,6 +35,8 @@ class FeedSpec:
     snapshot_chunks_per_batch: int = DEFAULT_CHUNKS_PER_BATCH
     retention_s: float = DEFAULT_RETENTION_S  # most checkpoint age the slot may hold WAL for; 0 = no limit
     max_retained_wal: int = 0  # most WAL bytes the slot may hold; 0 = no limit
+    format: str = "json"  # envelope of a message sink (core.envelope.FORMATS)
+    diff: bool = False  # json envelope: also the old row (`before`)
 
     @property
     def slot(self) -> str:
@@ -51,10 +53,20 @@ class FeedSpec:
         for role, uri in (("source", self.source), ("sink", self.sink)):
             if not uri:
                 raise ConfigError(f"--{role} is required", "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
-            if not uri.startswith(("postgresql://", "postgres://")):
-                scheme = uri.split("://")[0] if "://" in uri else "<no scheme>"
-                raise ConfigError(f"--{role} must be a postgresql:// URI, got scheme {scheme!r}",
-                                  "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        if not self.source.startswith(("postgresql://", "postgres://")):
+            scheme = self.source.split("://")[0] if "://" in self.source else "<no scheme>"
+            raise ConfigError(f"--source must be a postgresql:// URI, got scheme {scheme!r}",
+                              "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        from .core.envelope import FORMATS
+        from .sinks.registry import sink_kind, validate_sink
+
+        validate_sink(self.sink)
+        if self.format not in FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
+                              "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
+        if not sink_kind(self.sink).messages and (self.format != "json" or self.diff):
+            raise ConfigError("--format and --diff apply to message sinks (webhook), not to a replica",
+                              "leave them out: a replica receives rows")
         if not self.tables:
             raise ConfigError("--tables is required", "e.g. --tables public.accounts,public.transfers")
         bad = [t for t in self.tables if not _TABLE.match(t)]

@@ -5,7 +5,10 @@ import os
 import sys
 from typing import Any
 
+from psycopg.conninfo import conninfo_to_dict
+
 from ..config import FeedSpec, FeedState
+from ..sinks.registry import ledger_path, sink_kind
 
 
 def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
@@ -17,6 +20,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
 
     from .sink import PostgresReplicaSink
     from .source import ChangefeedSource
+    from .webhook_sink import WebhookSink
 
     spark = (SparkSession.builder.master(master).appName(app)
              .config("spark.driver.extraJavaOptions", "-Xss64m")
@@ -32,6 +36,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
     spark.sparkContext.setLogLevel(os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "ERROR"))
     spark.dataSource.register(ChangefeedSource)
     spark.dataSource.register(PostgresReplicaSink)
+    spark.dataSource.register(WebhookSink)
     return spark
 
 
@@ -53,10 +58,15 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("requests_dir", str(state.requests)))
     changes = reader.load()
     changes = changes.repartition(1) if parallel_reads else changes.coalesce(1)
-    writer = (changes.writeStream.format("changefeed-postgres")
+    kind = sink_kind(spec.sink)
+    writer = (changes.writeStream.format(kind.spark_format)
               .queryName(f"changefeed_{spec.name}")
               .option("uri", spec.sink).option("feed", spec.name)
               .option("checkpointLocation", str(state.checkpoint)))
+    if kind.messages:
+        writer = (writer.option("format", spec.format).option("diff", str(spec.diff).lower())
+                  .option("database", conninfo_to_dict(spec.source).get("dbname") or "")
+                  .option("ledger", ledger_path(state)))
     if available_now:
         writer = writer.trigger(availableNow=True)
     elif spec.trigger_interval_s:

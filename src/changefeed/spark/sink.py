@@ -40,11 +40,12 @@ class PostgresReplicaSink(DataSource):
         return ReplicaStreamWriter(dict(self.options))
 
 
-def _batch_id() -> int:
+def batch_id() -> int:
+    """The micro-batch this writer task belongs to (Spark passes it as a task property)."""
     ctx = TaskContext.get()
     batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
     if batch is None:
-        raise SinkError("the replica sink runs only inside a streaming query's micro-batch",
+        raise SinkError("changefeed sinks run only inside a streaming query's micro-batch",
                         "start it with writeStream (changefeed run does)")
     return int(batch)
 
@@ -69,7 +70,7 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                     pass
 
         with connect(self.uri, "sink", autocommit=True) as conn:
-            applier = replica.BatchApplier(conn, self.feed, _batch_id())
+            applier = replica.BatchApplier(conn, self.feed, batch_id())
             applier.begin()
             worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)
             worker.start()

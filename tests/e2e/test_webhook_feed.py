@@ -1,0 +1,204 @@
+"""Webhook sink end to end: a feed process POSTs to a real HTTP server on loopback that fails on
+purpose (500, 429, a hang past the client's timeout, "store then fail", a dropped connection), and
+is killed (SIGKILL) once in the middle; every change arrives, in per-key order, and a message
+arrives twice only under the same idempotency key. A 400 stops the feed with the status shown."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Dbs, changefeed_cli, start_changefeed, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@dataclass
+class Receiver:
+    """What the endpoint got: `stored` are the requests it kept (acknowledged or "stored then
+    failed"), in arrival order; `plan` maps a request number (1-based) to a fault."""
+
+    plan: dict[int, str] = field(default_factory=dict)
+    always: str = ""  # a fault for every request
+    seen: int = 0
+    stored: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    held: threading.Event = field(default_factory=threading.Event)  # a "hold" request is in flight
+
+    def messages(self) -> list[tuple[str, dict[str, Any]]]:
+        """(idempotency key, message) of every stored request, keys de-duplicated as a receiver would."""
+        with self.lock:
+            stored = list(self.stored)
+        done: set[str] = set()
+        out = []
+        for key, body in stored:
+            if key in done:
+                continue
+            done.add(key)
+            out += [(key, m) for m in body.get("payload", [body])]
+        return out
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[Receiver, str]]:
+    rec = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with rec.lock:
+                rec.seen += 1
+                fault = rec.always or rec.plan.get(rec.seen, "ok")
+                rec.faults.append(fault)
+                if fault in ("ok", "store_then_500"):
+                    rec.stored.append((self.headers["Idempotency-Key"], body))
+            if fault in ("hang", "hold"):
+                if fault == "hold":
+                    rec.held.set()  # the test kills the feed while this request waits
+                time.sleep(3)  # past the client's timeout: it gives up and retries
+                return
+            if fault == "close":
+                self.close_connection = True
+                self.connection.shutdown(2)
+                return
+            status = {"ok": 200, "500": 500, "store_then_500": 500, "429": 429, "400": 400}[fault]
+            reply = b'{"error": "bad payload: field x"}' if fault == "400" else b"{}"
+            self.send_response(status)
+            if fault == "429":
+                self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield rec, f"webhook-http://127.0.0.1:{server.server_address[1]}/changes"
+    server.shutdown()
+
+
+OPTIONS = "flush_messages=40&retry_backoff=50ms&retry_max_backoff=300ms&timeout=1s&retry_max=inf&resolved=true"
+
+
+def replay(messages: list[tuple[str, dict[str, Any]]]) -> dict[int, int]:
+    """Apply json-envelope messages in order, as a consumer would: key id -> v."""
+    rows: dict[int, int] = {}
+    for _, m in messages:
+        if "resolved" in m:
+            continue
+        if m["after"] is None:
+            rows.pop(m["key"][0], None)
+        else:
+            rows[m["key"][0]] = m["after"]["v"]
+    return rows
+
+
+def source_rows(dbs: Dbs) -> dict[int, int]:
+    with dbs.src() as c:
+        return {r[0]: r[1] for r in c.execute("SELECT id, v FROM t")}
+
+
+def test_every_change_arrives_in_key_order_through_faults_and_a_kill(dbs: Dbs, tmp_path: Path,
+                                                                      receiver: tuple[Receiver, str]) -> None:
+    rec, url = receiver
+    rec.plan = {2: "500", 4: "429", 6: "hang", 8: "store_then_500", 10: "close", 13: "500", 14: "500", 16: "hold"}
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+        c.execute("INSERT INTO t SELECT g, 0 FROM generate_series(1, 200) g")  # the snapshot
+    state, log = str(tmp_path / "state"), tmp_path / "run.log"
+    args = ("run", "--name", dbs.name, "--state", state, "--source", dbs.source, "--sink", f"{url}?{OPTIONS}",
+            "--tables", "public.t", "--resolved", "500ms")
+    # v counts each key's versions: 0 from the snapshot, then 1, 2, ... in commit order
+    written: dict[int, list[int]] = defaultdict(lambda: [0])
+
+    def workload(rounds: range) -> None:
+        with dbs.src() as c:
+            for r in rounds:
+                with c.transaction():
+                    c.execute("UPDATE t SET v = v + 1 WHERE id %% 7 = %s", (r % 7,))
+                    c.execute("INSERT INTO t VALUES (%s, 1)", (1000 + r,))
+                    if r % 5 == 4:
+                        c.execute("DELETE FROM t WHERE id = %s", (1000 + r - 2,))
+        with dbs.src() as c:
+            for key, v in c.execute("SELECT id, v FROM t"):
+                written[key] = list(range(1 if key >= 1000 else 0, v + 1))
+
+    p = start_changefeed(*args, log=log)
+    try:
+        # the snapshot first: its rows and the changes racing it may arrive in either order (see README)
+        wait_for("the snapshot at the endpoint", lambda: len(replay(rec.messages())) == 200, log)
+        workload(range(0, 30))
+        wait_for("a request to hold", lambda: rec.held.wait(0.1), log)
+        p.send_signal(signal.SIGKILL)  # in the middle of a request, mid-batch
+        p.wait(30)
+        p = start_changefeed(*args, log=log)
+        workload(range(30, 60))
+        expected = source_rows(dbs)
+        wait_for("the endpoint to hold the source's rows", lambda: replay(rec.messages()) == expected, log)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert {"500", "429", "hang", "store_then_500", "close", "hold"} <= set(rec.faults)  # every fault was met
+
+    messages = rec.messages()
+    changes = [(k, m) for k, m in messages if "resolved" not in m]
+    # per-key order: each key's versions arrive in commit order (a replayed batch may repeat a run of them)
+    versions: dict[int, list[int]] = defaultdict(list)
+    for _, m in changes:
+        if m["after"] is not None:
+            versions[m["key"][0]].append(m["after"]["v"])
+    for key, vs in versions.items():
+        distinct = sorted(set(vs))
+        if key in expected:
+            assert distinct == written[key], (key, vs)  # every version arrived
+        firsts = [v for i, v in enumerate(vs) if v not in vs[:i]]
+        assert firsts == distinct, f"key {key} out of order: {vs}"
+    # a message seen twice came under one idempotency key (a retry or a replay of the same request)
+    keys_of: dict[str, set[str]] = defaultdict(set)
+    for k, m in messages:
+        keys_of[json.dumps(m, sort_keys=True)].add(k)
+    assert all(len(ks) == 1 for ks in keys_of.values()), [ks for ks in keys_of.values() if len(ks) > 1][:3]
+    # resolved messages never go back, and each covers every change delivered before it
+    resolved = [int(m["resolved"]) for _, m in messages if "resolved" in m]
+    assert resolved and resolved == sorted(resolved)
+    last = 0
+    for _, m in messages:
+        if "resolved" in m:
+            last = int(m["resolved"])
+        else:
+            assert int(m["updated"]) > last or m["op"] == "r", (m, last)
+
+    status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", state, "--json").stdout)
+    assert status["batches"] >= 2 and status["checkpoint_lsn"] and status["snapshot"]["public.t"]["rows"] == 200
+
+
+def test_a_400_stops_the_feed_with_the_status_shown(dbs: Dbs, tmp_path: Path,
+                                                     receiver: tuple[Receiver, str]) -> None:
+    rec, url = receiver
+    rec.always = "400"
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+        c.execute("INSERT INTO t VALUES (1, 0)")
+    state = str(tmp_path / "state")
+    r = changefeed_cli("run", "--name", dbs.name, "--state", state, "--source", dbs.source,
+                       "--sink", f"{url}?{OPTIONS}", "--tables", "public.t", "--available-now")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "400" in r.stderr and "bad payload: field x" in r.stderr, r.stderr[-2000:]
+    assert rec.seen == 1  # not retried
+    status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", state, "--json").stdout)
+    assert status["state"].startswith("failed") and "400" in status["state"], status
+    assert status["batches"] == 0
