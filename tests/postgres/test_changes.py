@@ -8,6 +8,8 @@ what the server sends for a peek up to `end` from a slot at `start` (records tha
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import secrets
@@ -25,7 +27,7 @@ from changefeed.core import change as ch
 from changefeed.core.copytext import split_line
 from changefeed.core.hlc import window_end_ts, ceiling_of_ms, from_millis
 from changefeed.core.lsn import format_lsn
-from changefeed.postgres import pgoutput as po
+from changefeed.postgres import changes, pgoutput as po
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
 from changefeed.postgres.source import column_catalog
 
@@ -147,6 +149,9 @@ def stream(servers: Any) -> Iterator[Stream]:
                 message("hb3", HEARTBEAT_PREFIX, "")
             if i == 5:
                 message("note2", "note", "second")
+        txn("mixed", "INSERT INTO a VALUES (30, 'm'), (31, 'm'), (32, NULL)", "DELETE FROM a WHERE id = 30",
+            "INSERT INTO ri VALUES (5, 'c5', 'x')", "UPDATE a SET v = 'n' WHERE id = 31",
+            "INSERT INTO a VALUES (33, '')", "DELETE FROM a WHERE id IN (32, 33)")
         txn("txn_heartbeat", f"SELECT pg_logical_emit_message(true, '{HEARTBEAT_PREFIX}', 'x')",
             "DELETE FROM a WHERE id = 100")
         message("hb_end", HEARTBEAT_PREFIX, "")
@@ -180,16 +185,49 @@ def stream(servers: Any) -> Iterator[Stream]:
             admin.execute(f"DROP DATABASE {db}")
 
 
+SHORT_RUN = changes._SHORT_RUN
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_run_as_arrays() -> Iterator[None]:
+    """The builder feeds short runs of plain changes one by one; the transactions here are small,
+    so take every run as arrays, the path that a real workload's big transactions take."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(changes, "_SHORT_RUN", 1)
+        yield
+
+
 # -- helpers --------------------------------------------------------------------------------------
+
+def blocks_of(messages: list[bytes], cuts: Any = ()) -> list[list[bytes]]:
+    """`messages` as blocks (a peek's fetches), cut before the indexes in `cuts`."""
+    bounds = [0, *sorted({c for c in cuts if 0 < c < len(messages)}), len(messages)]
+    return [messages[a:b] for a, b in itertools.pairwise(bounds)]
+
 
 def build(s: Stream, start: int, end: int, start_ts: int = 0, end_ts: int | None = None,
           catalog: Any = offline_catalog, rows_per_batch: int = 65536) -> list[dict[str, Any]]:
     """One window as production builds it, from `batches`; rows as dicts."""
     builder = ChangeBuilder(start, end, start_ts, start_ts if end_ts is None else end_ts, catalog)
     out: list[dict[str, Any]] = []
-    for rb in builder.batches(iter(s.window_input(start, end)), rows_per_batch):
+    for rb in builder.batches([s.window_input(start, end)], rows_per_batch):
         assert rb.schema == ch.arrow_schema()
         out.extend(rb.to_pylist())
+    return out
+
+
+def build_one_by_one(builder: ChangeBuilder, messages: list[bytes], rows_per_batch: int) -> list[pa.RecordBatch]:
+    """The reference for `batches`: each message through `feed`, batches cut as `batches` cuts them."""
+    out = []
+    size = max(1, rows_per_batch // 16)
+    for d in messages:
+        builder.feed(d)
+        if builder.done:
+            break
+        if builder.pending() >= size:
+            out.append(builder.take())
+            size = min(size * 4, rows_per_batch)
+    out.append(builder.finish())
     return out
 
 
@@ -586,6 +624,15 @@ def test_add_column_redescribes_the_table(stream: Stream, whole: list[dict[str, 
     assert json.loads(rows[0]["meta"])["columns"] == ["id", "v", "w"]
 
 
+def test_inserts_updates_and_deletes_of_one_transaction(stream: Stream, whole: list[dict[str, Any]]) -> None:
+    rows = txn_rows(stream, whole, "mixed")
+    assert [(r["table"], r["op"], r["after"], r["before"]) for r in rows] == [
+        ("a", "c", b"30\tm\t42", None), ("a", "c", b"31\tm\t42", None), ("a", "c", b"32\t\\N\t42", None),
+        ("a", "d", None, b"30\t\\N\t\\N"), ("ri", "c", b"5\tc5\tx", None), ("a", "u", b"31\tn\t42", None),
+        ("a", "c", b"33\t\t42", None), ("a", "d", None, b"32\t\\N\t\\N"), ("a", "d", None, b"33\t\\N\t\\N")]
+    assert [r["seq"] for r in rows] == list(range(9))
+
+
 def test_truncate_rows(stream: Stream, whole: list[dict[str, Any]]) -> None:
     rows = txn_rows(stream, whole, "truncate")
     truncs = [r for r in rows if r["op"] == "t"]
@@ -614,7 +661,7 @@ def test_messages(stream: Stream, whole: list[dict[str, Any]]) -> None:
 def test_batches_never_split_a_transaction(stream: Stream) -> None:
     one = build(stream, stream.start_lsn, stream.end_lsn, 3, 10**15)
     builder = ChangeBuilder(stream.start_lsn, stream.end_lsn, 3, 10**15)
-    batches = list(builder.batches(iter(stream.raw), rows_per_batch=1))
+    batches = list(builder.batches([stream.raw], rows_per_batch=1))
     assert len(batches) > 10
     assert [r for rb in batches for r in rb.to_pylist()] == one
     seen: set[int] = set()
@@ -628,17 +675,18 @@ def test_batches_stop_reading_after_the_window(stream: Stream) -> None:
     end = stream.commits[6][0].final_lsn
     consumed = 0
 
-    def counted() -> Iterator[bytes]:
+    def counted() -> Iterator[list[bytes]]:
         nonlocal consumed
-        for d in stream.raw:
+        for block in blocks_of(stream.raw, range(0, len(stream.raw), 3)):
             consumed += 1
-            yield d
+            yield block
 
     rows = [r for rb in ChangeBuilder(stream.start_lsn, end, 0, 0).batches(counted()) for r in rb.to_pylist()]
     # It stops at the Begin of transaction 7: its commit record starts at or after the end.
     seventh_begin = [i for i, m in enumerate(stream.msgs) if isinstance(m, po.Begin)][6]
     assert stream.msgs[seventh_begin].final_lsn >= end
-    assert consumed == seventh_begin + 1
+    assert consumed == seventh_begin // 3 + 1  # not a block after the one holding that Begin
+    assert rows == build(stream, stream.start_lsn, end)
     assert rows[-1]["op"] == ch.PROGRESS
     assert max(r["lsn"] for r in data_rows(rows)) < end
 
@@ -698,19 +746,57 @@ def test_take_returns_arrow_schema(stream: Stream) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_corrupted_changes_raise_decode_error_or_build(stream: Stream, data: st.DataObject) -> None:
-    """The builder's fast path parses I/U/D itself: damage must end as DecodeError, never another error."""
-    changes = [i for i, raw in enumerate(stream.raw) if raw[:1] in (b"I", b"U", b"D")]
-    index = data.draw(st.sampled_from(changes), label="message index")
+    """The builder parses I/U/D itself, a block at a time: damage must end as DecodeError, never
+    another error, and exactly as feeding the messages one by one ends (same error, or same rows)."""
+    plain = [i for i, raw in enumerate(stream.raw) if raw[:1] in (b"I", b"U", b"D")]
+    index = data.draw(st.sampled_from(plain), label="message index")
     msg = bytearray(stream.raw[index])
     if data.draw(st.booleans(), label="truncate"):
         del msg[data.draw(st.integers(1, len(msg) - 1), label="cut"):]
     else:
         at = data.draw(st.integers(1, len(msg) - 1), label="at")
         msg[at] = data.draw(st.integers(0, 255), label="byte")
-    builder = ChangeBuilder(0, 1 << 62, 0, 1 << 62)
-    try:
-        for i, raw in enumerate(stream.raw):
-            builder.feed(bytes(msg) if i == index else raw)
-        builder.finish()
-    except po.DecodeError:
-        pass
+    raw = [bytes(msg) if i == index else d for i, d in enumerate(stream.raw)]
+    cuts = data.draw(st.lists(st.integers(1, len(raw) - 1), max_size=6), label="block cuts")
+
+    def outcome(build: Any) -> Any:
+        builder = ChangeBuilder(0, 1 << 62, 0, 1 << 62)
+        try:
+            return [r for rb in build(builder) for r in rb.to_pylist()]
+        except po.DecodeError as e:
+            return f"DecodeError: {e}"
+
+    assert outcome(lambda b: b.batches(blocks_of(raw, cuts), 7)) == outcome(lambda b: build_one_by_one(b, raw, 7))
+
+
+@WINDOW_SETTINGS
+@given(CUTS)
+def test_blocks_build_exactly_what_messages_one_by_one_build(stream: Stream, data: st.DataObject) -> None:
+    """Wherever the blocks are cut: the same record batches as `feed` per message, cut at the same rows."""
+    pts = cut_points(stream)
+    start = data.draw(st.sampled_from([stream.start_lsn, *pts]), label="start")
+    end = data.draw(st.sampled_from([p for p in [*pts, stream.end_lsn] if p >= start]), label="end")
+    messages = stream.window_input(start, end)
+    cuts = data.draw(st.lists(st.integers(1, max(1, len(messages) - 1)), max_size=12), label="block cuts")
+    rows_per_batch = data.draw(st.sampled_from([1, 5, 40, 65536]), label="rows_per_batch")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(changes, "_SHORT_RUN", data.draw(st.sampled_from([1, 3, SHORT_RUN]), label="short run"))
+        got = list(ChangeBuilder(start, end, 5, 1 << 60).batches(blocks_of(messages, cuts), rows_per_batch))
+    want = build_one_by_one(ChangeBuilder(start, end, 5, 1 << 60), messages, rows_per_batch)
+    assert [rb.num_rows for rb in got] == [rb.num_rows for rb in want]
+    for g, w in zip(got, want):
+        assert g.schema == w.schema == ch.arrow_schema()
+        assert g.equals(w), (g.to_pylist(), w.to_pylist())
+
+
+def test_feed_block_equals_feed(stream: Stream) -> None:
+    """With the real catalog, and past the window's end (ignoring `done`)."""
+    finals = [b.final_lsn for b, _ in stream.commits]
+    catalog = functools.partial(column_catalog, stream.conn)
+    one, blocks = (ChangeBuilder(finals[1], finals[12], 3, 1 << 59, catalog) for _ in range(2))
+    for d in stream.raw:
+        one.feed(d)
+    for block in blocks_of(stream.raw, range(0, len(stream.raw), 7)):
+        blocks.feed_block(block)
+    assert (one.done, one.changes, one.pending()) == (blocks.done, blocks.changes, blocks.pending())
+    assert one.finish().equals(blocks.finish())

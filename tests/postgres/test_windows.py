@@ -32,7 +32,8 @@ def _read(conn: Any, slot: str, start: int, end: int) -> list[dict[str, Any]]:
     src.advance(conn, slot, start)
     conn.commit()
     builder = ChangeBuilder(start, end, 0, 1 << 62, lambda rel: src.column_catalog(conn, rel))
-    rows = [r for rb in builder.batches(src.peek(conn, slot, "p", end), 64) for r in rb.to_pylist()]
+    blocks = src.peek(conn, slot, "p", end, fetch=50)  # small blocks: many end inside a transaction
+    rows = [r for rb in builder.batches(blocks, 64) for r in rb.to_pylist()]
     return [r for r in rows if r["op"] not in "RP"]
 
 

@@ -49,7 +49,8 @@ def _stream(dbs: Dbs) -> tuple[list[Any], list[src.SourceTable]]:
         tables = src.describe_tables(c, ["public.t", "public.gone"])
         with psycopg.connect(dbs.source) as r:
             builder = ChangeBuilder(0, end, 0, 1 << 62, lambda rel: src.column_catalog(r, rel))
-            batches = list(builder.batches(src.peek(r, "s", "p", end), rows_per_batch=500))
+            # Small fetches, so that blocks end inside transactions (as big fetches do in big ones).
+            batches = list(builder.batches(src.peek(r, "s", "p", end, fetch=777), rows_per_batch=500))
         c.execute("SELECT pg_drop_replication_slot('s')")
     return batches, tables
 

@@ -10,18 +10,27 @@ their window cannot be told from the message); transactions from a slot that lag
 here. Commit timestamps
 continue from the window's starting timestamp (see core.hlc), so re-reading a window yields the
 same rows. Pure: no I/O; type names come from an injected function.
+
+Messages come in blocks (a peek's fetches). The plain changes of a block, which are nearly all of
+them, are parsed and turned into COPY lines for the whole block at once (see tuple_block); the
+rest, and any change that tuple_block leaves out, go through `feed` one at a time, which is the
+reference behaviour.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..core import change as ch
 from ..core.hlc import next_commit_ts
 from . import pgoutput as po
-
+from . import tuple_block as tb
 
 
 @dataclass(frozen=True)
@@ -54,15 +63,113 @@ def _final_tuple(data: bytes, pos: int, what: str) -> tuple[bytes, list[int] | N
 
 
 _I, _U, _D, _B, _C = b"IUDBC"
+_INSERT, _UPDATE, _DELETE, _TRUNCATE, _MESSAGE = b"cudtm"  # row ops, as the byte of their letter
+_RELATION, _PROGRESS = ord(ch.RELATION), ord(ch.PROGRESS)
+_OP_OF_KIND = np.zeros(256, np.uint8)  # a plain change's message kind -> its row op
+_OP_OF_KIND[[_I, _U, _D]] = [_INSERT, _UPDATE, _DELETE]
+_NO_TABLE = 0  # table id of rows that have none (messages, progress)
+_SHORT_RUN = 12  # fewer plain changes in a row cost less one by one than as arrays
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Consecutive rows, column by column: op byte, table id, after and before lines."""
+
+    op: np.ndarray  # uint8
+    table: np.ndarray  # int32
+    after: pa.Array  # binary
+    before: pa.Array  # binary
+
+    def __len__(self) -> int:
+        return len(self.op)
+
+    def slice(self, lo: int, hi: int) -> _Chunk:
+        return _Chunk(self.op[lo:hi], self.table[lo:hi], self.after.slice(lo, hi - lo), self.before.slice(lo, hi - lo))
+
+    @staticmethod
+    def concat(chunks: list[_Chunk]) -> _Chunk:
+        if len(chunks) == 1:
+            return chunks[0]
+        if not chunks:
+            return _Chunk(np.zeros(0, np.uint8), np.zeros(0, np.int32), pa.array([], pa.binary()),
+                          pa.array([], pa.binary()))
+        return _Chunk(np.concatenate([c.op for c in chunks]), np.concatenate([c.table for c in chunks]),
+                      pa.concat_arrays([c.after for c in chunks]), pa.concat_arrays([c.before for c in chunks]))
+
+
+class _Rows:
+    """The builder's rows not taken yet: chunks from vectorised runs, and rows of the per-message
+    path gathered in lists until a chunk follows them (they are few: R rows, messages, the odd
+    change). Arrow arrays are concatenated once per record batch, not built row by row."""
+
+    def __init__(self) -> None:
+        self._chunks: list[_Chunk] = []
+        self._in_chunks = 0
+        self._op: list[int] = []
+        self._table: list[int] = []
+        self._after: list[bytes | None] = []
+        self._before: list[bytes | None] = []
+
+    def __len__(self) -> int:
+        return self._in_chunks + len(self._op)
+
+    def append(self, op: int, table: int, after: bytes | None, before: bytes | None) -> int:
+        """Add one row; returns its index."""
+        self._op.append(op)
+        self._table.append(table)
+        self._after.append(after)
+        self._before.append(before)
+        return len(self) - 1
+
+    def extend(self, chunk: _Chunk) -> None:
+        self._seal()
+        self._chunks.append(chunk)
+        self._in_chunks += len(chunk)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first `n` rows."""
+        self._chunks = self._cut(n)[0]
+        self._in_chunks = sum(map(len, self._chunks))
+
+    def split(self, n: int) -> _Chunk:
+        """The first `n` rows, which are forgotten here."""
+        head, self._chunks = self._cut(n)
+        self._in_chunks = sum(map(len, self._chunks))
+        return _Chunk.concat(head)
+
+    def _cut(self, n: int) -> tuple[list[_Chunk], list[_Chunk]]:
+        """All rows as chunks: (the first `n`, the rest)."""
+        self._seal()
+        head: list[_Chunk] = []
+        tail: list[_Chunk] = []
+        seen = 0
+        for c in self._chunks:
+            if seen >= n:
+                tail.append(c)
+            elif seen + len(c) <= n:
+                head.append(c)
+            else:
+                head.append(c.slice(0, n - seen))
+                tail.append(c.slice(n - seen, len(c)))
+            seen += len(c)
+        return head, tail
+
+    def _seal(self) -> None:
+        if self._op:
+            self._chunks.append(_Chunk(np.array(self._op, np.uint8), np.array(self._table, np.int32),
+                                       pa.array(self._after, pa.binary()), pa.array(self._before, pa.binary())))
+            self._in_chunks += len(self._op)
+            self._op, self._table, self._after, self._before = [], [], [], []
 
 
 class ChangeBuilder:
     """Feed pgoutput messages in server order; take Arrow record batches of change rows.
 
-    Built for speed (this is the per-row cost of capture): rows go straight into column lists,
-    columns that are mostly NULL (old_key, unchanged, meta) are kept sparse, and the per-
-    transaction columns (lsn, seq, xid, times) are filled in bulk at the commit. An open
-    transaction's rows start at `_mark`; dropping it truncates the lists back to there.
+    Built for speed (this is the per-row cost of capture): whole blocks of plain changes become
+    rows at once (see `feed_block`), columns that are mostly NULL (old_key, unchanged, meta) are
+    kept sparse, and the per-transaction columns (lsn, seq, xid, times) are recorded once per
+    transaction and expanded when taken. An open transaction's rows start at `_mark`; dropping
+    it truncates the rows back to there.
     """
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
@@ -71,7 +178,9 @@ class ChangeBuilder:
         self.last_ts = start_ts
         self.catalog = catalog
         self.relations: dict[int, po.Relation] = {}
-        self._names: dict[int, tuple[str, str]] = {}
+        self._tables: list[tuple[str | None, str | None]] = [(None, None)]  # by table id (_NO_TABLE first)
+        self._table_ids: dict[tuple[str | None, str | None], int] = {(None, None): _NO_TABLE}
+        self._table_of: dict[int, int] = {}  # relation oid -> table id
         self._info: dict[int, RelationInfo] = {}
         self._described: set[int] = set()
         self._begin: po.Begin | None = None
@@ -79,20 +188,33 @@ class ChangeBuilder:
         self.last_commit_time: int | None = None
         self.changes = 0
         self.done = False  # a transaction past the window's end was seen: nothing more can belong
-        self._reset()
-
-    def _reset(self) -> None:
-        self._op: list[str] = []
-        self._schema: list[str | None] = []
-        self._table: list[str | None] = []
-        self._after: list[bytes | None] = []
-        self._before: list[bytes | None] = []
+        self._rows = _Rows()
         self._sparse: dict[str, dict[int, Any]] = {"old_key": {}, "unchanged": {}, "meta": {}}
-        self._per_txn: dict[str, list[Any]] = {n: [] for n in ("lsn", "seq", "xid", "commit_time", "commit_ts")}
+        self._txns: list[tuple[int, int, int, int | None, int]] = []  # closed: rows, lsn, xid, commit_time, ts
+        self._closed = 0  # rows of closed transactions (the first rows)
         self._mark = 0
+        self._open_relation_rows = 0  # R rows from `_mark` on: not changes
 
     # -- input ---------------------------------------------------------------------------
+    def feed_block(self, messages: list[bytes]) -> None:
+        """Feed consecutive messages (the same as feeding each, only faster)."""
+        for _ in self._steps(messages):
+            pass
+
+    def _steps(self, messages: list[bytes]) -> Iterator[None]:
+        """Feed a block: runs of plain changes at once, other messages one by one, yielding after
+        each of those (only they close or drop transactions, or see the window's end)."""
+        for block in tb.blocks(messages):
+            lo = 0
+            for i in [*np.flatnonzero(~block.fast).tolist(), len(block.messages)]:
+                self._run(block, lo, i)
+                if i < len(block.messages):
+                    self.feed(block.messages[i])
+                    yield
+                lo = i + 1
+
     def feed(self, data: bytes) -> None:
+        """Feed one message."""
         kind = data[0] if data else -1  # an empty message gets its DecodeError from po.decode
         if kind == _I:
             self._insert(data)
@@ -109,27 +231,34 @@ class ChangeBuilder:
             kind_ = type(msg)
             if kind_ is po.Relation:
                 self.relations[msg.oid] = msg  # type: ignore[union-attr]
-                self._names[msg.oid] = (msg.schema, msg.name)  # type: ignore[union-attr]
+                self._table_of[msg.oid] = self._table_id(msg.schema, msg.name)  # type: ignore[union-attr]
                 self._info.pop(msg.oid, None)  # type: ignore[union-attr]
                 self._described.discard(msg.oid)  # type: ignore[union-attr]
             elif kind_ is po.Truncate:
                 for oid in msg.relation_oids:  # type: ignore[union-attr]
-                    self._row(oid, "t", None, None)
+                    self._row(oid, _TRUNCATE, None, None)
             elif kind_ is po.Message:
                 self._message(msg)  # type: ignore[arg-type]
             # Origin and Type messages carry nothing a sink needs.
+
+    def _table_id(self, schema: str, name: str) -> int:
+        key = (schema, name)
+        if key not in self._table_ids:
+            self._table_ids[key] = len(self._tables)
+            self._tables.append(key)
+        return self._table_ids[key]
 
     def _insert(self, data: bytes) -> None:
         if data[5:6] != b"N":
             raise po.DecodeError(f"Insert: expected 'N', got {data[5:6]!r}")
         line, _ = _final_tuple(data, 6, "Insert")
-        self._row(int.from_bytes(data[1:5], "big"), "c", line, None)
+        self._row(int.from_bytes(data[1:5], "big"), _INSERT, line, None)
 
     def _delete(self, data: bytes) -> None:
         if data[5:6] not in (b"K", b"O"):
             raise po.DecodeError(f"Delete: expected 'K' or 'O', got {data[5:6]!r}")
         line, _ = _final_tuple(data, 6, "Delete")
-        self._row(int.from_bytes(data[1:5], "big"), "d", None, line)
+        self._row(int.from_bytes(data[1:5], "big"), _DELETE, None, line)
 
     def _update(self, data: bytes) -> None:
         before, new_at = None, 6  # the common case: no old tuple (key unchanged, default identity)
@@ -142,7 +271,7 @@ class ChangeBuilder:
             raise po.DecodeError(f"Update: expected 'K', 'O' or 'N', got {data[5:6]!r}")
         line, unchanged = _final_tuple(data, new_at, "Update")
         oid = int.from_bytes(data[1:5], "big")
-        i = self._row(oid, "u", line, before)
+        i = self._row(oid, _UPDATE, line, before)
         if unchanged:
             self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"
         if before is not None:
@@ -151,27 +280,67 @@ class ChangeBuilder:
             if any(old[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
                 self._sparse["old_key"][i] = po.copy_line([old[k] for k in keys])
 
-    def _row(self, oid: int, op: str, after: bytes | None, before: bytes | None) -> int:
+    def _row(self, oid: int, op: int, after: bytes | None, before: bytes | None) -> int:
         """Append one row of the open transaction; returns its index."""
         if self._begin is None:
             raise po.DecodeError(f"change for relation {oid} outside a transaction")
-        names = self._names.get(oid)
-        if names is None:
+        table = self._table_of.get(oid)
+        if table is None:
             raise po.DecodeError(f"change for relation {oid} before its Relation message")
         if oid not in self._described:
-            self._described.add(oid)
-            self._sparse["meta"][len(self._op)] = self._describe(self.relations[oid])
-            self._append(ch.RELATION, names, None, None)
-        return self._append(op, names, after, before)
+            self._describe_row(oid, table)
+        return self._rows.append(op, table, after, before)
 
-    def _append(self, op: str, names: tuple[str | None, str | None], after: bytes | None,
-                before: bytes | None) -> int:
-        self._op.append(op)
-        self._schema.append(names[0])
-        self._table.append(names[1])
-        self._after.append(after)
-        self._before.append(before)
-        return len(self._op) - 1
+    def _describe_row(self, oid: int, table: int) -> None:
+        """The R row that comes before a table's first change (in the window, or since its Relation)."""
+        self._described.add(oid)
+        self._sparse["meta"][len(self._rows)] = self._describe(self.relations[oid])
+        self._rows.append(_RELATION, table, None, None)
+        self._open_relation_rows += 1
+
+    def _run(self, block: tb.Block, lo: int, hi: int) -> None:
+        """Messages lo..hi of `block`, all plain changes, as rows: as arrays, unless they are few
+        (then one by one costs less) or one is an error (which `feed` raises as it always has)."""
+        if hi - lo >= _SHORT_RUN and self._begin is not None:
+            oids = block.oids[lo:hi]
+            if (oids == oids[0]).all():
+                relations, first = [int(oids[0])], [0]
+            else:
+                unique, index = np.unique(oids, return_index=True)
+                relations, first = unique.tolist(), index.tolist()
+            tables = [self._table_of.get(oid) for oid in relations]
+            if None not in tables:
+                if len(tables) == 1:
+                    table = np.full(hi - lo, tables[0], np.int32)
+                else:
+                    table = np.array(tables, np.int32)[np.searchsorted(relations, oids)]
+                cut = lo
+                for at, oid, t in sorted(zip(first, relations, tables)):
+                    if oid not in self._described:  # its R row goes right before its first change
+                        self._add_run(block, cut, lo + at, table[cut - lo:at])
+                        self._describe_row(oid, t)  # type: ignore[arg-type]
+                        cut = lo + at
+                self._add_run(block, cut, hi, table[cut - lo:])
+                return
+        for data in block.messages[lo:hi]:
+            self.feed(data)
+
+    def _add_run(self, block: tb.Block, lo: int, hi: int, table: np.ndarray) -> None:
+        """Messages lo..hi of `block` as rows of tables `table`: one chunk, no row by row work."""
+        if hi <= lo:
+            return
+        op = _OP_OF_KIND[block.kinds[lo:hi]]
+        lines = block.lines.slice(int(block.line_of[lo]), hi - lo)
+        deletes = op == _DELETE
+        none = pa.nulls(hi - lo, pa.binary())
+        if not deletes.any():
+            after, before = lines, none
+        elif deletes.all():
+            after, before = none, lines
+        else:
+            mask = pa.array(deletes)
+            after, before = pc.if_else(mask, none, lines), pc.if_else(mask, lines, none)
+        self._rows.extend(_Chunk(op, table, after, before))
 
     def info(self, oid: int) -> RelationInfo:
         if oid not in self._info:
@@ -195,16 +364,21 @@ class ChangeBuilder:
         elif not msg.transactional and self._begin is not None:
             self._deferred.append(msg)  # keep the open transaction's rows contiguous
         elif msg.lsn > self.start_lsn and not self.done:  # see the module docstring
-            self._mark = len(self._op)
+            self._set_mark()
             self._append_message(msg)
             self._close(msg.lsn, 0, self.last_ts, None)
 
     def _append_message(self, msg: po.Message) -> None:
-        self._sparse["meta"][len(self._op)] = json.dumps({"prefix": msg.prefix})
-        self._append("m", (None, None), msg.content, None)
+        self._sparse["meta"][len(self._rows)] = json.dumps({"prefix": msg.prefix})
+        self._rows.append(_MESSAGE, _NO_TABLE, msg.content, None)
+
+    def _set_mark(self) -> None:
+        self._mark = len(self._rows)
+        self._open_relation_rows = 0
 
     def _open(self, begin: po.Begin) -> None:
-        self._begin, self._mark = begin, len(self._op)
+        self._begin = begin
+        self._set_mark()
         if begin.final_lsn >= self.end_lsn:
             self.done = True  # its commit starts past the window, and so does every later one
 
@@ -229,78 +403,107 @@ class ChangeBuilder:
             self._message(m)
 
     def _drop_open(self) -> None:
-        """Forget the open transaction's rows (all lists back to `_mark`)."""
-        if len(self._op) > self._mark:
-            for col in (self._op, self._schema, self._table, self._after, self._before):
-                del col[self._mark:]
+        """Forget the open transaction's rows (back to `_mark`)."""
+        if len(self._rows) > self._mark:
+            self._rows.truncate(self._mark)
             for name, d in self._sparse.items():
                 self._sparse[name] = {i: v for i, v in d.items() if i < self._mark}
             self._described.clear()  # R rows it carried were dropped with it: describe again
+        self._open_relation_rows = 0
 
     def _close(self, lsn: int, xid: int, ts: int, commit_time: int | None) -> None:
-        """The rows from `_mark` on are one transaction committed at `lsn`: fill its columns."""
-        n = len(self._op) - self._mark
-        t = self._per_txn
-        t["lsn"].extend([lsn] * n)
-        t["seq"].extend(range(n))
-        t["xid"].extend([xid] * n)
-        t["commit_time"].extend([commit_time] * n)
-        t["commit_ts"].extend([ts] * n)
-        self.changes += n - sum(1 for i in self._sparse["meta"] if i >= self._mark and self._op[i] == ch.RELATION)
-        self._mark = len(self._op)
+        """The rows from `_mark` on are one transaction committed at `lsn`: record its columns."""
+        n = len(self._rows) - self._mark
+        if n:
+            self._txns.append((n, lsn, xid, commit_time, ts))
+            self._closed += n
+        self.changes += n - self._open_relation_rows
+        self._set_mark()
 
     # -- output --------------------------------------------------------------------------
     def pending(self) -> int:
         """Rows of closed transactions not taken yet."""
-        return len(self._per_txn["lsn"])
+        return self._closed
 
-    def take(self) -> Any:
+    def take(self) -> pa.RecordBatch:
         """The rows of closed transactions as one Arrow record batch (then forgets them)."""
-        n = self.pending()
-        cols: dict[str, list[Any]] = {
-            "op": self._op[:n], "schema": self._schema[:n], "table": self._table[:n],
-            "after": self._after[:n], "before": self._before[:n], **self._per_txn}
+        n = self._closed
+        rows = self._rows.split(n)
+        schema = ch.arrow_schema()
+        cols = {"op": _letters(rows.op), "after": rows.after, "before": rows.before, **_per_txn(self._txns, n)}
+        for i, name in enumerate(("schema", "table")):
+            cols[name] = _names([t[i] for t in self._tables], rows.table)
         for name, d in self._sparse.items():
-            cols[name] = [None] * n
-            for i, v in d.items():
-                if i < n:
-                    cols[name][i] = v
-        open_rows = (self._op[n:], self._schema[n:], self._table[n:], self._after[n:], self._before[n:])
-        open_sparse = {name: {i - n: v for i, v in d.items() if i >= n} for name, d in self._sparse.items()}
-        self._reset()
-        self._op, self._schema, self._table, self._after, self._before = open_rows
-        self._sparse = open_sparse
-        return ch.record_batch(cols)
+            cols[name] = _sparse(d, n, schema.field(name).type)
+            self._sparse[name] = {i - n: v for i, v in d.items() if i >= n}
+        self._txns, self._closed = [], 0
+        self._mark -= n
+        return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
 
-    def finish(self) -> Any:
+    def finish(self) -> pa.RecordBatch:
         """Close the window: drop an unfinished transaction, append the `P` progress row, take all."""
         self._drop_open()
         self._begin = None
         progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes)
-        self._sparse["meta"][len(self._op)] = progress.to_meta()
-        self._append(ch.PROGRESS, (None, None), None, None)
-        t = self._per_txn
-        for name, v in (("lsn", self.end_lsn), ("seq", 0), ("xid", 0), ("commit_time", self.last_commit_time),
-                        ("commit_ts", self.end_ts)):
-            t[name].append(v)
-        self._mark = len(self._op)
+        self._sparse["meta"][len(self._rows)] = progress.to_meta()
+        self._rows.append(_PROGRESS, _NO_TABLE, None, None)
+        self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts))
+        self._closed += 1
+        self._set_mark()
         return self.take()
 
-    def batches(self, messages: Iterator[bytes], rows_per_batch: int = 65536) -> Iterator[Any]:
-        """Feed all `messages`, yielding record batches of about `rows_per_batch` rows.
+    def batches(self, blocks: Iterable[list[bytes]], rows_per_batch: int = 65536) -> Iterator[pa.RecordBatch]:
+        """Feed all `blocks` of messages, yielding record batches of about `rows_per_batch` rows.
 
         The first batches are smaller (from 1/16 of it, growing fourfold), so that a consumer
-        can start working on them early.
+        can start working on them early. Reading stops at the first transaction past the window.
         """
-        feed = self.feed
-        per_txn = self._per_txn["lsn"]
         size = max(1, rows_per_batch // 16)
-        for data in messages:
-            feed(data)
+        for messages in blocks:
+            for _ in self._steps(messages):
+                if self.done:
+                    break
+                if self._closed >= size:
+                    yield self.take()
+                    size = min(size * 4, rows_per_batch)
             if self.done:
                 break
-            if len(per_txn) >= size:
-                yield self.take()
-                per_txn = self._per_txn["lsn"]
-                size = min(size * 4, rows_per_batch)
         yield self.finish()
+
+
+def _letters(op: np.ndarray) -> pa.Array:
+    """A string column of one-letter values, from their bytes."""
+    return pa.Array.from_buffers(pa.string(), len(op), [None, pa.py_buffer(np.arange(len(op) + 1, dtype=np.int32)),
+                                                        pa.py_buffer(op)])
+
+
+def _names(names: list[str | None], ids: np.ndarray) -> pa.Array:
+    """A string column of names[id] per id (a batch often holds one table's rows only)."""
+    if len(ids) and ids.min() == ids.max():
+        return pa.repeat(pa.scalar(names[ids[0]], pa.string()), len(ids))
+    return pa.array(names, pa.string()).take(pa.array(ids))
+
+
+def _per_txn(txns: list[tuple[int, int, int, int | None, int]], n: int) -> dict[str, pa.Array]:
+    """The per-transaction columns of `n` rows, from (rows, lsn, xid, commit_time, ts) per transaction."""
+    rows = np.array([t[0] for t in txns], np.int64)
+
+    def each(field: int) -> np.ndarray:
+        return np.repeat(np.array([t[field] or 0 for t in txns], np.int64), rows)
+
+    seq = np.arange(n) - np.repeat(np.cumsum(rows) - rows, rows)  # minus the transaction's first row
+    no_commit_time = np.repeat(np.array([t[3] is None for t in txns], bool), rows)
+    return {"lsn": pa.array(each(1)), "seq": pa.array(seq.astype(np.int32)), "xid": pa.array(each(2)),
+            "commit_time": pa.array(each(3), mask=no_commit_time), "commit_ts": pa.array(each(4))}
+
+
+def _sparse(values: dict[int, Any], n: int, type_: pa.DataType) -> pa.Array:
+    """A column of `n` rows that is NULL but at the indexes in `values`."""
+    at = [i for i in values if i < n]
+    if not at:
+        return pa.nulls(n, type_)
+    index = np.zeros(n, np.int32)
+    index[at] = np.arange(len(at), dtype=np.int32)
+    missing = np.ones(n, bool)
+    missing[at] = False
+    return pa.array([values[i] for i in at], type_).take(pa.array(index, mask=missing))

@@ -216,9 +216,10 @@ def page_cut(start: int, max_bytes: int, block: int) -> int:
 
 
 def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
-         fetch: int = 20000) -> Iterator[bytes]:
+         fetch: int = 20000) -> Iterator[list[bytes]]:
     """pgoutput messages of the records that start before `upto` (a record or page boundary), in
-    commit order, from the slot's position on."""
+    commit order, from the slot's position on; in blocks of up to `fetch`, as fetched (the
+    builder works on a block at once)."""
     try:
         with conn.transaction(), conn.cursor(name="changefeed_peek", binary=True) as cur:
             cur.itersize = fetch
@@ -227,8 +228,7 @@ def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
                 "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
                 (slot, format_lsn(upto), publication))
             while rows := cur.fetchmany(fetch):
-                for (data,) in rows:
-                    yield data
+                yield [data for (data,) in rows]
     except psycopg.errors.ObjectInUse as e:
         raise TransientError(f"replication slot {slot} is in use: {e}", "wait for the other reader to finish") from None
     except psycopg.errors.UndefinedObject as e:

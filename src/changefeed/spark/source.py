@@ -184,8 +184,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             conn.commit()
             builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
                                     partition.end["ts"], lambda rel: src.column_catalog(conn, rel))
-            messages = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
-            for rb in builder.batches(messages, partition.rows_per_batch):
+            blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
+            for rb in builder.batches(blocks, partition.rows_per_batch):
                 yield ch.pack(rb)
                 faults.reach("read")
         finally:
