@@ -17,22 +17,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from changefeed.postgres import pgoutput as po
 from changefeed.postgres import tuple_block as tb
+from test_pgoutput import _encode_tuple as encode_tuple  # TupleData bytes from (kind, value) pairs
 
 OID = 16384
 SPECIAL = b"\t\n\r\\"
 
 Column = tuple[str, bytes | None]
 Columns = Sequence[Column]
-
-
-def encode_tuple(cols: Columns) -> bytes:
-    out = bytearray(struct.pack(">h", len(cols)))
-    for kind, value in cols:
-        out += kind.encode()
-        if kind in "tb":
-            assert value is not None
-            out += struct.pack(">i", len(value)) + value
-    return bytes(out)
 
 
 def change(kind: bytes, cols: Columns, oid: int = OID, old: Columns | None = None) -> bytes:
