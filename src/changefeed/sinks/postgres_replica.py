@@ -85,50 +85,11 @@ def has_meta(conn: psycopg.Connection[Any], table: str) -> bool:
     return conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')").fetchone()[0] is not None  # type: ignore[index]
 
 
-def checkpoint_lsn(conn: psycopg.Connection[Any], feed: str) -> int | None:
-    """The feed's checkpoint on this sink, None if it has none (read-only: creates nothing)."""
-    if not has_meta(conn, "progress"):
-        return None
-    return applied_upto(conn, feed) or None
-
-
 def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
+    """The end LSN of the last batch applied for `feed`, 0 if none (the progress table must exist)."""
     row = conn.execute(f"SELECT max(end_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.progress WHERE feed = %s",
                        (feed,)).fetchone()
     return int(row[0]) if row and row[0] is not None else 0  # type: ignore[index]
-
-
-def last_resolved_ts(conn: psycopg.Connection[Any], feed: str) -> int | None:
-    """The resolved ts of the last batch applied for `feed`, None if none was."""
-    if not has_meta(conn, "progress"):
-        return None
-    row = conn.execute(f"SELECT max(resolved_ts) FROM {META_SCHEMA}.progress WHERE feed = %s", (feed,)).fetchone()
-    return None if row is None or row[0] is None else int(row[0])
-
-
-def totals(conn: psycopg.Connection[Any], feed: str) -> tuple[int, int]:
-    """(batches, changes) the replica has recorded for `feed`."""
-    row = conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress WHERE feed = %s",
-                       (feed,)).fetchone()
-    return int(row[0]), int(row[1])  # type: ignore[index]
-
-
-def forget(conn: psycopg.Connection[Any], feed: str) -> bool:
-    """Delete `feed`'s bookkeeping rows (its replica tables stay); True if there were any."""
-    deleted = False
-    for table in ("progress", "snapshot_chunks"):
-        if has_meta(conn, table):
-            deleted |= conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s", (feed,)).rowcount > 0
-    return deleted
-
-
-def snapshot_totals(conn: psycopg.Connection[Any], feed: str) -> dict[str, tuple[int, int]]:
-    """Per table: (chunks, rows) of snapshot the replica has applied for `feed`."""
-    if not has_meta(conn, "snapshot_chunks"):
-        return {}
-    return {r[0]: (int(r[1]), int(r[2])) for r in conn.execute(
-        f"SELECT table_name, count(*), sum(rows) FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s "
-        "GROUP BY table_name", (feed,))}
 
 
 # progress rows with their began_at as b.began (NULL on a sink made before the column)
@@ -149,10 +110,16 @@ class ReplicaLedger:
         ensure_tables(self.conn, tables)
 
     def checkpoint_lsn(self) -> int | None:
-        return checkpoint_lsn(self.conn, self.feed)
+        if not has_meta(self.conn, "progress"):
+            return None
+        return applied_upto(self.conn, self.feed) or None
 
     def last_resolved_ts(self) -> int | None:
-        return last_resolved_ts(self.conn, self.feed)
+        if not has_meta(self.conn, "progress"):
+            return None
+        row = self.conn.execute(f"SELECT max(resolved_ts) FROM {META_SCHEMA}.progress WHERE feed = %s",
+                                (self.feed,)).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
 
     def last_batch(self) -> LastBatch | None:
         """began_at is read through to_jsonb: a sink made before it existed has no such column until
@@ -180,13 +147,27 @@ class ReplicaLedger:
         return round(int(row[0]) / max(float(row[1] or 0), 1.0), 1)  # type: ignore[index]
 
     def totals(self) -> tuple[int, int]:
-        return totals(self.conn, self.feed) if has_meta(self.conn, "progress") else (0, 0)
+        if not has_meta(self.conn, "progress"):
+            return 0, 0
+        row = self.conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress "
+                                "WHERE feed = %s", (self.feed,)).fetchone()
+        return int(row[0]), int(row[1])  # type: ignore[index]
 
     def snapshot_totals(self) -> dict[str, tuple[int, int]]:
-        return snapshot_totals(self.conn, self.feed)
+        if not has_meta(self.conn, "snapshot_chunks"):
+            return {}
+        return {r[0]: (int(r[1]), int(r[2])) for r in self.conn.execute(
+            f"SELECT table_name, count(*), sum(rows) FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s "
+            "GROUP BY table_name", (self.feed,))}
 
     def forget(self) -> bool:
-        return forget(self.conn, self.feed)
+        """Delete the feed's bookkeeping rows (its replica tables stay)."""
+        deleted = False
+        for table in ("progress", "snapshot_chunks"):
+            if has_meta(self.conn, table):
+                deleted |= self.conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s",
+                                             (self.feed,)).rowcount > 0
+        return deleted
 
     def close(self) -> None:
         self.conn.close()
