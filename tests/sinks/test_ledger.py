@@ -38,6 +38,8 @@ def test_replayed_batches_count_once_and_a_torn_line_is_ignored(tmp_path: Path) 
     last = ledger.last_batch()
     assert last is not None and (last.end_lsn, last.batches, last.seconds) == (200, 2, 1.5)
     assert last.commit_time == "2023-11-14 22:13:20.123456+00"
+    ledger.record(2, batch(300, 30, 1), 6.0, 7.0)  # the torn batch, replayed
+    assert ledger.checkpoint_lsn() == 300 and ledger.totals() == (3, 206)
     assert ledger.forget() is True and ledger.checkpoint_lsn() is None
 
 

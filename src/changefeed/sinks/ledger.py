@@ -76,20 +76,32 @@ class FileLedger:
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
+        self._parsed: tuple[tuple[int, int], list[_Entry]] | None = None  # (size, mtime) -> entries
+
 
     def record(self, batch_id: int, progress: BatchProgress, began: float, done: float) -> None:
         line = json.dumps({"batch": batch_id, "progress": progress.__dict__, "began": began, "done": done})
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        with open(self.path, "a+b") as f:  # writes go to the end
+            end = f.seek(0, os.SEEK_END)
+            torn = end > 0 and f.seek(end - 1) >= 0 and f.read(1) != b"\n"  # a crash cut the last line
+            f.write((b"\n" if torn else b"") + line.encode() + b"\n")  # ... which stays on its own
             f.flush()
             os.fsync(f.fileno())
 
     def _entries(self) -> list[_Entry]:
+        """The recorded batches; parsed again only when the file changed (a report asks several times)."""
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            st = self.path.stat()
+            version = (st.st_size, st.st_mtime_ns)
+            if self._parsed is None or self._parsed[0] != version:
+                self._parsed = version, self._parse(self.path.read_text(encoding="utf-8").splitlines())
         except FileNotFoundError:
             return []
+        return self._parsed[1]
+
+    @staticmethod
+    def _parse(lines: list[str]) -> list[_Entry]:
         seen: dict[int, _Entry] = {}
         for line in lines:
             try:
