@@ -348,6 +348,15 @@ def machine_facts(source: LocalPostgres) -> list[str]:
 
 # -- main -------------------------------------------------------------------------------------
 
+def bench_args(ap: argparse.ArgumentParser, kept: str, feed_arg_example: str) -> None:
+    """The options every bench has: where it works, what it keeps, and how feeds run."""
+    ap.add_argument("--workdir", help="where servers, state and logs go (default: a temp dir, removed at exit)")
+    ap.add_argument("--keep", action="store_true", help=f"keep {kept} (always kept with --workdir)")
+    ap.add_argument("--feed-timeout", type=float, default=1200, help="seconds before a feed run is killed")
+    ap.add_argument("--feed-arg", action="append", default=[],
+                    help=f"extra argument for `changefeed run` (repeatable), e.g. --feed-arg={feed_arg_example}")
+
+
 def bench_setup(ap: argparse.ArgumentParser, workdir: str | None, keep: bool, prefix: str,
                 servers: tuple[str, ...]) -> tuple[Path, bool, list[LocalPostgres]]:
     """The work directory (--workdir, else a temp dir removed at exit unless --keep) with a logs
@@ -386,15 +395,18 @@ def bench_setup(ap: argparse.ArgumentParser, workdir: str | None, keep: bool, pr
     return work, remove_work, list(started)
 
 
+def bench_paths(work: Path, source: LocalPostgres, source_db: str) -> tuple[Path, Path, list[str], str]:
+    """Logs and state folders, machine facts, and the URI of a fresh source database `source_db`."""
+    with psycopg.connect(source.uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {source_db}")
+    return work / "logs", work / "state", machine_facts(source), source.uri(source_db)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--changes", type=int, default=1_000_000, help="changes in the workload (default 1,000,000)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs of each system (default 3)")
-    ap.add_argument("--workdir", help="where servers, state and logs go (default: a temp dir, removed at exit)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory (always kept with --workdir)")
-    ap.add_argument("--feed-timeout", type=float, default=1200, help="seconds before a feed run is killed")
-    ap.add_argument("--feed-arg", action="append", default=[],
-                    help="extra argument for `changefeed run` (repeatable), e.g. --feed-arg=--max-bytes-per-batch=256MB")
+    bench_args(ap, "the work directory", "--max-bytes-per-batch=256MB")
     args = ap.parse_args()
     if args.changes < 10 or args.runs < 1:
         ap.error("need --changes >= 10 and --runs >= 1")
@@ -402,12 +414,7 @@ def main() -> int:
     t_start = time.monotonic()
     work, remove_work, (source, replica) = bench_setup(ap, args.workdir, args.keep, "replica-bench-",
                                                        ("source", "replica"))
-    logdir, state = work / "logs", work / "state"
-    facts = machine_facts(source)
-
-    with psycopg.connect(source.uri(), autocommit=True) as c:
-        c.execute(f"CREATE DATABASE {SOURCE_DB}")
-    src_uri = source.uri(SOURCE_DB)
+    logdir, state, facts, src_uri = bench_paths(work, source, SOURCE_DB)
     with psycopg.connect(src_uri, autocommit=True) as c:
         c.execute(f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, a int, b text, c timestamptz)")
         c.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {TABLE}")

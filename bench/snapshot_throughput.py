@@ -50,8 +50,8 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replica_throughput import (ROOT, bench_setup, feed_failure, fmt_rate, fmt_ratio, log,  # noqa: E402
-                                machine_facts, run_stamped, spread)
+from replica_throughput import (ROOT, bench_args, bench_paths, bench_setup, feed_failure, fmt_rate,  # noqa: E402
+                                fmt_ratio, log, run_stamped, spread)
 
 from changefeed.config import DEFAULT_CHUNK_ROWS  # noqa: E402
 
@@ -226,12 +226,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="measured runs of each system (default 3)")
     ap.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
                     help=f"--snapshot-chunk-rows of the feed (default {DEFAULT_CHUNK_ROWS:,})")
-    ap.add_argument("--workdir", help="where servers, state and logs go (default: a temp dir, removed at exit)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory and the sink databases "
-                                                        "(always kept with --workdir)")
-    ap.add_argument("--feed-timeout", type=float, default=1200, help="seconds before a feed run is killed")
-    ap.add_argument("--feed-arg", action="append", default=[],
-                    help="extra argument for `changefeed run` (repeatable), e.g. --feed-arg=--master=local[2]")
+    bench_args(ap, "the work directory and the sink databases", "--master=local[2]")
     args = ap.parse_args()
     if args.rows < 1 or args.runs < 1 or args.chunk_rows < 1:
         ap.error("need --rows >= 1, --runs >= 1 and --chunk-rows >= 1")
@@ -239,12 +234,7 @@ def main() -> int:
     t_start = time.monotonic()
     work, remove_work, (source, sink) = bench_setup(ap, args.workdir, args.keep, "snapshot-bench-",
                                                     ("source", "sink"))
-    logdir, state = work / "logs", work / "state"
-    facts = machine_facts(source)
-
-    with psycopg.connect(source.uri(), autocommit=True) as c:
-        c.execute(f"CREATE DATABASE {SOURCE_DB}")
-    src_uri = source.uri(SOURCE_DB)
+    logdir, state, facts, src_uri = bench_paths(work, source, SOURCE_DB)
     log(f"writing {TABLE}: {args.rows:,} rows ...")
     with psycopg.connect(src_uri, autocommit=True) as c:
         secs = write_table(c, args.rows)
