@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any
 
 from .config import FeedSpec, FeedState
 from .core.hlc import physical_ms
