@@ -402,6 +402,19 @@ def bench_paths(work: Path, source: LocalPostgres, source_db: str) -> tuple[Path
     return work / "logs", work / "state", machine_facts(source), source.uri(source_db)
 
 
+def verdict(total_s: float, logdir: Path, removed: bool, failures: list[str], ok: str) -> int:
+    """Print the bench's time, where its logs are, and its failures or `ok`; the exit code."""
+    print(f"\ntotal benchmark time {total_s / 60:.1f} min; feed logs in {logdir}"
+          f"{' (removed at exit; use --keep)' if removed else ''}")
+    if failures:
+        print("\nFAILED:")
+        for f in failures:
+            print(f"- {f}")
+        return 1
+    print(f"verdict: {ok}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--changes", type=int, default=1_000_000, help="changes in the workload (default 1,000,000)")
@@ -541,15 +554,7 @@ def main() -> int:
     print()
     print("per run (changes/s):")
     print("\n".join(per_run))
-    print(f"\ntotal benchmark time {total / 60:.1f} min; feed logs in {logdir}"
-          f"{' (removed at exit; use --keep)' if remove_work else ''}")
-    if failures:
-        print("\nFAILED:")
-        for f in failures:
-            print(f"- {f}")
-        return 1
-    print("verdict: every replica equals the source")
-    return 0
+    return verdict(total, logdir, remove_work, failures, "every replica equals the source")
 
 
 if __name__ == "__main__":

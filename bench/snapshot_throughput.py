@@ -51,7 +51,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replica_throughput import (ROOT, bench_args, bench_paths, bench_setup, feed_failure, fmt_rate,  # noqa: E402
-                                fmt_ratio, log, run_stamped, spread)
+                                fmt_ratio, log, run_stamped, spread, verdict)
 
 from changefeed.config import DEFAULT_CHUNK_ROWS  # noqa: E402
 
@@ -378,16 +378,8 @@ def main() -> int:
     print()
     print(f"per run (rows/s; c: {' / '.join(w for w, _ in WAYS)}):")
     print("\n".join(per_run))
-    print(f"\ntotal benchmark time {total / 60:.1f} min; feed logs in {logdir}"
-          f"{' (removed at exit; use --keep)' if remove_work else ''}")
-    if failures:
-        print("\nFAILED:")
-        for f in failures:
-            print(f"- {f}")
-        return 1
-    print("verdict: every copy and replica equals the source, every chunk was applied once, "
-          "the read tasks show both modes")
-    return 0
+    return verdict(total, logdir, remove_work, failures, "every copy and replica equals the source, every chunk "
+                   "was applied once, the read tasks show both modes")
 
 
 if __name__ == "__main__":
