@@ -94,3 +94,18 @@ def start_changefeed(*args: str, log: Path, env: dict[str, str] | None = None) -
     out = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real Kafka-protocol broker (Tansu, in memory) for the session."""
+    import gc
+
+    from changefeed.local_kafka import LocalKafka
+
+    broker = LocalKafka.start(tmp_path_factory.mktemp("kafka"))
+    try:
+        yield broker
+    finally:
+        gc.collect()  # destroy clients still in reference cycles while the broker is up
+        broker.stop()

