@@ -48,6 +48,7 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
     slot = src.slot_state(source, spec.slot)
     if state.has_checkpoint() or slot is not None:
         src.check_slot_usable(slot, spec.slot, ledger.checkpoint_lsn(), spec.name)
+    ledger.check()
     # -- nothing was created up to here --
     src.ensure_publication(source, spec.publication, tables)
     created = slot is None

@@ -33,6 +33,9 @@ class LastBatch:
 
 
 class Ledger(Protocol):
+    def check(self) -> None:
+        """Fail with a typed error if the sink cannot be used; creates nothing."""
+
     def prepare(self, tables: list[Any]) -> None:
         """Create the bookkeeping and the targets of `tables` (postgres.source.SourceTable) if missing."""
 
@@ -113,6 +116,9 @@ class FileLedger:
                 continue  # torn by a crash: that batch is delivered again
             seen.setdefault(entry.progress.end_lsn, entry)
         return sorted(seen.values(), key=lambda e: e.progress.end_lsn)
+
+    def check(self) -> None:
+        """Nothing to check: the state directory is ours."""
 
     def prepare(self, tables: list[Any]) -> None:
         """Nothing to create: the file appears with the first batch."""

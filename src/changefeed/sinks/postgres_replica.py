@@ -105,6 +105,9 @@ class ReplicaLedger:
     def __init__(self, conn: psycopg.Connection[Any], feed: str) -> None:
         self.conn, self.feed = conn, feed
 
+    def check(self) -> None:
+        """Nothing more to check: the connection is open."""
+
     def prepare(self, tables: list[Any]) -> None:
         ensure_meta(self.conn)
         ensure_tables(self.conn, tables)
