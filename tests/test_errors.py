@@ -248,7 +248,7 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--name": "a" * 41}, ["not allowed"]),
     ({"--tables": "a.b.c"}, ["a.b.c", "schema.table"]),
     ({"--tables": "public.items,items"}, ["twice"]),
-    ({"--sink": "kafka://x"}, ["--sink", "postgresql://", "'kafka'"]),
+    ({"--sink": "kafka://x"}, ["--sink", "HOST:PORT", "'x'"]),
     ({"--source": "kafka://x"}, ["--source", "postgresql://", "'kafka'"]),
     ({"--sink": ""}, ["--sink is required"]),
     ({"--max-changes-per-batch": "-1"}, ["negative"]),
@@ -498,3 +498,27 @@ def test_alter_and_snapshot_requests_refuse_bad_tables(fresh: Dbs, tmp_path: Pat
     assert source_snapshot(fresh.source) == before_src and sink_snapshot(fresh.sink) == before_dst
     assert state.load().tables == ("public.items",)  # type: ignore[union-attr]
     assert not state.requests.exists(), "a refused request was queued"
+
+
+# -- a Kafka sink that cannot be used ------------------------------------------------------------
+
+def test_unreachable_kafka(fresh: Dbs, tmp_path: Path) -> None:
+    port = closed_port()
+    state = tmp_path / "state"
+    proc, dt = cli(*run_args(fresh.name, fresh.source, f"kafka://127.0.0.1:{port}?timeout=3s", "public.items", state),
+                   cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_TEMPFAIL, "cannot reach Kafka", f"127.0.0.1:{port}")
+    assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
+
+
+@pytest.mark.parametrize("query, problem", [
+    ("delivery=sometimes", "delivery must be one of"),
+    ("transactional.id=x", "sets transactional.id itself"),
+    ("kafka_config=@/nonexistent.json", "cannot read the kafka_config file"),
+])
+def test_malformed_kafka_options(fresh: Dbs, tmp_path: Path, query: str, problem: str) -> None:
+    state = tmp_path / "state"
+    proc, dt = cli(*run_args(fresh.name, fresh.source, f"kafka://127.0.0.1:9?{query}", "public.items", state),
+                   cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_USAGE, problem)
+    assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)

@@ -158,8 +158,8 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     """What defines a feed (stored on its first run or create; later runs may change the limits)."""
     cmd.add_argument("--name", required=True, help="feed name: lowercase letters, digits, _")
     cmd.add_argument("--source", help="source PostgreSQL URI (stored on first run)")
-    cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica, webhook-https://... (or "
-                                    "webhook-http://) for a webhook (stored on first run)")
+    cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica, kafka://HOST:PORT[,...]?options for "
+                                    "Kafka, webhook-https://... (or webhook-http://) for a webhook (stored on first run)")
     cmd.add_argument("--tables", help="comma-separated schema.table list (stored on first run)")
     cmd.add_argument("--state", default=DEFAULT_STATE, help=f"state directory (default {DEFAULT_STATE})")
     cmd.add_argument("--max-bytes-per-batch", help="most WAL bytes per batch, e.g. 64MB (default 64MB; 0 = no limit)")
@@ -181,7 +181,7 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "
                                                 "(default 0: no limit)")
     cmd.add_argument("--format", choices=FORMATS,
-                     help="message envelope of a webhook sink: json (default), debezium, text")
+                     help="message envelope of a Kafka or webhook sink: json (default), debezium, text")
     cmd.add_argument("--diff", action="store_true", default=None,
                      help="json envelope: also send the old row as `before`")
 

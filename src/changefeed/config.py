@@ -65,7 +65,7 @@ class FeedSpec:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
                               "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
         if not sink_kind(self.sink).messages and (self.format != "json" or self.diff):
-            raise ConfigError("--format and --diff apply to message sinks (webhook), not to a replica",
+            raise ConfigError("--format and --diff apply to message sinks (Kafka, webhook), not to a replica",
                               "leave them out: a replica receives rows")
         if not self.tables:
             raise ConfigError("--tables is required", "e.g. --tables public.accounts,public.transfers")

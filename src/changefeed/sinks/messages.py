@@ -1,29 +1,41 @@
-"""Change rows as messages: what every message sink (webhook, later Kafka) delivers.
+"""Change rows as messages: what every message sink (webhook, Kafka) delivers.
 
 A batch's change rows arrive as Arrow record batches in stream order, with their control rows:
 `R` rows describe a table for the rows after them, `P` rows carry the batch's progress. Each data
 row becomes the `Record`s of the chosen envelope (core.envelope), in the same order, so per-key
-order is the source's commit order. Pure: no I/O.
+order is the source's commit order; each goes to the topic `topic_of(schema, table)` names (a
+logical decoding message: `topic_of("", "")`). With `tombstones`, a delete (also the delete half
+of a key change) is followed by a tombstone of its key, for log compaction. Pure: no I/O.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from ..core import change as ch
 from ..core.envelope import Change, Formatter, Record
 from ..errors import SinkError
 
 
+class Message(NamedTuple):
+    topic: str  # where a topic-based sink sends it; "" for sinks without topics
+    record: Record
+
+
+def no_topic(schema: str, table: str) -> str:
+    return ""
+
+
 class MessageStream:
     """Feed a batch's record batches in order; take the messages, then the batch's progress."""
 
-    def __init__(self, formatter: Formatter) -> None:
-        self.formatter = formatter
+    def __init__(self, formatter: Formatter, topic_of: Callable[[str, str], str] = no_topic,
+                 tombstones: bool = False) -> None:
+        self.formatter, self.topic_of, self.tombstones = formatter, topic_of, tombstones
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._progress: list[ch.Progress] = []
 
-    def messages(self, rb: Any) -> Iterator[Record]:
+    def messages(self, rb: Any) -> Iterator[Message]:
         for row in rb.to_pylist():
             op = row["op"]
             if op == ch.RELATION:
@@ -38,7 +50,16 @@ class MessageStream:
                     if shape is None:
                         raise SinkError(f"change for {row['schema']}.{row['table']} before its description (R row)",
                                         "this is a bug in the change stream; report it")
-                yield from self.formatter.records(Change.from_row(row, shape))
+                change = Change.from_row(row, shape)
+                topic = self.topic_of(row["schema"] or "", row["table"] or "")
+                for record in self._with_tombstones(change, self.formatter.records(change)):
+                    yield Message(topic, record)
+
+    def _with_tombstones(self, change: Change, records: list[Record]) -> list[Record]:
+        """A tombstone after a delete, and after the old key's delete of a key change (its first record)."""
+        if not self.tombstones or not (change.op == "d" or change.old_key is not None):
+            return records
+        return [records[0], Record(records[0].key, None), *records[1:]]
 
     def progress(self) -> ch.BatchProgress:
         if not self._progress:

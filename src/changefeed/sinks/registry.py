@@ -25,8 +25,10 @@ class SinkKind:
 REPLICA = SinkKind("replica", "changefeed-postgres", messages=False, parallel_reads=True)
 # A message sink delivers in arrival order: snapshot chunk rows must come after their window's changes.
 WEBHOOK = SinkKind("webhook", "changefeed-webhook", messages=True, parallel_reads=False)
-SINKS = {"postgresql": REPLICA, "postgres": REPLICA, "webhook-http": WEBHOOK, "webhook-https": WEBHOOK}
-EXAMPLES = "postgresql://USER:PASSWORD@HOST:5432/DB (a replica) or webhook-https://HOST/PATH"
+KAFKA = SinkKind("kafka", "changefeed-kafka", messages=True, parallel_reads=False)
+SINKS = {"postgresql": REPLICA, "postgres": REPLICA, "webhook-http": WEBHOOK, "webhook-https": WEBHOOK,
+         "kafka": KAFKA}
+EXAMPLES = "postgresql://USER:PASSWORD@HOST:5432/DB (a replica), kafka://HOST:9092 or webhook-https://HOST/PATH"
 
 
 def sink_kind(uri: str) -> SinkKind:
@@ -38,19 +40,30 @@ def sink_kind(uri: str) -> SinkKind:
 
 def validate_sink(uri: str) -> None:
     """Check the sink URI and its options without connecting."""
-    if sink_kind(uri) is WEBHOOK:
+    kind = sink_kind(uri)
+    if kind is WEBHOOK:
         from .webhook import WebhookOptions
 
         WebhookOptions.parse(uri)
+    elif kind is KAFKA:
+        from .kafka import KafkaOptions
+
+        KafkaOptions.parse(uri)
 
 
 def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":
     """The feed's ledger; for the replica this connects (ConnectionFailed, AuthenticationFailed)."""
-    if sink_kind(spec.sink) is REPLICA:
+    kind = sink_kind(spec.sink)
+    if kind is REPLICA:
         from ..postgres.connect import connect
         from .postgres_replica import ReplicaLedger
 
         return ReplicaLedger(connect(spec.sink, "sink"), spec.name)
+    if kind is KAFKA:
+        from .kafka import KafkaOptions
+        from .kafka_admin import KafkaLedger
+
+        return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink))
     from .ledger import FileLedger
 
     return FileLedger(ledger_path(state))

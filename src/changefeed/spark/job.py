@@ -8,7 +8,7 @@ from typing import Any
 from psycopg.conninfo import conninfo_to_dict
 
 from ..config import FeedSpec, FeedState
-from ..sinks.registry import ledger_path, sink_kind
+from ..sinks.registry import KAFKA, ledger_path, sink_kind
 
 
 def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
@@ -18,6 +18,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
+    from .kafka_sink import KafkaSink
     from .sink import PostgresReplicaSink
     from .source import ChangefeedSource
     from .webhook_sink import WebhookSink
@@ -37,6 +38,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
     spark.dataSource.register(ChangefeedSource)
     spark.dataSource.register(PostgresReplicaSink)
     spark.dataSource.register(WebhookSink)
+    spark.dataSource.register(KafkaSink)
     return spark
 
 
@@ -67,6 +69,11 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
         writer = (writer.option("format", spec.format).option("diff", str(spec.diff).lower())
                   .option("database", conninfo_to_dict(spec.source).get("dbname") or "")
                   .option("ledger", ledger_path(state)))
+    if kind is KAFKA:
+        from ..sinks.kafka import KafkaOptions
+
+        opts = KafkaOptions.parse(spec.sink)
+        writer = writer.option("topics", ",".join(opts.topic(*t.split(".", 1)) for t in spec.tables))
     if available_now:
         writer = writer.trigger(availableNow=True)
     elif spec.trigger_interval_s:

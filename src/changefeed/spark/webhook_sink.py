@@ -54,7 +54,7 @@ class WebhookStreamWriter(DataSourceStreamArrowWriter):
             out = WebhookBatch(client, opts, o["feed"], batch_id())
             for packed in iterator:
                 for rb in ch.unpack(packed):
-                    for record in stream.messages(rb):
+                    for _, record in stream.messages(rb):
                         if record.value is None:
                             continue  # a tombstone is for Kafka's log compaction
                         (out.add_text if text else out.add)(record.value)

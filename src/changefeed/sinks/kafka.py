@@ -1,0 +1,203 @@
+"""Kafka sink, options: `--sink kafka://HOST:PORT[,HOST:PORT]?OPTIONS`, topic names, client settings.
+
+A topic per table (`topic_prefix` + the `topic_name` template), message key = the envelope's key,
+value = the envelope. Delivery `exactly_once` (default) writes each micro-batch in one Kafka
+transaction together with a progress record on `progress_topic`; `at_least_once` uses an
+idempotent producer without transactions. Client settings pass through to librdkafka: any query
+parameter with a dot in its name (`security.protocol=SASL_SSL`), or `kafka_config` holding a JSON
+object, or `@/path/to/file.json` so secrets stay out of the URI, the feed definition and `ps`.
+Stdlib only at import: it runs in Spark writer tasks and in the CLI's checks.
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from ..errors import ConfigError
+
+SCHEME = "kafka"
+DELIVERIES = ("exactly_once", "at_least_once")
+_EXAMPLE = "kafka://HOST:9092?topic_prefix=cdc.&delivery=exactly_once"
+_TOPIC_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+MAX_TOPIC = 249
+SECRET_KEYS = ("sasl.password", "ssl.key.password", "ssl.keystore.password", "sasl.oauthbearer.client.secret")
+# settings the sink owns: exactly-once and per-key order depend on them
+_OWNED = ("transactional.id", "enable.idempotence", "bootstrap.servers")
+
+
+def _bool(name: str, text: str) -> bool:
+    value = {"true": True, "false": False}.get(text.lower())
+    if value is None:
+        raise ConfigError(f"{name} must be true or false, got {text!r}", f"fix {name}= in the --sink URI")
+    return value
+
+
+def _int(name: str, text: str, least: int) -> int:
+    if not re.fullmatch(r"-?[0-9]+", text) or int(text) < least:
+        raise ConfigError(f"{name} must be a whole number >= {least}, got {text!r}", f"fix {name}= in the --sink URI")
+    return int(text)
+
+
+def sanitize_topic(name: str) -> str:
+    """A valid Kafka topic name: characters outside [A-Za-z0-9._-] become `_`, at most 249 of them."""
+    return _TOPIC_CHARS.sub("_", name)[:MAX_TOPIC] or "_"
+
+
+def _check_template(name: str, template: str, allowed: tuple[str, ...]) -> str:
+    try:
+        used = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ConfigError(f"{name} {template!r} is not a valid template: {e}", "write {schema} and {table} "
+                          "for the names, {{ and }} for braces") from None
+    unknown = used - set(allowed)
+    if unknown:
+        raise ConfigError(f"{name} {template!r} uses unknown fields {sorted(unknown)}",
+                          f"use only {', '.join('{' + a + '}' for a in allowed)}")
+    return template
+
+
+@dataclass(frozen=True)
+class KafkaOptions:
+    """Where and how the Kafka sink writes; `parse` reads them from the `--sink` URI."""
+
+    bootstrap: str
+    topic_prefix: str = ""
+    topic_name: str = "{schema}.{table}"  # template; the prefix goes in front
+    delivery: str = "exactly_once"
+    tombstones: bool | None = None  # after a delete, also a null value; None: as the format does
+    emit_resolved: bool = False  # resolved messages to every partition of the feed's topics
+    progress_topic: str = "_changefeed_progress"
+    topic_partitions: int = -1  # for topics the sink creates; -1: the broker's default
+    replication_factor: int = -1
+    create_topics: bool = True
+    timeout_s: float = 30.0  # one transaction step, one admin request
+    client: tuple[tuple[str, str], ...] = field(default=())  # librdkafka settings passed through
+
+    @classmethod
+    def parse(cls, uri: str) -> KafkaOptions:
+        parts = urlsplit(uri)
+        if parts.scheme != SCHEME:
+            raise ConfigError(f"a Kafka --sink URI starts with kafka://, got {parts.scheme or '<none>'!r}",
+                              f"e.g. {_EXAMPLE}")
+        hosts = [h for h in parts.netloc.split(",") if h]
+        if not hosts or any("@" in h or not re.fullmatch(r"[^:/\s]+:[0-9]{1,5}", h) for h in hosts):
+            raise ConfigError(f"the Kafka --sink URI needs HOST:PORT[,HOST:PORT...], got {parts.netloc!r}",
+                              "credentials go in the client settings (sasl.username, sasl.password), "
+                              f"e.g. {_EXAMPLE}")
+        if parts.path not in ("", "/") or parts.fragment:
+            raise ConfigError(f"the Kafka --sink URI has a path or fragment: {parts.path or '#' + parts.fragment}",
+                              f"options go in the query: {_EXAMPLE}")
+        given: dict[str, Any] = {"bootstrap": ",".join(hosts)}
+        client: dict[str, str] = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+            if "." in name:
+                client[name] = value
+            elif name == "kafka_config":
+                client.update(_client_settings(value))
+            elif name in ("topic_prefix", "progress_topic"):
+                given[name] = value
+            elif name == "topic_name":
+                given[name] = _check_template(name, value, ("schema", "table"))
+            elif name == "delivery":
+                if value not in DELIVERIES:
+                    raise ConfigError(f"delivery must be one of {', '.join(DELIVERIES)}, got {value!r}",
+                                      "exactly_once (transactions, the default) or at_least_once")
+                given[name] = value
+            elif name in ("tombstones", "create_topics"):
+                given[name] = _bool(name, value)
+            elif name == "resolved":
+                given["emit_resolved"] = _bool(name, value)
+            elif name in ("topic_partitions", "replication_factor"):
+                given[name] = _int(name, value, -1)
+                if given[name] == 0:
+                    raise ConfigError(f"{name} must be -1 (the broker's default) or >= 1, got 0",
+                                      f"fix {name}= in the --sink URI")
+            elif name == "timeout":
+                from ..config import parse_duration
+
+                given["timeout_s"] = parse_duration(value)
+                if given["timeout_s"] <= 0:
+                    raise ConfigError("timeout must be > 0", "e.g. timeout=30s")
+            else:
+                raise ConfigError(f"unknown Kafka sink option {name!r}",
+                                  "options: topic_prefix, topic_name, delivery, tombstones, resolved, progress_topic, "
+                                  "topic_partitions, replication_factor, create_topics, timeout, kafka_config, and "
+                                  "librdkafka settings with a dot in their name (security.protocol=SSL)")
+        owned = sorted(k for k in client if k in _OWNED)
+        if owned:
+            raise ConfigError(f"the Kafka sink sets {', '.join(owned)} itself",
+                              "remove it from the --sink URI (the transactional id is changefeed-FEED)")
+        opts = cls(**given, client=tuple(sorted(client.items())))
+        if opts.delivery == "exactly_once":
+            from .kafka_log import unsupported_settings
+
+            why = unsupported_settings(opts.client_config())
+            if why:
+                raise ConfigError(f"delivery=exactly_once reads the progress topic itself and cannot use {why}",
+                                  "change that setting, or use delivery=at_least_once")
+        if sanitize_topic(opts.progress_topic) != opts.progress_topic:
+            raise ConfigError(f"progress_topic {opts.progress_topic!r} is not a valid Kafka topic name",
+                              "use letters, digits, '.', '_' and '-' (at most 249)")
+        return opts
+
+    def client_config(self) -> dict[str, str]:
+        """What every client of the sink (producer, admin, progress reader) connects with.
+
+        librdkafka's own log lines are off (`log_level` 0) unless the URI sets one: the sink reports
+        what failed as a typed error, and stray lines would bury it."""
+        return {"log_level": "0", **dict(self.client), "bootstrap.servers": self.bootstrap}
+
+    def producer_config(self, feed: str) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "enable.idempotence": True,  # no duplicates or reordering from the producer's own retries
+            "acks": "all",
+            "partitioner": "murmur2_random",  # the Java client's: same key, same partition as other producers
+            "linger.ms": 20,
+            "queue.buffering.max.messages": 1_000_000,
+            "message.timeout.ms": int(self.timeout_s * 1000) * 4,
+            **self.client_config(),
+        }
+        if self.delivery == "exactly_once":
+            config["transactional.id"] = transactional_id(feed)
+            config.setdefault("transaction.timeout.ms", 60_000)
+        return config
+
+    def topic(self, schema: str, table: str) -> str:
+        return sanitize_topic(self.topic_prefix + self.topic_name.format(schema=schema, table=table))
+
+    def tombstones_for(self, fmt: str) -> bool:
+        """Whether a delete is followed by a tombstone the sink adds (debezium makes its own)."""
+        return bool(self.tombstones) and fmt != "debezium"
+
+    def describe(self) -> str:
+        """The options for messages: secrets left out."""
+        shown = {k: ("***" if k in SECRET_KEYS else v) for k, v in self.client}
+        return f"kafka://{self.bootstrap} ({self.delivery}; client settings {shown})"
+
+
+def transactional_id(feed: str) -> str:
+    return f"changefeed-{feed}"
+
+
+def _client_settings(text: str) -> dict[str, str]:
+    """`kafka_config`: a JSON object of librdkafka settings, or @PATH of a file holding one."""
+    origin = "kafka_config"
+    if text.startswith("@"):
+        origin = f"kafka_config file {text[1:]}"
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read the {origin}: {e.strerror}", "point kafka_config=@PATH at a JSON file")
+    try:
+        settings = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"the {origin} is not JSON: {e}", 'e.g. kafka_config={"security.protocol":"SSL"}') from None
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"the {origin} must be a JSON object of librdkafka settings", 'e.g. {"acks": "all"}')
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}

@@ -1,0 +1,107 @@
+"""Kafka sink, control side: check the cluster, create the feed's topics, keep the ledger.
+
+`prepare` runs before anything else of a feed is created: an unreachable broker, refused
+credentials or bad client settings stop `run` there with a typed error. Topics the sink writes
+to are created when missing (`create_topics=true`, the default) with `topic_partitions` and
+`replication_factor` (-1: the broker's defaults); the progress topic has one partition and is
+compacted, so the last record of each feed stays however long the feed is down.
+
+The ledger the CLI reads (status, metrics, retention) is the feed's `delivered.jsonl`, appended
+by the Spark driver after each batch committed, as for webhooks (sinks.ledger.FileLedger). The
+progress topic is the truth the sink skips replayed batches by; the file may trail it by the
+last batch before a crash, until that batch's replay records it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import ConfigError, ConnectionFailed, SinkError
+from .kafka import KafkaOptions
+from .ledger import FileLedger
+
+_known: set[tuple[str, str]] = set()  # (bootstrap, topic) seen to exist by this process
+
+
+def admin(opts: KafkaOptions) -> Any:
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        return AdminClient(opts.client_config())
+    except KafkaException as e:
+        raise ConfigError(f"the Kafka client settings are not accepted: {e.args[0].str()}",
+                          "fix the librdkafka settings in the --sink URI (kafka_config or dotted parameters)") from None
+
+
+def check_cluster(opts: KafkaOptions) -> set[str]:
+    """The cluster's topics; a typed error when it cannot be reached or refuses us."""
+    from confluent_kafka import KafkaException
+
+    from .kafka_batch import kafka_error
+
+    try:
+        return set(admin(opts).list_topics(timeout=opts.timeout_s).topics)
+    except KafkaException as e:
+        error = kafka_error(e, "reading the cluster's metadata", opts)
+        if error.exit_code == 75:  # transient: the usual cause here is a wrong address
+            raise ConnectionFailed(f"cannot reach Kafka at {opts.bootstrap} within {opts.timeout_s:g} s: "
+                                   f"{e.args[0].str()}", "check the host:port list of the --sink URI and that "
+                                   "the brokers run; TLS or SASL clusters need security.protocol") from None
+        raise error from None
+
+
+def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool = False) -> None:
+    """Create those of `topics` that are missing (`progress`: as the one-partition compacted progress topic)."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+    from .kafka_batch import kafka_error
+
+    missing = [t for t in dict.fromkeys(topics) if (opts.bootstrap, t) not in _known]
+    if not missing:
+        return
+    client = admin(opts)
+    try:
+        existing = set(client.list_topics(timeout=opts.timeout_s).topics)
+    except KafkaException as e:
+        raise kafka_error(e, "reading the cluster's metadata", opts) from None
+    new = [t for t in missing if t not in existing]
+    if new:
+        specs = [NewTopic(t, 1, opts.replication_factor, config={"cleanup.policy": "compact"}) if progress else
+                 NewTopic(t, opts.topic_partitions, opts.replication_factor) for t in new]
+        for topic, future in client.create_topics(specs, operation_timeout=opts.timeout_s,
+                                                  request_timeout=opts.timeout_s).items():
+            try:
+                future.result()
+            except KafkaException as e:
+                if e.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise SinkError(f"Kafka {opts.bootstrap}: cannot create topic {topic}: {e.args[0].str()}",
+                                    "create it yourself, or grant the sink's principal Create on the cluster") from None
+    _known.update((opts.bootstrap, t) for t in missing)
+
+
+class KafkaLedger(FileLedger):
+    """The file ledger, plus checking the cluster and creating the topics when the feed starts."""
+
+    def __init__(self, path: str, opts: KafkaOptions) -> None:
+        super().__init__(path)
+        self.opts = opts
+        self._existing: set[str] | None = None
+
+    def check(self) -> None:
+        self._existing = check_cluster(self.opts)
+
+    def prepare(self, tables: list[Any]) -> None:
+        existing = self._existing if self._existing is not None else check_cluster(self.opts)
+        topics = [self.opts.topic(t.schema, t.name) for t in tables]
+        progress = [self.opts.progress_topic] if self.opts.delivery == "exactly_once" else []
+        if self.opts.create_topics:
+            create_topics(self.opts, topics)
+            create_topics(self.opts, progress, progress=True)
+            return
+        missing = [t for t in topics + progress if t not in existing]
+        if missing:
+            raise SinkError(f"Kafka {self.opts.bootstrap} has no topic {', '.join(missing)} and create_topics=false",
+                            "create them (the progress topic with one partition, cleanup.policy=compact), or drop "
+                            "create_topics=false from the --sink URI")

@@ -1,0 +1,281 @@
+"""One micro-batch delivered to Kafka, exactly once (one transaction) or at least once.
+
+Exactly once, after Materialize's Kafka sink: every batch gets a fresh transactional producer
+whose `init_transactions()` fences any earlier one of the feed (same transactional id) and ends
+its open transaction. Only then is the progress topic read, with each record's transaction
+outcome (sinks.kafka_log): if the last committed progress record of this feed names this query
+and a batch id at or past this one, the batch is already in Kafka and is skipped. Otherwise its
+messages, then its progress record, go in one transaction. A crash anywhere before the commit
+leaves an aborted (or fenced, then aborted) transaction; a crash after it leaves a committed
+batch that the replay skips. A timed-out commit has an unknown outcome: the producer is dropped
+and the batch fails, and the next attempt's fresh producer and progress read settle it.
+
+Spark replays a batch with the same id and the same offsets (its offset log), so (query id,
+batch id) names the batch's content; the query id changes only with a new checkpoint. As a
+second guard, a batch whose end LSN is not past the committed one is aborted, not committed.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from ..core.change import BatchProgress
+from ..core.envelope import Record
+from ..errors import AuthenticationFailed, ChangefeedError, SinkError, TransientError
+from .kafka import KafkaOptions
+
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    """The progress record a batch commits with its data: key = the feed's name."""
+
+    feed: str
+    query: str  # Spark's query id: the same across restarts of one checkpoint
+    batch: int
+    progress: BatchProgress
+    messages: int
+
+    def encode(self) -> bytes:
+        return json.dumps({"feed": self.feed, "query": self.query, "batch": self.batch, "messages": self.messages,
+                           "progress": self.progress.__dict__}, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> ProgressRecord:
+        d = json.loads(value)
+        p = d["progress"]
+        progress = BatchProgress(p["end_lsn"], p["resolved_ts"], p["last_commit_time"], p["changes"],
+                                 tuple(p["chunks"]))
+        return cls(d["feed"], d["query"], int(d["batch"]), progress, int(d["messages"]))
+
+
+def committed_progress(opts: KafkaOptions, feed: str) -> ProgressRecord | None:
+    """The feed's last committed progress record in the progress topic, None if it has none."""
+    from .kafka_log import last_committed
+
+    key = feed.encode()
+    found = last_committed(opts.client_config(), opts.progress_topic, 0, lambda r: r.key == key,
+                           timeout=opts.timeout_s)
+    if found is None or found.value is None:
+        return None
+    try:
+        return ProgressRecord.decode(found.value)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SinkError(f"the progress record of feed {feed} at {opts.progress_topic}[0]@{found.offset} is "
+                        f"not readable: {e}", "another program writes to the progress topic under this feed's "
+                        "name; give the sink its own progress_topic") from None
+
+
+def kafka_error(e: BaseException, doing: str, opts: KafkaOptions) -> ChangefeedError:
+    """A librdkafka error as our typed error: transient ones (timeouts, brokers down) come back on a rerun."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    err = e.args[0] if isinstance(e, KafkaException) and e.args and isinstance(e.args[0], KafkaError) else None
+    if err is None:
+        return e if isinstance(e, ChangefeedError) else SinkError(f"Kafka sink, {doing}: {e!r}", "see the log")
+    what = f"Kafka {opts.bootstrap}, {doing}: {err.name()} ({err.str()})"
+    code = err.code()
+    if code in (KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._AUTHENTICATION):
+        return AuthenticationFailed(what, "check sasl.username / sasl.password / the TLS settings of the --sink URI")
+    if code in (KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+                KafkaError.CLUSTER_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED):
+        return SinkError(what, "grant the sink's principal Write/Describe on its topics and the progress topic, "
+                               "and Write on its transactional id changefeed-FEED")
+    if code in (KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE):
+        return SinkError(what, "raise message.max.bytes (producer) and max.message.bytes (topic), or use --format "
+                               "json without --diff for smaller messages")
+    if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
+        return TransientError(what, "another producer took over the transactional id changefeed-FEED (a second "
+                                    "runner of this feed, or a leftover task); run the feed again")
+    if code == KafkaError._INVALID_ARG or code == KafkaError.INVALID_CONFIG:
+        from ..errors import ConfigError
+
+        return ConfigError(what, "fix the client settings in the --sink URI")
+    if err.fatal() or not (err.retriable() or code in _transient_codes()):
+        return SinkError(what, "see the broker's answer above; the feed resumes from its checkpoint when run again")
+    return TransientError(what, "the broker may be down or slow; the feed resumes from its checkpoint when run "
+                                "again (raise timeout= for slow clusters)")
+
+
+@cache
+def _transient_codes() -> tuple[int, ...]:
+    from confluent_kafka import KafkaError
+
+    return (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._TIMED_OUT, KafkaError._MSG_TIMED_OUT,
+            KafkaError.REQUEST_TIMED_OUT, KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.LEADER_NOT_AVAILABLE,
+            KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._RESOLVE)
+
+
+
+class KafkaBatch:
+    """open() -> skip or begin; send() each message in order; close(progress) commits."""
+
+    def __init__(self, opts: KafkaOptions, feed: str, query: str, batch: int,
+                 read_progress: Callable[[KafkaOptions, str], ProgressRecord | None] = committed_progress) -> None:
+        self.opts, self.feed, self.query, self.batch, self.read_progress = opts, feed, query, batch, read_progress
+        self.exactly_once = opts.delivery == "exactly_once"
+        self.sent = 0
+        self._producer: Any = None
+        self._failed: list[Any] = []
+        self._partitions: dict[str, int] = {}  # topic -> partition count, for messages to all partitions
+        self._topics: set[str] = set()  # known to exist
+        self._in_txn = False
+        self._last: ProgressRecord | None = None
+
+    # -- life of the batch ----------------------------------------------------------------------
+    def open(self) -> ProgressRecord | None:
+        """Start the batch; returns the committed progress record if this batch is already in Kafka."""
+        from confluent_kafka import KafkaException, Producer
+
+        try:
+            self._producer = Producer(self.opts.producer_config(self.feed), error_cb=self._on_error)
+            if not self.exactly_once:
+                return None
+            self._producer.init_transactions(self.opts.timeout_s)
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, "starting the producer", self.opts)) from None
+        try:
+            self._last = self.read_progress(self.opts, self.feed)
+            if self._last is not None and self._last.query == self.query and self._last.batch >= self.batch:
+                self._drop()
+                return self._last
+            self._producer.begin_transaction()
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
+        except ChangefeedError as e:
+            raise self._fail(e) from None
+        self._in_txn = True
+        return None
+
+    def send(self, topic: str, record: Record, partition: int | None = None) -> None:
+        """Queue one message; librdkafka sends in order per partition (idempotent producer)."""
+        if record.key is None and partition is None and record.value is not None:
+            for p in range(self.partitions(topic)):  # no key (a truncate): every partition's reader must see it
+                self.send(topic, record, p)
+            return
+        self._check()
+        if topic not in self._topics:
+            self.ensure_topics([topic])  # with the sink's partitions, not as the broker might auto-create it
+            self._topics.add(topic)
+        args: dict[str, Any] = {"key": record.key, "value": record.value, "on_delivery": self._on_delivery}
+        if record.headers:
+            args["headers"] = list(record.headers)
+        if partition is not None:
+            args["partition"] = partition
+        while True:
+            try:
+                self._producer.produce(topic, **args)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self._producer.poll(POLL_S)
+        self.sent += 1
+        if self.sent % 10_000 == 0:
+            self._producer.poll(0)
+
+    def partitions(self, topic: str) -> int:
+        if topic not in self._partitions:
+            from confluent_kafka import KafkaException
+
+            self.ensure_topics([topic])
+            try:
+                meta = self._producer.list_topics(topic, timeout=self.opts.timeout_s)
+            except KafkaException as e:
+                raise self._fail(kafka_error(e, f"reading the partitions of {topic}", self.opts)) from None
+            t = meta.topics.get(topic)
+            if t is None or t.error is not None or not t.partitions:
+                raise self._fail(SinkError(f"Kafka {self.opts.bootstrap}: topic {topic} has no partitions "
+                                           f"({t.error if t is not None else 'missing'})",
+                                           "create the topic, or let the sink create it (create_topics=true)"))
+            self._partitions[topic] = len(t.partitions)
+        return self._partitions[topic]
+
+    def ensure_topics(self, topics: list[str]) -> None:
+        if self.opts.create_topics:
+            from .kafka_admin import create_topics
+
+            create_topics(self.opts, topics)
+
+    def resolved(self, topics: list[str], value: bytes) -> None:
+        """A resolved message to every partition of `topics`, after the batch's messages."""
+        for topic in topics:
+            for p in range(self.partitions(topic)):
+                self.send(topic, Record(None, value), p)
+
+    def close(self, progress: BatchProgress) -> ProgressRecord:
+        """Deliver what was sent: commit the transaction with the progress record, or (at least
+        once) wait until every message was acknowledged."""
+        from confluent_kafka import KafkaException
+
+        record = ProgressRecord(self.feed, self.query, self.batch, progress, self.sent)
+        try:
+            if not self.exactly_once:
+                left = self._producer.flush(self.opts.timeout_s * 4)
+                self._check()
+                if left:
+                    raise TransientError(f"Kafka {self.opts.bootstrap}: {left} messages of batch {self.batch} "
+                                         "not acknowledged in time", "the feed resumes from its checkpoint when run again")
+                return record
+            if self._last is not None and self._last.progress.end_lsn >= progress.end_lsn > 0:
+                self.abort()  # already in Kafka under another query id: never twice
+                return self._last
+            self._producer.produce(self.opts.progress_topic, key=self.feed.encode(), value=record.encode(),
+                                   partition=0, on_delivery=self._on_delivery)
+            self._producer.flush(self.opts.timeout_s)
+            self._check()
+            self._producer.commit_transaction(self.opts.timeout_s)
+            self._in_txn = False
+            return record
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, f"committing batch {self.batch}", self.opts)) from None
+        except ChangefeedError as e:
+            raise self._fail(e) from None
+        finally:
+            if not self._in_txn:
+                self._producer = None  # done: a fresh one (a fresh epoch) for the next batch
+
+    def abort(self) -> None:
+        """Give the batch up: its transaction aborted (best effort: fencing ends it otherwise)."""
+        if self._producer is not None and self._in_txn:
+            try:
+                self._producer.abort_transaction(self.opts.timeout_s)
+            except Exception:  # noqa: BLE001 - the next producer's init_transactions aborts it anyway
+                pass
+            self._in_txn = False
+        self._drop()
+
+    # -- errors -----------------------------------------------------------------------------------
+    def _on_delivery(self, err: Any, msg: Any) -> None:
+        if err is not None and not self._failed:
+            self._failed.append((err, msg.topic()))
+
+    def _on_error(self, err: Any) -> None:
+        """librdkafka's global errors: only fatal ones end the batch (the others it retries itself)."""
+        if err.fatal() and not self._failed:
+            self._failed.append((err, ""))
+
+    def _check(self) -> None:
+        if self._failed:
+            from confluent_kafka import KafkaException
+
+            err, topic = self._failed[0]
+            raise kafka_error(KafkaException(err), f"delivering batch {self.batch}" + (f" to {topic}" if topic else ""),
+                              self.opts)
+
+    def _fail(self, error: ChangefeedError) -> ChangefeedError:
+        self._drop()
+        return error
+
+    def _drop(self) -> None:
+        """Forget the producer without closing it (a fenced one may never answer a close); its
+        transaction, if any, is aborted by the next init_transactions of the feed."""
+        if self._producer is not None:
+            try:
+                self._producer.purge()
+            except Exception:  # noqa: BLE001
+                pass
+        self._producer = None
+        self._in_txn = False

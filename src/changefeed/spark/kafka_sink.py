@@ -1,0 +1,89 @@
+"""`changefeed-kafka` PySpark streaming sink: the batch's one writer task writes it to Kafka.
+
+Exactly once: the writer task delivers the whole batch in one Kafka transaction with its progress
+record, or skips it when the progress topic shows it committed (sinks.kafka_batch). The driver
+then appends the batch to the feed's ledger file for status and metrics, and only after that
+does Spark record the batch as done and the source release its WAL.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from pyspark import TaskContext
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter
+
+from .. import faults
+from ..core import change as ch
+from ..core.envelope import formatter, resolved
+from ..errors import SinkError
+from ..sinks.kafka import KafkaOptions
+from ..sinks.kafka_batch import KafkaBatch
+from ..sinks.ledger import FileLedger
+from ..sinks.messages import MessageStream
+from .sink import batch_id
+from .webhook_sink import Delivered
+
+
+class KafkaSink(DataSource):
+    """Options: uri, feed, format, diff, database, ledger, topics (the tables' topics, for resolved messages)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "changefeed-kafka"
+
+    def streamWriter(self, schema: Any, overwrite: bool) -> "KafkaStreamWriter":
+        return KafkaStreamWriter(dict(self.options))
+
+
+def query_id() -> str:
+    """Spark's id of the streaming query: kept in its checkpoint, so the same after every restart."""
+    ctx = TaskContext.get()
+    query = ctx.getLocalProperty("sql.streaming.queryId") if ctx is not None else None
+    if not query:
+        raise SinkError("the Kafka sink runs only inside a streaming query", "start it with changefeed run")
+    return str(query)
+
+
+class KafkaStreamWriter(DataSourceStreamArrowWriter):
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[Any]) -> Delivered:
+        o = self.options
+        began = time.time()
+        opts = KafkaOptions.parse(o["uri"])
+        fmt = o["format"]
+        stream = MessageStream(formatter(fmt, o["feed"], o["diff"] == "true", o.get("database", "")),
+                               opts.topic, opts.tombstones_for(fmt))
+        out = KafkaBatch(opts, o["feed"], query_id(), batch_id())
+        done = out.open()
+        if done is not None:  # committed before a crash: Spark replays it, Kafka has it
+            return Delivered(done.progress, began, time.time())
+        try:
+            for packed in iterator:
+                for rb in ch.unpack(packed):
+                    for topic, record in stream.messages(rb):
+                        out.send(topic, record)
+                        if out.sent % 1000 == 0:
+                            faults.reach("sink_write")  # crash tests: in the middle of a transaction
+            progress = stream.progress()
+            if opts.emit_resolved:
+                out.resolved([t for t in o["topics"].split(",") if t], resolved(progress.resolved_ts))
+            faults.reach("before_sink_commit")
+            out.close(progress)
+            faults.reach("after_sink_commit")
+        except BaseException:
+            out.abort()
+            raise
+        return Delivered(progress, began, time.time())
+
+    def commit(self, messages: list[Delivered | None], batchId: int) -> None:
+        """The batch is in Kafka: record it in the ledger (status, metrics)."""
+        for m in messages:  # one writer task: one message
+            if m is not None:
+                FileLedger(self.options["ledger"]).record(batchId, m.progress, m.began, m.done)
+
+    def abort(self, messages: list[Delivered | None], batchId: int) -> None:
+        """Nothing to undo: a failed task aborted its transaction (or the next one's fencing does)."""
