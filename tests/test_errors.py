@@ -522,3 +522,22 @@ def test_malformed_kafka_options(fresh: Dbs, tmp_path: Path, query: str, problem
                    cwd=tmp_path)
     assert_clean_failure(proc, dt, EX_USAGE, problem)
     assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
+
+
+# -- an outbox table that cannot be used ----------------------------------------------------------
+
+@pytest.mark.parametrize("ddl, extra, code, problem", [
+    ("CREATE TABLE public.outbox (id text PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text, "
+     "event_type text NOT NULL, payload jsonb)", [], EX_DEFINITE, "SET NOT NULL"),
+    ("CREATE TABLE public.outbox (id text PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL, "
+     "event_type text NOT NULL, body jsonb)", [], EX_USAGE, "no column payload"),
+    ("CREATE TABLE public.outbox (id text PRIMARY KEY)", ["--outbox-topic", "x.{table}"], EX_USAGE, "unknown fields"),
+], ids=["nullable-aggregate-id", "missing-payload", "bad-topic-template"])
+def test_unusable_outbox(fresh: Dbs, tmp_path: Path, ddl: str, extra: list[str], code: int, problem: str) -> None:
+    with psycopg.connect(fresh.source, autocommit=True) as c:
+        c.execute(ddl)
+    state = tmp_path / "state"
+    proc, dt = cli(*run_args(fresh.name, fresh.source, "webhook-http://127.0.0.1:9/hook", "public.items", state),
+                   "--outbox", "public.outbox", *extra, cwd=tmp_path)
+    assert_clean_failure(proc, dt, code, problem)
+    assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)

@@ -15,6 +15,13 @@ from .errors import ChangefeedError, ConfigError
 DEFAULT_STATE = "./changefeed-state"
 
 
+def _qualified(table: str) -> str:
+    names = parse_tables(table)
+    if len(names) != 1:
+        raise ConfigError(f"--outbox names one table, got {table!r}", "e.g. --outbox public.outbox")
+    return names[0]
+
+
 def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     stored = state.load()
     given = {k: v for k, v in {
@@ -29,7 +36,13 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "retention_s": parse_duration(args.retention) if args.retention is not None else None,
         "max_retained_wal": parse_size(args.max_retained_wal) if args.max_retained_wal is not None else None,
         "format": args.format, "diff": args.diff,
+        "outbox": _qualified(args.outbox) if args.outbox else None, "outbox_columns": args.outbox_columns,
+        "outbox_topic": args.outbox_topic,
+        "outbox_ttl_s": parse_duration(args.outbox_ttl) if args.outbox_ttl is not None else None,
     }.items() if v is not None}
+    outbox = given.get("outbox") or (stored.outbox if stored else "")
+    if outbox and "tables" in given and outbox not in given["tables"]:
+        given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
         return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate()
     for key in ("source", "sink", "tables"):
@@ -184,6 +197,16 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                      help="message envelope of a Kafka or webhook sink: json (default), debezium, text")
     cmd.add_argument("--diff", action="store_true", default=None,
                      help="json envelope: also send the old row as `before`")
+    cmd.add_argument("--outbox", help="SCHEMA.TABLE whose inserted rows are events (outbox pattern) for a Kafka "
+                                      "or webhook sink; captured even if --tables leaves it out")
+    cmd.add_argument("--outbox-columns", help="outbox column names by role, e.g. id=event_id,payload=body (roles: "
+                                              "id, aggregate_type, aggregate_id, event_type, payload; default: "
+                                              "the role names)")
+    cmd.add_argument("--outbox-topic", help="topic of an outbox event, a template of {aggregate_type} and "
+                                            "{event_type} (default outbox.event.{aggregate_type}; Kafka's "
+                                            "topic_prefix goes in front)")
+    cmd.add_argument("--outbox-ttl", help="delete outbox rows older than this, e.g. 1h, once the feed's checkpoint "
+                                          "is past them (default 0: never)")
 
 
 def _running_args(cmd: argparse.ArgumentParser) -> None:

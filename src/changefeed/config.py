@@ -6,6 +6,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from .errors import ConfigError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -37,6 +38,16 @@ class FeedSpec:
     max_retained_wal: int = 0  # most WAL bytes the slot may hold; 0 = no limit
     format: str = "json"  # envelope of a message sink (core.envelope.FORMATS)
     diff: bool = False  # json envelope: also the old row (`before`)
+    outbox: str = ""  # schema.table whose rows are events (core.outbox); "" = none
+    outbox_columns: str = ""  # role=column,... (core.outbox.parse_columns); "" = the default names
+    outbox_topic: str = DEFAULT_TOPIC
+    outbox_ttl_s: float = 0.0  # delete outbox rows this old once delivered; 0 = never
+
+    @property
+    def outbox_spec(self) -> OutboxSpec | None:
+        if not self.outbox:
+            return None
+        return OutboxSpec(self.outbox, parse_columns(self.outbox_columns), self.outbox_topic, self.outbox_ttl_s)
 
     @property
     def slot(self) -> str:
@@ -83,10 +94,28 @@ class FeedSpec:
         if self.snapshot_chunk_rows < 1:
             raise ConfigError(f"--snapshot-chunk-rows must be at least 1, got {self.snapshot_chunk_rows}",
                               f"the default is {DEFAULT_CHUNK_ROWS}")
+        if self.outbox:
+            self._validate_outbox()
         if self.snapshot_chunks_per_batch < 1:
             raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
                               f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")
         return self
+
+    def _validate_outbox(self) -> None:
+        from .sinks.registry import sink_kind
+
+        if not _TABLE.match(self.outbox):
+            raise ConfigError(f"--outbox must be schema.table, got {self.outbox!r}", "e.g. --outbox public.outbox")
+        if not sink_kind(self.sink).messages:
+            raise ConfigError("--outbox needs a message sink (kafka://, webhook-https://)",
+                              "a replica copies the outbox table like any other: leave --outbox out")
+        if self.outbox not in self.tables:
+            raise ConfigError(f"--outbox {self.outbox} is not among the captured --tables",
+                              "add it to --tables")
+        if self.outbox_ttl_s < 0:
+            raise ConfigError("--outbox-ttl must not be negative", "e.g. 1h; 0 keeps outbox rows")
+        check_topic_template(self.outbox_topic)
+        assert self.outbox_spec is not None  # parses the columns
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -134,6 +163,7 @@ class FeedState:
         self.checkpoint = self.dir / "checkpoint"
         self.lock_file = self.dir / "run.lock"
         self.requests = self.dir / "requests"
+        self.outbox_marks = self.dir / "outbox_marks.jsonl"  # postgres.outbox.OutboxCleanup
         self.paused_file = self.dir / "paused"
         self.failed_file = self.dir / "failed"
 

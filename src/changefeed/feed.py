@@ -22,6 +22,7 @@ from .errors import ChangefeedError, ConfigError, FeedBusy, SinkError
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
 from .postgres.connect import connect
+from .postgres.outbox import OutboxCleanup, check_outbox_table
 from .runner_lock import state_lock
 from .sinks.ledger import Ledger
 from .sinks.registry import open_ledger, sink_kind
@@ -42,6 +43,8 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
     source = stack.enter_context(connect(spec.source, "source"))
     src.check_wal_level(source)
     tables = src.describe_tables(source, list(spec.tables))
+    if spec.outbox_spec is not None:
+        check_outbox_table(source, spec.outbox_spec)
     src.lock_feed(source, spec.name)
     ledger = open_ledger(spec, state)
     stack.callback(ledger.close)
@@ -128,11 +131,13 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                f"checkpoint in {state.checkpoint}")
         meter = Meter(report, prepared.ledger.totals, SnapshotMeter(report, prepared.source_conn, prepared.ledger),
                       Gauges(metrics, prepared) if metrics else None)
+        cleanup = _outbox_cleanup(prepared, stack)
         try:
             while query.isActive and not stop.is_set():
                 with suppress(StreamingQueryException):  # a failed query is handled below
                     query.awaitTermination(report_every_s)
                 meter.update(query)
+                _clean_outbox(cleanup, prepared, report)
                 if spec.snapshot == "only" and _snapshot_done(query):
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
                     break
@@ -153,6 +158,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 state.record_failure(error)
                 raise error
             _release_wal(prepared, query)
+            _clean_outbox(cleanup, prepared, report)
         finally:
             if query.isActive:
                 report(f"feed {spec.name}: stopping")
@@ -181,6 +187,30 @@ def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
         raise
     if warning:
         report(warning)
+
+
+def _outbox_cleanup(prepared: Prepared, stack: ExitStack) -> OutboxCleanup | None:
+    outbox = prepared.spec.outbox_spec
+    if outbox is None or not outbox.ttl_s:
+        return None
+    cleanup = OutboxCleanup(prepared.spec.source, outbox, prepared.state.outbox_marks)
+    stack.callback(cleanup.close)
+    return cleanup
+
+
+def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Callable[[str], None]) -> None:
+    """Delete delivered outbox rows past their TTL; not while a snapshot is read (its rows are not
+    delivered yet, whatever the checkpoint says). A failed cleanup is reported, not fatal: the
+    rows stay, the feed goes on, the next tick tries again."""
+    if cleanup is None or _chunks_to_read(prepared.spec, prepared.state):
+        return
+    try:
+        deleted = cleanup.tick(prepared.ledger.checkpoint_lsn())
+    except ChangefeedError as e:
+        report(f"feed {prepared.spec.name}: outbox cleanup failed, rows kept: {e}")
+        return
+    if deleted:
+        report(f"feed {prepared.spec.name}: outbox cleanup deleted {deleted} delivered rows of {cleanup.spec.table}")
 
 
 def _snapshot_done(query: Any) -> bool:

@@ -171,6 +171,10 @@ class KafkaOptions:
     def topic(self, schema: str, table: str) -> str:
         return sanitize_topic(self.topic_prefix + self.topic_name.format(schema=schema, table=table))
 
+    def event_topic(self, name: str) -> str:
+        """An outbox event's topic: its template's name, after the prefix."""
+        return sanitize_topic(self.topic_prefix + name)
+
     def tombstones_for(self, fmt: str) -> bool:
         """Whether a delete is followed by a tombstone the sink adds (debezium makes its own)."""
         return bool(self.tombstones) and fmt != "debezium"

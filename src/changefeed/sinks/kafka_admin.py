@@ -84,9 +84,9 @@ def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool =
 class KafkaLedger(FileLedger):
     """The file ledger, plus checking the cluster and creating the topics when the feed starts."""
 
-    def __init__(self, path: str, opts: KafkaOptions) -> None:
+    def __init__(self, path: str, opts: KafkaOptions, *, outbox: str = "") -> None:
         super().__init__(path)
-        self.opts = opts
+        self.opts, self.outbox = opts, outbox  # the outbox table's events go to topics made on demand
         self._existing: set[str] | None = None
 
     def check(self) -> None:
@@ -94,7 +94,7 @@ class KafkaLedger(FileLedger):
 
     def prepare(self, tables: list[Any]) -> None:
         existing = self._existing if self._existing is not None else check_cluster(self.opts)
-        topics = [self.opts.topic(t.schema, t.name) for t in tables]
+        topics = [self.opts.topic(t.schema, t.name) for t in tables if t.qualified != self.outbox]
         progress = [self.opts.progress_topic] if self.opts.delivery == "exactly_once" else []
         if self.opts.create_topics:
             create_topics(self.opts, topics)

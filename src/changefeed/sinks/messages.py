@@ -5,21 +5,27 @@ A batch's change rows arrive as Arrow record batches in stream order, with their
 row becomes the `Record`s of the chosen envelope (core.envelope), in the same order, so per-key
 order is the source's commit order; each goes to the topic `topic_of(schema, table)` names (a
 logical decoding message: `topic_of("", "")`). With `tombstones`, a delete (also the delete half
-of a key change) is followed by a tombstone of its key, for log compaction. Pure: no I/O.
+of a key change) is followed by a tombstone of its key, for log compaction. With an outbox
+(core.outbox), the outbox table's inserts become its events instead (`event_record` makes the
+message: with headers for Kafka, one JSON object for webhooks), on the event's topic, and its
+other changes nothing. Pure: no I/O.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from ..core import change as ch
 from ..core.envelope import Change, Formatter, Record
+from ..core.outbox import OutboxEvent, OutboxRouter, OutboxSpec
 from ..errors import SinkError
 
 
 class Message(NamedTuple):
     topic: str  # where a topic-based sink sends it; "" for sinks without topics
     record: Record
+    event: bool = False  # an outbox event, not a change envelope
 
 
 def no_topic(schema: str, table: str) -> str:
@@ -30,8 +36,12 @@ class MessageStream:
     """Feed a batch's record batches in order; take the messages, then the batch's progress."""
 
     def __init__(self, formatter: Formatter, topic_of: Callable[[str, str], str] = no_topic,
-                 tombstones: bool = False) -> None:
+                 tombstones: bool = False, outbox: OutboxSpec | None = None,
+                 event_record: Callable[[OutboxEvent], Record] = OutboxEvent.record,
+                 event_topic: Callable[[str], str] = str) -> None:
         self.formatter, self.topic_of, self.tombstones = formatter, topic_of, tombstones
+        self.outbox = OutboxRouter(outbox) if outbox is not None else None
+        self.event_record, self.event_topic = event_record, event_topic
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._progress: list[ch.Progress] = []
 
@@ -51,6 +61,11 @@ class MessageStream:
                         raise SinkError(f"change for {row['schema']}.{row['table']} before its description (R row)",
                                         "this is a bug in the change stream; report it")
                 change = Change.from_row(row, shape)
+                if self.outbox is not None and self.outbox.owns(row["schema"], row["table"]):
+                    event = self.outbox.route(change)
+                    if event is not None:
+                        yield Message(self.event_topic(self.outbox.topic(event)), self.event_record(event), True)
+                    continue
                 topic = self.topic_of(row["schema"] or "", row["table"] or "")
                 for record in self._with_tombstones(change, self.formatter.records(change)):
                     yield Message(topic, record)
@@ -65,3 +80,9 @@ class MessageStream:
         if not self._progress:
             raise SinkError("the batch carries no progress row", "this is a bug in the change stream; report it")
         return ch.BatchProgress.of(self._progress)
+
+
+def outbox_spec(options: dict[str, str]) -> OutboxSpec | None:
+    """The outbox a sink's options name (their `outbox`: OutboxSpec as JSON), None without one."""
+    text = options.get("outbox", "")
+    return OutboxSpec.from_json(json.loads(text)) if text else None

@@ -1,6 +1,7 @@
 """Build the Spark session and start a feed's streaming query."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -66,14 +67,17 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("uri", spec.sink).option("feed", spec.name)
               .option("checkpointLocation", str(state.checkpoint)))
     if kind.messages:
+        outbox = spec.outbox_spec
         writer = (writer.option("format", spec.format).option("diff", str(spec.diff).lower())
                   .option("database", conninfo_to_dict(spec.source).get("dbname") or "")
-                  .option("ledger", ledger_path(state)))
+                  .option("ledger", ledger_path(state))
+                  .option("outbox", json.dumps(outbox.to_json()) if outbox else ""))
     if kind is KAFKA:
         from ..sinks.kafka import KafkaOptions
 
         opts = KafkaOptions.parse(spec.sink)
-        writer = writer.option("topics", ",".join(opts.topic(*t.split(".", 1)) for t in spec.tables))
+        writer = writer.option("topics", ",".join(opts.topic(*t.split(".", 1)) for t in spec.tables
+                                                  if t != spec.outbox))  # events: their own topics
     if available_now:
         writer = writer.trigger(availableNow=True)
     elif spec.trigger_interval_s:

@@ -21,13 +21,14 @@ from ..errors import SinkError
 from ..sinks.kafka import KafkaOptions
 from ..sinks.kafka_batch import KafkaBatch
 from ..sinks.ledger import FileLedger
-from ..sinks.messages import MessageStream
+from ..sinks.messages import MessageStream, outbox_spec
 from .sink import batch_id
 from .webhook_sink import Delivered
 
 
 class KafkaSink(DataSource):
-    """Options: uri, feed, format, diff, database, ledger, topics (the tables' topics, for resolved messages)."""
+    """Options: uri, feed, format, diff, database, ledger, outbox (core.outbox.OutboxSpec as JSON, or ""),
+    topics (the tables' topics, for resolved messages)."""
 
     @classmethod
     def name(cls) -> str:
@@ -56,7 +57,7 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         opts = KafkaOptions.parse(o["uri"])
         fmt = o["format"]
         stream = MessageStream(formatter(fmt, o["feed"], o["diff"] == "true", o.get("database", "")),
-                               opts.topic, opts.tombstones_for(fmt))
+                               opts.topic, opts.tombstones_for(fmt), outbox_spec(o), event_topic=opts.event_topic)
         out = KafkaBatch(opts, o["feed"], query_id(), batch_id())
         done = out.open()
         if done is not None:  # committed before a crash: Spark replays it, Kafka has it
@@ -64,8 +65,8 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
         try:
             for packed in iterator:
                 for rb in ch.unpack(packed):
-                    for topic, record in stream.messages(rb):
-                        out.send(topic, record)
+                    for message in stream.messages(rb):
+                        out.send(message.topic, message.record)
                         if out.sent % 1000 == 0:
                             faults.reach("sink_write")  # crash tests: in the middle of a transaction
             progress = stream.progress()

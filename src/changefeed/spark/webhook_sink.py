@@ -17,7 +17,8 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, Writ
 from ..core import change as ch
 from ..core.envelope import formatter
 from ..sinks.ledger import FileLedger
-from ..sinks.messages import MessageStream
+from ..core.outbox import OutboxEvent
+from ..sinks.messages import MessageStream, outbox_spec
 from ..sinks.webhook import WebhookClient, WebhookOptions
 from ..sinks.webhook_batch import WebhookBatch
 from .sink import batch_id
@@ -29,7 +30,8 @@ class Delivered(WriterCommitMessage):
 
 
 class WebhookSink(DataSource):
-    """Options: uri, feed, format, diff ("true"/"false"), database (for Debezium's source.db), ledger (path)."""
+    """Options: uri, feed, format, diff ("true"/"false"), database (for Debezium's source.db), ledger (path),
+    outbox (core.outbox.OutboxSpec as JSON, or "")."""
 
     @classmethod
     def name(cls) -> str:
@@ -48,16 +50,17 @@ class WebhookStreamWriter(DataSourceStreamArrowWriter):
         began = time.time()
         opts = WebhookOptions.parse(o["uri"])
         text = o["format"] == "text"
-        stream = MessageStream(formatter(o["format"], o["feed"], o["diff"] == "true", o.get("database", "")))
+        stream = MessageStream(formatter(o["format"], o["feed"], o["diff"] == "true", o.get("database", "")),
+                               outbox=outbox_spec(o), event_record=OutboxEvent.json_record)
         client = WebhookClient(opts)
         try:
             out = WebhookBatch(client, opts, o["feed"], batch_id())
             for packed in iterator:
                 for rb in ch.unpack(packed):
-                    for _, record in stream.messages(rb):
-                        if record.value is None:
+                    for message in stream.messages(rb):
+                        if message.record.value is None:
                             continue  # a tombstone is for Kafka's log compaction
-                        (out.add_text if text else out.add)(record.value)
+                        (out.add_text if text and not message.event else out.add)(message.record.value)
             out.flush()
             progress = stream.progress()
             if opts.emit_resolved:
