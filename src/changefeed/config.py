@@ -94,11 +94,11 @@ class FeedSpec:
         if self.snapshot_chunk_rows < 1:
             raise ConfigError(f"--snapshot-chunk-rows must be at least 1, got {self.snapshot_chunk_rows}",
                               f"the default is {DEFAULT_CHUNK_ROWS}")
-        if self.outbox:
-            self._validate_outbox()
         if self.snapshot_chunks_per_batch < 1:
             raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
                               f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")
+        if self.outbox:
+            self._validate_outbox()
         return self
 
     def _validate_outbox(self) -> None:
