@@ -2,8 +2,7 @@
 
 Exactly once: the writer task delivers the whole batch in one Kafka transaction with its progress
 record, or skips it when the progress topic shows it committed (sinks.kafka_batch). The driver
-then appends the batch to the feed's ledger file for status and metrics, and only after that
-does Spark record the batch as done and the source release its WAL.
+then records it in the feed's ledger file (spark.message_writer).
 """
 from __future__ import annotations
 
@@ -12,23 +11,22 @@ from collections.abc import Iterator
 from typing import Any
 
 from pyspark import TaskContext
-from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter
+from pyspark.sql.datasource import DataSource
 
 from .. import faults
 from ..core import change as ch
-from ..core.envelope import formatter, resolved
+from ..core.envelope import resolved
 from ..errors import SinkError
 from ..sinks.kafka import KafkaOptions
 from ..sinks.kafka_batch import KafkaBatch
-from ..sinks.ledger import FileLedger
 from ..sinks.messages import MessageStream, outbox_spec
+from .message_writer import Delivered, MessageWriter
 from .sink import batch_id
-from .webhook_sink import Delivered
 
 
 class KafkaSink(DataSource):
-    """Options: uri, feed, format, diff, database, ledger, outbox (core.outbox.OutboxSpec as JSON, or ""),
-    topics (the tables' topics, for resolved messages)."""
+    """Options: those of spark.message_writer.MessageWriter, and topics (the tables' topics, for
+    resolved messages)."""
 
     @classmethod
     def name(cls) -> str:
@@ -47,17 +45,13 @@ def query_id() -> str:
     return str(query)
 
 
-class KafkaStreamWriter(DataSourceStreamArrowWriter):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
-
+class KafkaStreamWriter(MessageWriter):
     def write(self, iterator: Iterator[Any]) -> Delivered:
         o = self.options
         began = time.time()
         opts = KafkaOptions.parse(o["uri"])
-        fmt = o["format"]
-        stream = MessageStream(formatter(fmt, o["feed"], o["diff"] == "true", o.get("database", "")),
-                               opts.topic, opts.tombstones_for(fmt), outbox_spec(o), event_topic=opts.event_topic)
+        stream = MessageStream(self.formatter(), opts.topic, opts.tombstones_for(o["format"]), outbox_spec(o),
+                               event_topic=opts.event_topic)
         out = KafkaBatch(opts, o["feed"], query_id(), batch_id())
         done = out.open()
         if done is not None:  # committed before a crash: Spark replays it, Kafka has it
@@ -79,12 +73,6 @@ class KafkaStreamWriter(DataSourceStreamArrowWriter):
             out.abort()
             raise
         return Delivered(progress, began, time.time())
-
-    def commit(self, messages: list[Delivered | None], batchId: int) -> None:
-        """The batch is in Kafka: record it in the ledger (status, metrics)."""
-        for m in messages:  # one writer task: one message
-            if m is not None:
-                FileLedger(self.options["ledger"]).record(batchId, m.progress, m.began, m.done)
 
     def abort(self, messages: list[Delivered | None], batchId: int) -> None:
         """Nothing to undo: a failed task aborted its transaction (or the next one's fencing does)."""

@@ -1,8 +1,8 @@
 """`changefeed-webhook` PySpark streaming sink: the batch's one writer task POSTs its messages.
 
 At least once: the writer task posts the batch's messages in order (sinks.webhook_batch) and
-returns once every request was acknowledged; the driver then appends the batch to the feed's
-ledger (sinks.ledger.FileLedger), and only after that does Spark record the batch as done and
+returns once every request was acknowledged; the driver then records the batch in the feed's
+ledger (spark.message_writer), and only after that does Spark record the batch as done and
 the source release its WAL. A crash anywhere before replays the batch with the same requests
 and idempotency keys.
 """
@@ -12,26 +12,19 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.datasource import DataSource
 
 from ..core import change as ch
-from ..core.envelope import formatter
-from ..sinks.ledger import FileLedger
 from ..core.outbox import OutboxEvent
 from ..sinks.messages import MessageStream, outbox_spec
 from ..sinks.webhook import WebhookClient, WebhookOptions
 from ..sinks.webhook_batch import WebhookBatch
+from .message_writer import Delivered, MessageWriter
 from .sink import batch_id
 
 
-class Delivered(WriterCommitMessage):
-    def __init__(self, progress: ch.BatchProgress, began: float, done: float) -> None:
-        self.progress, self.began, self.done = progress, began, done
-
-
 class WebhookSink(DataSource):
-    """Options: uri, feed, format, diff ("true"/"false"), database (for Debezium's source.db), ledger (path),
-    outbox (core.outbox.OutboxSpec as JSON, or "")."""
+    """Options: those of spark.message_writer.MessageWriter."""
 
     @classmethod
     def name(cls) -> str:
@@ -41,17 +34,13 @@ class WebhookSink(DataSource):
         return WebhookStreamWriter(dict(self.options))
 
 
-class WebhookStreamWriter(DataSourceStreamArrowWriter):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
-
+class WebhookStreamWriter(MessageWriter):
     def write(self, iterator: Iterator[Any]) -> Delivered:
         o = self.options
         began = time.time()
         opts = WebhookOptions.parse(o["uri"])
         text = o["format"] == "text"
-        stream = MessageStream(formatter(o["format"], o["feed"], o["diff"] == "true", o.get("database", "")),
-                               outbox=outbox_spec(o), event_record=OutboxEvent.json_record)
+        stream = MessageStream(self.formatter(), outbox=outbox_spec(o), event_record=OutboxEvent.json_record)
         client = WebhookClient(opts)
         try:
             out = WebhookBatch(client, opts, o["feed"], batch_id())
@@ -68,12 +57,6 @@ class WebhookStreamWriter(DataSourceStreamArrowWriter):
         finally:
             client.close()
         return Delivered(progress, began, time.time())
-
-    def commit(self, messages: list[Delivered | None], batchId: int) -> None:
-        """Every request of the batch was acknowledged: record it in the ledger."""
-        for m in messages:  # one writer task: one message
-            if m is not None:
-                FileLedger(self.options["ledger"]).record(batchId, m.progress, m.began, m.done)
 
     def abort(self, messages: list[Delivered | None], batchId: int) -> None:
         """Nothing to undo: what was posted stays posted; the replay re-sends it with the same keys."""
