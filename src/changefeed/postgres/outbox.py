@@ -35,7 +35,7 @@ from ..core.lsn import format_lsn, parse_lsn
 from ..core.outbox import ROLES, OutboxSpec
 from ..errors import ChangefeedError, ConfigError, DefiniteError, SourceNotReady, TransientError
 from .connect import connect
-from .source import split_table
+from .source import split_table, table_oid
 
 REQUIRED_ROLES = ("id", "aggregate_type", "aggregate_id", "event_type")  # NULL in these stops the router
 PAYLOAD_TYPES = ("json", "jsonb", "text")
@@ -53,10 +53,8 @@ def check_outbox_table(conn: psycopg.Connection[Any], spec: OutboxSpec) -> None:
     """Raise a typed error, with the fix in its hint, unless the outbox table can feed the router."""
     schema, name = split_table(spec.table)
     try:
-        row = conn.execute(
-            "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')", (schema, name)).fetchone()
-        if row is None:
+        oid = table_oid(conn, schema, name)
+        if oid is None:
             raise SourceNotReady(f"outbox table {schema}.{name} does not exist on the source",
                                  "create it, or fix --outbox (names are schema.table, case-sensitive)")
         # a domain over json/jsonb/text is fine: compare its base type
@@ -64,7 +62,7 @@ def check_outbox_table(conn: psycopg.Connection[Any], spec: OutboxSpec) -> None:
             "SELECT a.attname, a.attnotnull, "
             "format_type(CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE a.atttypid END, NULL) "
             "FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
-            "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped", (row[0],)).fetchall()}
+            "WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped", (oid,)).fetchall()}
         qualified = _qualified(conn, schema, name)
     except psycopg.Error as e:
         raise _typed(e, f"checking outbox table {spec.table}") from None

@@ -70,18 +70,23 @@ def check_wal_level(conn: psycopg.Connection[Any]) -> None:
             "run ALTER SYSTEM SET wal_level = logical; then restart PostgreSQL")
 
 
+def table_oid(conn: psycopg.Connection[Any], schema: str, name: str) -> int | None:
+    """The oid of a plain or partitioned table, None if there is none by that name."""
+    row = conn.execute(
+        "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')", (schema, name)).fetchone()
+    return None if row is None else int(row[0])
+
+
 def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[SourceTable]:
     """Columns, SQL types and key of each table; typed errors for missing or keyless tables."""
     out = []
     for qualified in tables:
         schema, name = split_table(qualified)
-        row = conn.execute(
-            "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')", (schema, name)).fetchone()
-        if row is None:
+        oid = table_oid(conn, schema, name)
+        if oid is None:
             raise SourceNotReady(f"table {schema}.{name} does not exist on the source",
                                  "create it, or fix --tables (names are schema.table, case-sensitive)")
-        oid = row[0]
         cols = conn.execute(
             "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
