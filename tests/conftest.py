@@ -96,6 +96,25 @@ def start_changefeed(*args: str, log: Path, env: dict[str, str] | None = None) -
                             start_new_session=True, env={**os.environ, **(env or {})})
 
 
+def kill_runs(base: list[str], kills: list[str], tmp_path: Path, random_after: tuple[float, float]) -> None:
+    """Run the feed (`base` args) once per kill point, each killed there by its fault point
+    (CHANGEFEED_KILL_AT), or for "random" SIGKILLed after a random time in `random_after`."""
+    import random
+    import signal
+
+    for i, point in enumerate(kills):
+        fault_dir = tmp_path / f"faults{i}"
+        fault_dir.mkdir()
+        env = {} if point == "random" else {"CHANGEFEED_KILL_AT": point, "CHANGEFEED_FAULT_DIR": str(fault_dir)}
+        p = start_changefeed(*base, log=tmp_path / f"run{i}.log", env=env)
+        if point == "random":
+            time.sleep(random.uniform(*random_after))
+            os.killpg(p.pid, signal.SIGKILL)
+        rc = p.wait(timeout=300)
+        assert rc == -signal.SIGKILL, (point, (tmp_path / f"run{i}.log").read_text()[-3000:])
+        time.sleep(0.5)  # let the killed group's sockets close
+
+
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real Kafka-protocol broker (Tansu, in memory) for the session."""

@@ -5,15 +5,12 @@ must leave replica == source, every batch applied once, and every ledger row pre
 """
 from __future__ import annotations
 
-import os
-import random
-import signal
 import threading
 import time
 from pathlib import Path
 
 import psycopg
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed
+from conftest import Dbs, changefeed_cli, fingerprint, kill_runs
 
 ACCOUNTS = 50
 
@@ -48,17 +45,7 @@ def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_p
     w.start()
     kills = ["startup", "read:2", "before_sink_commit:2", "after_sink_commit:2", "random"]
     try:
-        for i, point in enumerate(kills):
-            fault_dir = tmp_path / f"faults{i}"
-            fault_dir.mkdir()
-            env = {} if point == "random" else {"CHANGEFEED_KILL_AT": point, "CHANGEFEED_FAULT_DIR": str(fault_dir)}
-            p = start_changefeed(*base, log=tmp_path / f"run{i}.log", env=env)
-            if point == "random":
-                time.sleep(random.uniform(12, 20))
-                os.killpg(p.pid, signal.SIGKILL)
-            rc = p.wait(timeout=300)
-            assert rc == -signal.SIGKILL, (point, (tmp_path / f"run{i}.log").read_text()[-3000:])
-            time.sleep(0.5)  # let the killed group's sockets close
+        kill_runs(base, kills, tmp_path, random_after=(12, 20))
     finally:
         stop.set()
         w.join()

@@ -11,9 +11,6 @@ once, in per-aggregate order, and the cleanup removes only rows whose events wer
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
 import threading
 import time
 import uuid
@@ -23,7 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, start_changefeed
+from conftest import Dbs, changefeed_cli, kill_runs
 
 from changefeed.core.lsn import parse_lsn
 from changefeed.local_kafka import LocalKafka, committed, read_partition
@@ -87,17 +84,7 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
     w.start()
     kills = ["sink_write:1", "after_sink_commit:1", "before_sink_commit:1", "random"]
     try:
-        for i, point in enumerate(kills):
-            fault_dir = tmp_path / f"faults{i}"
-            fault_dir.mkdir()
-            env = {} if point == "random" else {"CHANGEFEED_KILL_AT": point, "CHANGEFEED_FAULT_DIR": str(fault_dir)}
-            p = start_changefeed(*base, log=tmp_path / f"run{i}.log", env=env)
-            if point == "random":
-                time.sleep(random.uniform(10, 16))
-                os.killpg(p.pid, signal.SIGKILL)
-            rc = p.wait(timeout=300)
-            assert rc == -signal.SIGKILL, (point, (tmp_path / f"run{i}.log").read_text()[-3000:])
-            time.sleep(0.5)
+        kill_runs(base, kills, tmp_path, random_after=(10, 16))
     finally:
         stop.set()
         w.join()
