@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 BIG = secrets.token_hex(60_000)  # ~120 KB, not compressible: stored out of line (TOAST)
 
 
-def _stream(dbs: Dbs) -> tuple[list[Any], list[src.SourceTable]]:
+def _stream(dbs: Dbs, rows_per_batch: int = 500) -> tuple[list[Any], list[src.SourceTable]]:
     """Run the workload on the source; return the builder's record batches for all of it."""
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id int PRIMARY KEY, v text, big text)")
@@ -50,27 +50,43 @@ def _stream(dbs: Dbs) -> tuple[list[Any], list[src.SourceTable]]:
         with psycopg.connect(dbs.source) as r:
             builder = ChangeBuilder(0, end, 0, 1 << 62, lambda rel: src.column_catalog(r, rel))
             # Small fetches, so that blocks end inside transactions (as big fetches do in big ones).
-            batches = list(builder.batches(src.peek(r, "s", "p", end, fetch=777), rows_per_batch=500))
+            batches = list(builder.batches(src.peek(r, "s", "p", end, fetch=777), rows_per_batch=rows_per_batch))
         c.execute("SELECT pg_drop_replication_slot('s')")
     return batches, tables
 
 
 def _apply(dbs: Dbs, batches: list[Any], batch_id: int) -> replica.Applied:
+    return _applied(dbs, batches, batch_id)[0]
+
+
+def _applied(dbs: Dbs, batches: list[Any], batch_id: int) -> tuple[replica.Applied, int]:
+    """(what the batch did, how many rows it COPYed straight into their target)."""
     with psycopg.connect(dbs.sink, autocommit=True) as conn:
         applier = replica.BatchApplier(conn, dbs.name, batch_id)
         applier.begin()
         for rb in batches:
             applier.add(rb)
-        return applier.commit()
+        return applier.commit(), applier.inserted_directly
 
 
-def test_chunked_apply_equals_source_and_a_replay_changes_nothing(dbs: Dbs) -> None:
-    batches, tables = _stream(dbs)
-    assert len(batches) > 5
+def _inserts(batches: list[Any]) -> int:
+    return sum(rb.column("op").to_pylist().count("c") for rb in batches)
+
+
+@pytest.mark.parametrize("run_rows, chunk_rows", [(100_000, 500), (40, 500), (40, 100_000)])
+def test_chunked_apply_equals_source_and_a_replay_changes_nothing(dbs: Dbs, run_rows: int, chunk_rows: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also with short insert runs COPYed straight into the targets, before updates, a key change,
+    an unchanged TOAST value, deletes and a TRUNCATE in the same batch; with one big chunk, these
+    share the insert runs' chunk, so the runs and the merges between them must keep stream order."""
+    monkeypatch.setattr(replica, "INSERT_RUN_ROWS", run_rows)
+    batches, tables = _stream(dbs, chunk_rows)
+    assert len(batches) > 5 if chunk_rows == 500 else len(batches) == 1
     with dbs.dst() as d:
         replica.ensure_meta(d)
         replica.ensure_tables(d, tables)
-    first = _apply(dbs, batches, 0)
+    first, direct = _applied(dbs, batches, 0)
+    assert (direct > _inserts(batches) // 2) if run_rows == 40 else direct == 0
     assert first.applied and first.changes == sum(
         1 for rb in batches for op in rb.column("op").to_pylist() if op in ch.DATA_OPS)
     for table in ("t", "gone"):
@@ -78,8 +94,8 @@ def test_chunked_apply_equals_source_and_a_replay_changes_nothing(dbs: Dbs) -> N
     with dbs.dst() as d:
         assert d.execute("SELECT big = %s FROM t WHERE id = 7", (BIG,)).fetchone() == (True,)
         before = d.execute("SELECT xmin::text::bigint FROM t ORDER BY id").fetchall()
-    again = _apply(dbs, batches, 1)
-    assert not again.applied and again.end_lsn == first.end_lsn
+    again, direct = _applied(dbs, batches, 1)
+    assert not again.applied and again.end_lsn == first.end_lsn and direct == 0
     with dbs.dst() as d:
         assert d.execute("SELECT xmin::text::bigint FROM t ORDER BY id").fetchall() == before  # no row rewritten
         assert d.execute("SELECT batch_id FROM changefeed.progress WHERE feed = %s", (dbs.name,)).fetchall() == [(0,)]
@@ -103,3 +119,33 @@ def test_batch_without_progress_row_commits_nothing(dbs: Dbs) -> None:
     with dbs.dst() as d:
         assert d.execute("SELECT count(*) FROM t").fetchone() == (0,)
         assert d.execute("SELECT count(*) FROM changefeed.progress").fetchone() == (0,)
+
+
+def test_insert_run_that_meets_a_row_of_the_replica_falls_back_to_the_merge(
+        dbs: Dbs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica row in the way of an insert run (here one the replica held before) is upserted,
+    as the merge does, and nothing of the failed COPY stays: each key once, the source's values."""
+    monkeypatch.setattr(replica, "INSERT_RUN_ROWS", 40)
+    batches, tables = _stream(dbs)
+    with dbs.dst() as d:
+        replica.ensure_meta(d)
+        replica.ensure_tables(d, tables)
+        d.execute("INSERT INTO t VALUES (1, 'held by the replica', NULL)")
+    _, direct = _applied(dbs, batches, 0)
+    assert 0 < direct < _inserts(batches)  # `gone` still went straight in; `t` did not after the conflict
+    for table in ("t", "gone"):
+        assert fingerprint(dbs.sink, table) == fingerprint(dbs.source, table)
+
+
+def test_insert_runs_per_batch_are_capped(dbs: Dbs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past INSERT_RUNS_PER_BATCH savepoints, runs are merged: same replica, fewer direct rows."""
+    monkeypatch.setattr(replica, "INSERT_RUN_ROWS", 40)
+    monkeypatch.setattr(replica, "INSERT_RUNS_PER_BATCH", 1)
+    batches, tables = _stream(dbs)
+    with dbs.dst() as d:
+        replica.ensure_meta(d)
+        replica.ensure_tables(d, tables)
+    _, direct = _applied(dbs, batches, 0)
+    assert 40 <= direct <= max(rb.num_rows for rb in batches)  # one run, within one chunk
+    for table in ("t", "gone"):
+        assert fingerprint(dbs.sink, table) == fingerprint(dbs.source, table)

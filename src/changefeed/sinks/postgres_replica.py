@@ -4,7 +4,9 @@ A batch (one Spark micro-batch, one writer task) is applied by one `BatchApplier
 transaction: it takes the feed's lock, reads how far the replica already is, then, chunk by
 chunk as the change rows stream in, COPYs each table's rows into a temporary staging table and
 merges them set-based (TRUNCATE first where one occurred, unchanged TOAST values resolved, per
-key only the last change, columns the source added). Rows before the replica's position (the
+key only the last change, columns the source added). Long runs of consecutive inserts skip the
+staging table: they are COPYed straight into the target (see `insert_runs`), which costs the
+target database about a third of an upsert. Rows before the replica's position (the
 end of the last batch it applied) are skipped, so a replayed batch changes nothing. The progress
 row goes into the same transaction. So the replica moves from one source commit boundary to the
 next, never between, and merging overlaps with reading the rest of the batch.
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -30,6 +33,13 @@ from .ledger import RATE_WINDOW_S, LastBatch
 META_SCHEMA = "changefeed"
 SESSION_MEMORY = "256MB"
 APPLIED_OPS = ("c", "u", "r", "d", "t")
+# An insert run at least this long is COPYed straight into the target (shorter ones are merged
+# with their neighbours: a statement per run would cost more than it saves).
+INSERT_RUN_ROWS = 500
+# Each direct COPY runs in a savepoint (a subtransaction, so that a conflicting row can fall back
+# to the merge). PostgreSQL caches 64 subtransactions per transaction; past that, every reader of
+# the replica pays for looking them up while the batch is open. So a batch makes at most this many.
+INSERT_RUNS_PER_BATCH = 48
 
 
 def ident(*names: str) -> sql.Identifier:
@@ -193,6 +203,7 @@ class _Part:
     shape: ch.TableShape
     staging: sql.Identifier
     copy_sql: sql.Composed
+    insert_sql: sql.Composed
     nulls: Any
     key_nulls: Any
 
@@ -210,6 +221,9 @@ class BatchApplier:
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._parts: dict[ch.TableShape, _Part] = {}
         self._progress: list[ch.Progress] = []
+        self._insert_runs_left = INSERT_RUNS_PER_BATCH
+        self._no_insert_runs: set[ch.TableShape] = set()  # a run conflicted: merge the rest
+        self.inserted_directly = 0  # rows COPYed straight into their target
 
     def begin(self) -> None:
         # Session memory for the staging tables and the per-chunk sorts: spilling them to disk
@@ -284,11 +298,38 @@ class BatchApplier:
                                 "this is a bug in the change stream; report it")
             mine = rows if len(tables) == 1 else rows.filter(pc.equal(names, name))
             part = self._parts.get(shape) or self._new_part(shape)
-            self._copy(part, mine)
-            _apply_part(self.conn, part, has_truncate=bool(pc.any(pc.equal(mine.column("op"), "t")).as_py()),
-                        has_unchanged=mine.column("unchanged").null_count < mine.num_rows,
-                        has_key_change=mine.column("old_key").null_count < mine.num_rows)
-            self.conn.execute(sql.SQL("TRUNCATE {}").format(part.staging))
+            for lo, hi, inserts in insert_runs(mine.column("op"), INSERT_RUN_ROWS):
+                run = mine.slice(lo, hi - lo)
+                if not (inserts and self._insert(part, run)):
+                    self._merge(part, run)
+
+    def _merge(self, part: _Part, rows: Any) -> None:
+        """Stage the rows and merge them into the target."""
+        self._copy(part, rows)
+        _apply_part(self.conn, part, has_truncate=bool(pc.any(pc.equal(rows.column("op"), "t")).as_py()),
+                    has_unchanged=rows.column("unchanged").null_count < rows.num_rows,
+                    has_key_change=rows.column("old_key").null_count < rows.num_rows)
+        self.conn.execute(sql.SQL("TRUNCATE {}").format(part.staging))
+
+    def _insert(self, part: _Part, rows: Any) -> bool:
+        """COPY a run of inserts straight into the target; False (nothing done) if the batch has
+        no savepoint left for it, or a row's key is there already (the replica held rows of its
+        own, or a snapshot read got there first): the merge then upserts the run, and the table's
+        later runs of this batch."""
+        if self._insert_runs_left <= 0 or part.shape in self._no_insert_runs:
+            return False
+        self._insert_runs_left -= 1
+        self.conn.execute("SAVEPOINT changefeed_insert_run")
+        try:
+            _copy_lines(self.conn, part.insert_sql,
+                        pc.binary_join_element_wise(_large(rows.column("after")), _EMPTY, _NL))
+        except psycopg.errors.UniqueViolation:
+            self.conn.execute("ROLLBACK TO SAVEPOINT changefeed_insert_run")
+            self._no_insert_runs.add(part.shape)
+            return False
+        self.conn.execute("RELEASE SAVEPOINT changefeed_insert_run")
+        self.inserted_directly += rows.num_rows
+        return True
 
     def _new_part(self, shape: ch.TableShape) -> _Part:
         staging = ident(f"changefeed_stage_{len(self._parts)}")
@@ -300,6 +341,8 @@ class BatchApplier:
             staging, sql.SQL(", ").join(target_types + key_types)))
         _add_new_columns(self.conn, shape, ident(shape.schema, shape.table))
         part = _Part(shape, staging, sql.SQL("COPY {} FROM STDIN").format(staging),
+                     sql.SQL("COPY {} ({}) FROM STDIN").format(
+                         ident(shape.schema, shape.table), sql.SQL(", ").join(map(ident, shape.columns))),
                      pa.scalar(b"\t".join([NULL] * len(shape.columns)), pa.large_binary()),
                      pa.scalar(b"\t".join([NULL] * len(shape.key)), pa.large_binary()))
         self._parts[shape] = part
@@ -315,11 +358,41 @@ class BatchApplier:
             pc.coalesce(_large(rows.column("after")), _large(rows.column("before")), part.nulls),
             pc.binary_join_element_wise(pc.coalesce(_large(rows.column("old_key")), part.key_nulls), _EMPTY, _NL),
             _TAB)
-        offsets = lines.buffers()[1]
-        first, last = (int.from_bytes(offsets[i * 8:i * 8 + 8], "little")
-                       for i in (lines.offset, lines.offset + len(lines)))
-        with self.conn.cursor().copy(part.copy_sql) as copy:
-            copy.write(memoryview(lines.buffers()[2])[first:last])
+        _copy_lines(self.conn, part.copy_sql, lines)
+
+
+def insert_runs(ops: Any, min_rows: int) -> list[tuple[int, int, bool]]:
+    """Cut a table's change rows, in order, into [lo, hi) runs that cover them: runs of at least
+    `min_rows` consecutive inserts (True) and the rows between them (False).
+
+    Applied one after the other, in order, the runs do what the rows do, whatever their keys:
+    nothing needs to commute, so an insert run can skip the merge's last-change-per-key step.
+    """
+    is_insert = pc.equal(ops, "c").to_numpy(zero_copy_only=False)
+    n = len(is_insert)
+    edges = np.flatnonzero(is_insert[1:] != is_insert[:-1]) + 1
+    starts = np.concatenate(([0], edges)).astype(np.int64)
+    ends = np.concatenate((edges, [n])).astype(np.int64)
+    long = np.flatnonzero(is_insert[starts] & (ends - starts >= min_rows)) if n else []
+    runs: list[tuple[int, int, bool]] = []
+    at = 0
+    for i in long:
+        lo, hi = int(starts[i]), int(ends[i])
+        if lo > at:
+            runs.append((at, lo, False))
+        runs.append((lo, hi, True))
+        at = hi
+    if at < n:
+        runs.append((at, n, False))
+    return runs
+
+
+def _copy_lines(conn: psycopg.Connection[Any], copy_sql: sql.Composed, lines: Any) -> None:
+    """COPY a large_binary array of complete lines, from its data buffer as it is."""
+    offsets = lines.buffers()[1]
+    first, last = (int.from_bytes(offsets[i * 8:i * 8 + 8], "little") for i in (lines.offset, lines.offset + len(lines)))
+    with conn.cursor().copy(copy_sql) as copy:
+        copy.write(memoryview(lines.buffers()[2])[first:last])
 
 
 _CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS])
