@@ -219,13 +219,16 @@ def _snapshot_done(query: Any) -> bool:
     return bool(end) and not (end.get("snap") or {}).get("pending")
 
 
-def _logged_end(state: FeedState) -> dict[str, Any] | None:
-    """The end offset of the last batch in the checkpoint's offset log, None before the first."""
+def _logged_end(state: FeedState) -> tuple[dict[str, Any] | None, bool]:
+    """(The end offset of the last batch in the checkpoint's offset log, None before the first;
+    whether Spark logged that batch as committed downstream too)."""
     logged = [p for p in (state.checkpoint / "offsets").glob("*") if p.name.isdigit()]
     if not logged:
-        return None
-    last = max(logged, key=lambda p: int(p.name)).read_text().splitlines()
-    return json.loads(last[-1]) if len(last) > 2 else None  # type: ignore[no-any-return]
+        return None, False
+    path = max(logged, key=lambda p: int(p.name))
+    last = path.read_text().splitlines()
+    end = json.loads(last[-1]) if len(last) > 2 else None
+    return end, (state.checkpoint / "commits" / path.name).exists()
 
 
 def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
@@ -235,12 +238,14 @@ def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
 
 
 def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
-    """Whether the last batch Spark planned (it may still run) carries snapshot chunks, or chunks
-    are pending after it, or requested; a fresh checkpoint has its initial snapshot ahead."""
-    end = _logged_end(state)
+    """Whether the last batch Spark planned carries snapshot chunks and may still run (it is not
+    logged as committed), or chunks are pending after it, or requested; a fresh checkpoint has its
+    initial snapshot ahead."""
+    end, committed = _logged_end(state)
     cursor = snapshot.Cursor.from_offset(end) if end else snapshot.Cursor(
         pending=() if spec.snapshot == "never" else spec.tables)
-    return bool((end or {}).get("chunks") or cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
+    running_chunks = bool((end or {}).get("chunks")) and not committed
+    return running_chunks or bool(cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
 
 
 def _release_wal(prepared: Prepared, query: Any) -> None:
