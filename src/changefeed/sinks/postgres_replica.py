@@ -365,8 +365,9 @@ def insert_runs(ops: Any, min_rows: int) -> list[tuple[int, int, bool]]:
     """Cut a table's change rows, in order, into [lo, hi) runs that cover them: runs of at least
     `min_rows` consecutive inserts (True) and the rows between them (False).
 
-    Applied one after the other, in order, the runs do what the rows do, whatever their keys:
-    nothing needs to commute, so an insert run can skip the merge's last-change-per-key step.
+    Applied one after the other, in order, the runs do what the rows do, whatever their keys. An
+    insert run needs no last-change-per-key step: its keys are new (inserting a key again takes a
+    delete in between), and one already on the replica fails its COPY, so that the run is merged.
     """
     is_insert = pc.equal(ops, "c").to_numpy(zero_copy_only=False)
     n = len(is_insert)
