@@ -2,7 +2,8 @@
 
 `CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the
 n-th time (default 1st) execution reaches `point`: startup, read, snapshot_chunk (a chunk was
-read), sink_write (a message sink wrote another 1000 messages of a batch), before_sink_commit or
+read), sink_write (a message sink wrote another 1000 messages of a batch), insert_run (the replica
+COPYed a run of inserts into its target, inside the batch's transaction), before_sink_commit or
 after_sink_commit. Counting uses a file next to the feed state
 (`CHANGEFEED_FAULT_DIR`), because the points run in different processes. Unset: no cost.
 """

@@ -327,6 +327,7 @@ class BatchApplier:
             self.conn.execute("ROLLBACK TO SAVEPOINT changefeed_insert_run")
             self._no_insert_runs.add(part.shape)
             return False
+        faults.reach("insert_run")
         self.conn.execute("RELEASE SAVEPOINT changefeed_insert_run")
         self.inserted_directly += rows.num_rows
         return True
