@@ -9,8 +9,10 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +96,19 @@ def start_changefeed(*args: str, log: Path, env: dict[str, str] | None = None) -
     out = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, **(env or {})})
+
+
+@contextmanager
+def writing(writer: Callable[[str, threading.Event, list[int]], None], uri: str, written: list[int]) -> Iterator[None]:
+    """Run `writer(uri, stop, written)` in a thread for the block; stop it and wait for it after."""
+    stop = threading.Event()
+    w = threading.Thread(target=writer, args=(uri, stop, written))
+    w.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        w.join()
 
 
 def kill_runs(base: list[str], kills: list[str], tmp_path: Path, random_after: tuple[float, float]) -> None:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from conftest import Dbs, changefeed_cli, fingerprint, kill_runs
+from conftest import Dbs, changefeed_cli, fingerprint, kill_runs, writing
 
 ACCOUNTS = 50
 
@@ -54,15 +54,10 @@ def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_p
                            "--available-now", "--max-changes-per-batch", "400")
     assert first.returncode == 0, first.stderr
 
-    stop, written = threading.Event(), [0, 0]
-    w = threading.Thread(target=writer, args=(dbs.source, stop, written))
-    w.start()
+    written = [0, 0]
     kills = ["startup", "read:2", "insert_run:2", "before_sink_commit:2", "after_sink_commit:2", "random"]
-    try:
+    with writing(writer, dbs.source, written):
         kill_runs(base, kills, tmp_path, random_after=(12, 20))
-    finally:
-        stop.set()
-        w.join()
 
     final = changefeed_cli(*base, "--available-now")
     assert final.returncode == 0, final.stderr[-3000:]

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, kill_runs
+from conftest import Dbs, changefeed_cli, kill_runs, writing
 
 from changefeed.core.lsn import parse_lsn
 from changefeed.local_kafka import LocalKafka, committed, read_partition
@@ -79,15 +79,10 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
                            "--outbox", "public.outbox", "--outbox-ttl", "2s", "--available-now")  # the snapshot, before any change races it
     assert first.returncode == 0, first.stderr[-3000:]
 
-    stop, written = threading.Event(), [0]
-    w = threading.Thread(target=writer, args=(dbs.source, stop, written))
-    w.start()
+    written = [0]
     kills = ["sink_write:1", "after_sink_commit:1", "before_sink_commit:1", "random"]
-    try:
+    with writing(writer, dbs.source, written):
         kill_runs(base, kills, tmp_path, random_after=(10, 16))
-    finally:
-        stop.set()
-        w.join()
     final = changefeed_cli(*base, "--available-now")
     assert final.returncode == 0, final.stderr[-3000:]
 

@@ -62,6 +62,14 @@ def cleanup(dbs: Dbs, tmp_path: Path, clock: Clock, ttl: float = TTL, **kw: Any)
                          clock=clock, mark_every_s=kw.pop("mark_every_s", 10.0), **kw)
 
 
+def marked(dbs: Dbs, tmp_path: Path, **kw: Any) -> tuple[Clock, OutboxCleanup]:
+    """A cleanup on a clock at T0 that has taken its first mark (and deleted nothing)."""
+    clock = Clock()
+    c = cleanup(dbs, tmp_path, clock, **kw)
+    c.tick(None)
+    return clock, c
+
+
 # -- check_outbox_table ---------------------------------------------------------------------
 
 def test_check_accepts_a_good_table(src: psycopg.Connection[Any]) -> None:
@@ -129,9 +137,7 @@ def test_cleanup_deletes_delivered_rows_in_batches(dbs: Dbs, src: psycopg.Connec
 
 def test_cleanup_batches_stop_after_a_short_one(dbs: Dbs, src: psycopg.Connection[Any], tmp_path: Path) -> None:
     insert(src, 20)
-    clock = Clock()
-    c = cleanup(dbs, tmp_path, clock, batch_rows=10)
-    c.tick(None)
+    clock, c = marked(dbs, tmp_path, batch_rows=10)
     clock.now = T0 + TTL
     assert c.tick(c.marks[0].lsn) == 20
     assert c.last_batches == 3  # 10, 10, then 0 (< 10) ends it
@@ -141,9 +147,7 @@ def test_cleanup_batches_stop_after_a_short_one(dbs: Dbs, src: psycopg.Connectio
 
 def test_cleanup_never_deletes_above_the_checkpoint(dbs: Dbs, src: psycopg.Connection[Any], tmp_path: Path) -> None:
     insert(src, 5)
-    clock = Clock()
-    c = cleanup(dbs, tmp_path, clock)
-    c.tick(None)
+    clock, c = marked(dbs, tmp_path)
     m = c.marks[0]
     clock.now = T0 + 10 * TTL
     assert c.tick(m.lsn - 1) == 0 and c.last_batches == 0
@@ -176,9 +180,7 @@ def test_cleanup_keeps_rows_of_a_transaction_open_at_the_mark(dbs: Dbs, src: psy
 
 def test_cleanup_waits_for_the_ttl(dbs: Dbs, src: psycopg.Connection[Any], tmp_path: Path) -> None:
     insert(src, 4)
-    clock = Clock()
-    c = cleanup(dbs, tmp_path, clock)
-    c.tick(None)
+    clock, c = marked(dbs, tmp_path)
     lsn = c.marks[0].lsn
     clock.now = T0 + TTL - 0.5
     assert c.tick(lsn) == 0
@@ -210,9 +212,7 @@ def test_ttl_zero_does_nothing(dbs: Dbs, src: psycopg.Connection[Any], tmp_path:
 
 def test_marks_survive_a_restart_and_a_torn_line(dbs: Dbs, src: psycopg.Connection[Any], tmp_path: Path) -> None:
     insert(src, 6)
-    clock = Clock()
-    first = cleanup(dbs, tmp_path, clock)
-    first.tick(None)
+    clock, first = marked(dbs, tmp_path)
     first.close()
     path = tmp_path / "state" / "marks.jsonl"
     [line] = path.read_text().splitlines()
@@ -255,9 +255,7 @@ def test_partitioned_outbox_deletes_only_old_rows(dbs: Dbs, tmp_path: Path) -> N
         conn.execute("CREATE TABLE outbox_new PARTITION OF outbox FOR VALUES IN ('new')")
         check_outbox_table(conn, OutboxSpec(TABLE))
         insert(conn, 3, "old")
-        clock = Clock()
-        c = cleanup(dbs, tmp_path, clock)
-        c.tick(None)
+        clock, c = marked(dbs, tmp_path)
         insert(conn, 1, "new")
         assert conn.execute("SELECT ctid::text FROM outbox_new").fetchone()[0] == "(0,1)"  # type: ignore[index]
         clock.now = T0 + TTL
@@ -267,9 +265,7 @@ def test_partitioned_outbox_deletes_only_old_rows(dbs: Dbs, tmp_path: Path) -> N
 
 
 def test_postgres_errors_are_typed(dbs: Dbs, src: psycopg.Connection[Any], tmp_path: Path) -> None:
-    clock = Clock()
-    c = cleanup(dbs, tmp_path, clock)
-    c.tick(None)
+    clock, c = marked(dbs, tmp_path)
     src.execute("DROP TABLE outbox")
     clock.now = T0 + TTL
     with pytest.raises(SourceNotReady, match="outbox"):

@@ -55,10 +55,6 @@ def _stream(dbs: Dbs, rows_per_batch: int = 500) -> tuple[list[Any], list[src.So
     return batches, tables
 
 
-def _apply(dbs: Dbs, batches: list[Any], batch_id: int) -> replica.Applied:
-    return _applied(dbs, batches, batch_id)[0]
-
-
 def _applied(dbs: Dbs, batches: list[Any], batch_id: int) -> tuple[replica.Applied, int]:
     """(what the batch did, how many rows it COPYed straight into their target)."""
     with psycopg.connect(dbs.sink, autocommit=True) as conn:
