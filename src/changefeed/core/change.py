@@ -59,6 +59,22 @@ def pack(batch: Any) -> Any:
     return pa.RecordBatch.from_arrays([pa.array([batch.num_rows], pa.int32()), changes], names=["rows", "changes"])
 
 
+def push_through(size: int) -> list[Any]:
+    """Two packed rows with no changes (`rows` 0, `size` zero bytes each), which `unpack` skips.
+
+    A Python data source's worker writes its output through a buffer of `spark.buffer.size` bytes
+    that it does not flush between batches, and the JVM hands a batch on only once it has read
+    the next one whole. So a chunk would reach the sink only after the next chunk or two were
+    decoded. Yielded right after a chunk, these rows (each bigger than that buffer) push it, and
+    the first of them, out at once: the second's write flushes what the first left in the buffer.
+    """
+    import pyarrow as pa
+
+    row = pa.RecordBatch.from_arrays([pa.array([0], pa.int32()), pa.array([bytes(size)], pa.binary())],
+                                     names=["rows", "changes"])
+    return [row, row]
+
+
 def record_batch(columns: dict[str, list[Any]]) -> Any:
     """A record batch of change rows from one equally long list per field."""
     import pyarrow as pa
@@ -79,9 +95,10 @@ def unpack(packed: Any) -> Iterator[Any]:
     """The record batches of changes inside a record batch of packed rows (zero-copy)."""
     import pyarrow as pa
 
-    changes = packed.column("changes")
+    changes, rows = packed.column("changes"), packed.column("rows").to_pylist()
     for i in range(len(changes)):
-        yield from pa.ipc.open_stream(changes[i].as_buffer())
+        if rows[i]:
+            yield from pa.ipc.open_stream(changes[i].as_buffer())
 
 
 @dataclass(frozen=True)

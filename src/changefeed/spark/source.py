@@ -9,6 +9,7 @@ The driver only plans offsets and advances the slot in `commit`; executors decod
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -187,6 +188,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
             for rb in builder.batches(blocks, partition.rows_per_batch):
                 yield ch.pack(rb)
+                yield from _push_through()
                 faults.reach("read")
         finally:
             conn.close()
@@ -205,6 +207,12 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             self._conn.close()
 
 
+def _push_through() -> list[Any]:
+    """What to yield right after a chunk so that the sink gets it at once (see ch.push_through):
+    rows bigger than the worker's output buffer (`spark.buffer.size`, passed as SPARK_BUFFER_SIZE)."""
+    return ch.push_through(int(os.environ.get("SPARK_BUFFER_SIZE") or 65536) + 1)
+
+
 def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
     chunk = snapshot.Chunk.from_json(part.chunk)
@@ -213,6 +221,7 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
         for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start["lsn"], part.end["ts"],
                                      found, part.rows_per_batch):
             yield ch.pack(rb)
+            yield from _push_through()
     task = TaskContext.get()
     done = ch.Progress(part.end["lsn"], part.end["ts"], None, found.rows,
                        {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
