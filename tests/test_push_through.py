@@ -1,8 +1,8 @@
 """A chunk read on an executor reaches the sink before the next one is read (real Spark session).
 
-Without the push-through row the Python worker keeps the end of each chunk in its output
-buffer until it writes the next chunk, so the sink's apply would always trail the reader by one
-chunk (see change.push_through).
+Without the push-through rows the end of each chunk stays in the Python worker's output buffer
+until the next chunk is written, so the sink's apply would trail the reader by a chunk or two
+(see change.push_through).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ WAIT_S = 8.0
 
 
 def _chunk(n: int) -> Any:
-    """A packed chunk of `n` rows, about 100 KB (bigger than Spark's output buffer)."""
+    """A packed chunk of 1,000 rows tagged `n`, about 100 KB (bigger than Spark's output buffer)."""
     return ch.pack(pa.RecordBatch.from_pydict({"n": [n] * 1000, "pad": [b"x" * 100] * 1000}))
 
 
