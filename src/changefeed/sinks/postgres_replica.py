@@ -322,7 +322,7 @@ class BatchApplier:
         self.conn.execute("SAVEPOINT changefeed_insert_run")
         try:
             _copy_lines(self.conn, part.insert_sql,
-                        pc.binary_join_element_wise(_large(rows.column("after")), _EMPTY, _NL))
+                        _terminated(_large(rows.column("after"))))
         except psycopg.errors.UniqueViolation:
             self.conn.execute("ROLLBACK TO SAVEPOINT changefeed_insert_run")
             self._no_insert_runs.add(part.shape)
@@ -357,7 +357,7 @@ class BatchApplier:
             _text(rows.column("lsn")), _text(rows.column("seq")), _text(rows.column("op")),
             _text(pc.fill_null(rows.column("unchanged"), NULL.decode())),
             pc.coalesce(_large(rows.column("after")), _large(rows.column("before")), part.nulls),
-            pc.binary_join_element_wise(pc.coalesce(_large(rows.column("old_key")), part.key_nulls), _EMPTY, _NL),
+            _terminated(pc.coalesce(_large(rows.column("old_key")), part.key_nulls)),
             _TAB)
         _copy_lines(self.conn, part.copy_sql, lines)
 
@@ -404,6 +404,11 @@ _TAB, _NL, _EMPTY = (pa.scalar(b, pa.large_binary()) for b in (b"\t", b"\n", b""
 
 def _large(col: Any) -> Any:
     return col.cast(pa.large_binary())
+
+
+def _terminated(col: Any) -> Any:
+    """Each value of a large_binary column with a newline after it: complete COPY lines."""
+    return pc.binary_join_element_wise(col, _EMPTY, _NL)
 
 
 def _text(col: Any) -> Any:

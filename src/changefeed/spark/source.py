@@ -9,6 +9,7 @@ The driver only plans offsets and advances the slot in `commit`; executors decod
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -207,9 +208,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             self._conn.close()
 
 
+@functools.cache
 def _push_through() -> list[Any]:
     """What to yield right after a chunk so that the sink gets it at once (see ch.push_through):
-    rows bigger than the worker's output buffer (`spark.buffer.size`, passed as SPARK_BUFFER_SIZE)."""
+    rows bigger than the worker's output buffer (`spark.buffer.size`, passed as SPARK_BUFFER_SIZE).
+    Built once per worker process: every chunk yields the same rows."""
     return ch.push_through(int(os.environ.get("SPARK_BUFFER_SIZE") or 65536) + 1)
 
 
