@@ -55,6 +55,17 @@ def _stream(dbs: Dbs, rows_per_batch: int = 500) -> tuple[list[Any], list[src.So
     return batches, tables
 
 
+def _prepare_sink(dbs: Dbs, tables: list[src.SourceTable]) -> None:
+    with dbs.dst() as d:
+        replica.ensure_meta(d)
+        replica.ensure_tables(d, tables)
+
+
+def _assert_replica_equals_source(dbs: Dbs) -> None:
+    for table in ("t", "gone"):
+        assert fingerprint(dbs.sink, table) == fingerprint(dbs.source, table), table
+
+
 def _applied(dbs: Dbs, batches: list[Any], batch_id: int) -> tuple[replica.Applied, int]:
     """(what the batch did, how many rows it COPYed straight into their target)."""
     with psycopg.connect(dbs.sink, autocommit=True) as conn:
@@ -78,15 +89,12 @@ def test_chunked_apply_equals_source_and_a_replay_changes_nothing(dbs: Dbs, run_
     monkeypatch.setattr(replica, "INSERT_RUN_ROWS", run_rows)
     batches, tables = _stream(dbs, chunk_rows)
     assert len(batches) > 5 if chunk_rows == 500 else len(batches) == 1
-    with dbs.dst() as d:
-        replica.ensure_meta(d)
-        replica.ensure_tables(d, tables)
+    _prepare_sink(dbs, tables)
     first, direct = _applied(dbs, batches, 0)
     assert (direct > _inserts(batches) // 2) if run_rows == 40 else direct == 0
     assert first.applied and first.changes == sum(
         1 for rb in batches for op in rb.column("op").to_pylist() if op in ch.DATA_OPS)
-    for table in ("t", "gone"):
-        assert fingerprint(dbs.sink, table) == fingerprint(dbs.source, table)
+    _assert_replica_equals_source(dbs)
     with dbs.dst() as d:
         assert d.execute("SELECT big = %s FROM t WHERE id = 7", (BIG,)).fetchone() == (True,)
         before = d.execute("SELECT xmin::text::bigint FROM t ORDER BY id").fetchall()
@@ -99,9 +107,7 @@ def test_chunked_apply_equals_source_and_a_replay_changes_nothing(dbs: Dbs, run_
 
 def test_batch_without_progress_row_commits_nothing(dbs: Dbs) -> None:
     batches, tables = _stream(dbs)
-    with dbs.dst() as d:
-        replica.ensure_meta(d)
-        replica.ensure_tables(d, tables)
+    _prepare_sink(dbs, tables)
     *data, last = batches
     without_p = last.filter(pa.compute.not_equal(last.column("op"), ch.PROGRESS))
     with psycopg.connect(dbs.sink, autocommit=True) as conn:
@@ -123,14 +129,12 @@ def test_insert_run_that_meets_a_row_of_the_replica_falls_back_to_the_merge(
     as the merge does, and nothing of the failed COPY stays: each key once, the source's values."""
     monkeypatch.setattr(replica, "INSERT_RUN_ROWS", 40)
     batches, tables = _stream(dbs)
+    _prepare_sink(dbs, tables)
     with dbs.dst() as d:
-        replica.ensure_meta(d)
-        replica.ensure_tables(d, tables)
         d.execute("INSERT INTO t VALUES (1, 'held by the replica', NULL)")
     _, direct = _applied(dbs, batches, 0)
     assert 0 < direct < _inserts(batches)  # `gone` still went straight in; `t` did not after the conflict
-    for table in ("t", "gone"):
-        assert fingerprint(dbs.sink, table) == fingerprint(dbs.source, table)
+    _assert_replica_equals_source(dbs)
 
 
 def test_insert_runs_per_batch_are_capped(dbs: Dbs, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,10 +142,7 @@ def test_insert_runs_per_batch_are_capped(dbs: Dbs, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(replica, "INSERT_RUN_ROWS", 40)
     monkeypatch.setattr(replica, "INSERT_RUNS_PER_BATCH", 1)
     batches, tables = _stream(dbs)
-    with dbs.dst() as d:
-        replica.ensure_meta(d)
-        replica.ensure_tables(d, tables)
+    _prepare_sink(dbs, tables)
     _, direct = _applied(dbs, batches, 0)
     assert 40 <= direct <= max(rb.num_rows for rb in batches)  # one run, within one chunk
-    for table in ("t", "gone"):
-        assert fingerprint(dbs.sink, table) == fingerprint(dbs.source, table)
+    _assert_replica_equals_source(dbs)
