@@ -56,6 +56,10 @@ class SlotLost(DefiniteError):
     """The replication slot is missing or invalidated while a checkpoint depends on it."""
 
 
+class IncompleteBatch(TransientError):
+    """A sink's input lacks some of the batch's partitions: its task was cut short."""
+
+
 class SinkError(DefiniteError):
     """The sink refused the data in a way that retrying will not fix."""
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from changefeed.config import FeedSpec
-from changefeed.core.change import BatchProgress, Progress
+from changefeed.core.change import BatchProgress
 from changefeed.errors import ConfigError
 from changefeed.sinks.ledger import FileLedger
 from changefeed.sinks.registry import REPLICA, WEBHOOK, sink_kind
@@ -41,14 +41,6 @@ def test_replayed_batches_count_once_and_a_torn_line_is_ignored(tmp_path: Path) 
     ledger.record(2, batch(300, 30, 1), 6.0, 7.0)  # the torn batch, replayed
     assert ledger.checkpoint_lsn() == 300 and ledger.totals() == (3, 206)
     assert ledger.forget() is True and ledger.checkpoint_lsn() is None
-
-
-def test_batch_progress_merges_a_batch_s_partitions() -> None:
-    window = Progress(300, 30, 7, 10)
-    chunk = Progress(300, 30, None, 50, {"no": 3, "table": "public.t", "rows": 50, "read_lsn": 1})
-    merged = BatchProgress.of([chunk, window])
-    assert (merged.end_lsn, merged.resolved_ts, merged.last_commit_time, merged.changes) == (300, 30, 7, 60)
-    assert merged.chunks == (chunk.chunk,)
 
 
 @pytest.mark.parametrize("uri, kind", [("postgresql://u@h/db", REPLICA), ("postgres://h/db", REPLICA),

@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from changefeed.core import change as ch
 from changefeed.core.copytext import join_line
 from changefeed.core.envelope import formatter
 from changefeed.core.outbox import OutboxEvent, OutboxSpec
+from changefeed.errors import IncompleteBatch
 from changefeed.sinks.messages import MessageStream, outbox_spec
 
 ORDERS = ch.TableShape("app", "orders", ("id", "total"), ("integer", "numeric"), ("id",), "d")
@@ -15,8 +18,9 @@ OUTBOX = ch.TableShape("app", "outbox", ("id", "aggregate_type", "aggregate_id",
                        ("text", "text", "text", "text", "jsonb"), ("id",), "d")
 
 
-def rows(*items: tuple[str, ch.TableShape, list[str | None] | None]) -> Any:
-    """R rows for both tables, then one data row per (op, shape, values), then the batch's P row."""
+def rows(*items: tuple[str, ch.TableShape, list[str | None] | None], parts: int = 1) -> Any:
+    """R rows for both tables, then one data row per (op, shape, values), then the P row of the
+    batch's first of `parts` partitions."""
     out: list[dict[str, Any]] = []
     for shape in (ORDERS, OUTBOX):
         out.append({"op": ch.RELATION, "schema": shape.schema, "table": shape.table, "meta": shape.to_meta()})
@@ -25,7 +29,7 @@ def rows(*items: tuple[str, ch.TableShape, list[str | None] | None]) -> Any:
         out.append({"op": op, "schema": shape.schema, "table": shape.table, "lsn": 100 + i, "seq": i, "xid": 7,
                     "commit_time": 1_700_000_000_000_000, "commit_ts": 5 << 16,
                     "after": line if op in "cur" else None, "before": line if op == "d" else None})
-    progress = ch.Progress(200, 6 << 16, 1_700_000_000_000_000, len(items))
+    progress = ch.Progress(200, 6 << 16, 1_700_000_000_000_000, len(items), parts=parts)
     out.append({"op": ch.PROGRESS, "lsn": 200, "meta": progress.to_meta()})
     return ch.record_batch({n: [r.get(n) for r in out] for n in ch.NAMES})
 
@@ -46,6 +50,13 @@ def test_outbox_rows_become_events_and_other_tables_stay_envelopes() -> None:
     assert event.key == b"42" and event.value == b'{"total": 9.90}' and dict(event.headers)["id"] == b"e1"
     assert read.key == b"7" and dict(read.headers)["event_type"] == b"Seen"
     assert stream.progress().end_lsn == 200
+
+
+def test_a_batch_missing_a_partition_has_no_progress() -> None:
+    stream = MessageStream(formatter("json", "f"), lambda s, t: f"{s}.{t}")
+    assert len(list(stream.messages(rows(("c", ORDERS, ["42", "9.90"]), parts=2)))) == 1
+    with pytest.raises(IncompleteBatch):
+        stream.progress()  # so the Kafka sink aborts its transaction and the webhook sink sends no resolved
 
 
 def test_webhook_events_are_json_objects() -> None:

@@ -6,6 +6,7 @@ sink hands them over.
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import Any
 
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from changefeed.core import change as ch
-from changefeed.errors import SinkError
+from changefeed.errors import IncompleteBatch
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.sinks import postgres_replica as replica
@@ -115,9 +116,31 @@ def test_batch_without_progress_row_commits_nothing(dbs: Dbs) -> None:
         applier.begin()
         for rb in [*data, without_p]:
             applier.add(rb)
-        with pytest.raises(SinkError, match="no progress row"):
+        with pytest.raises(IncompleteBatch, match="no progress row"):
             applier.commit()
-        applier.rollback()
+
+
+def test_batch_missing_a_partition_commits_nothing(dbs: Dbs) -> None:
+    """The window's P row says the batch has two partitions (say a snapshot chunk too), and the
+    input ends without the other one's: the applier rolls back what it applied."""
+    batches, tables = _stream(dbs)
+    _prepare_sink(dbs, tables)
+    *data, last = batches
+    ops = last.column("op").to_pylist()
+    meta = last.column("meta").to_pylist()
+    at = ops.index(ch.PROGRESS)
+    meta[at] = dataclasses.replace(ch.Progress.from_meta(meta[at]), parts=2).to_meta()
+    last = last.set_column(last.schema.get_field_index("meta"), "meta", pa.array(meta, pa.string()))
+    with psycopg.connect(dbs.sink, autocommit=True) as conn:
+        applier = replica.BatchApplier(conn, dbs.name, 0)
+        applier.begin()
+        for rb in [*data, last]:
+            applier.add(rb)
+        with pytest.raises(IncompleteBatch, match=r"partitions \[0\] of its 2"):
+            applier.commit()
+    with dbs.dst() as d:
+        assert d.execute("SELECT count(*) FROM t").fetchone() == (0,)
+        assert d.execute("SELECT count(*) FROM changefeed.progress WHERE feed = %s", (dbs.name,)).fetchone() == (0,)
     with dbs.dst() as d:
         assert d.execute("SELECT count(*) FROM t").fetchone() == (0,)
         assert d.execute("SELECT count(*) FROM changefeed.progress").fetchone() == (0,)

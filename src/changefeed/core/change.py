@@ -7,7 +7,8 @@ cost more CPU than decoding). `pack` and `unpack` convert. Data rows have op c (
 d (delete), t (truncate), r (snapshot read) or m (logical decoding message). Two control rows
 keep the stream self-describing for sinks: `R` describes a table's columns (meta = JSON) before
 that table's first change in a partition, and `P` closes each partition with its progress
-(meta = JSON with end LSN, resolved ts and last commit time).
+(meta = JSON with end LSN, resolved ts, last commit time, and which of the batch's partitions it
+closes: a sink commits a batch only with a `P` row from every one, see `BatchProgress.of`).
 
 `lsn` is the start LSN of the transaction's commit record (its final LSN): unique per transaction,
 increasing in commit order, and what decides the batch window it belongs to. A non-transactional
@@ -24,6 +25,8 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from ..errors import IncompleteBatch
 
 FIELDS: tuple[tuple[str, str], ...] = (
     ("op", "string"), ("schema", "string"), ("table", "string"), ("lsn", "bigint"), ("seq", "int"),
@@ -132,13 +135,15 @@ class TableShape:
 class Progress:
     """What a `P` row says: this partition delivered every commit up to `end_lsn`, or (with
     `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn", "task"} (the
-    Spark task attempt that read it)."""
+    Spark task attempt that read it). It is partition `part` of the batch's `parts`."""
 
     end_lsn: int
     resolved_ts: int
     last_commit_time: int | None  # Unix µs of the last delivered commit, None if none
     changes: int
     chunk: dict[str, Any] | None = None
+    part: int = 0
+    parts: int = 1
 
     def to_meta(self) -> str:
         return json.dumps(self.__dict__)
@@ -161,6 +166,17 @@ class BatchProgress:
 
     @classmethod
     def of(cls, parts: "list[Progress]") -> "BatchProgress":
+        """The batch's progress from its partitions' `P` rows; `IncompleteBatch` unless there is
+        exactly one from each partition. A cancelled Spark task can end the writer's input
+        cleanly between two partitions (the JVM closes it at a message boundary), so a sink
+        must not take the end of its input for the end of the batch."""
+        n = max((p.parts for p in parts), default=0)
+        got = sorted(p.part for p in parts)
+        if not parts or got != list(range(n)) or any(p.parts != n for p in parts):
+            closed = f"the progress rows of partitions {got} of its {n}" if parts else "no progress row"
+            raise IncompleteBatch(f"the batch's input ended with {closed}: it was cut short (its Spark task was "
+                                  "cancelled or killed), so nothing of it is committed",
+                                  "none: the batch is read again when the query runs next; if this repeats, report it")
         times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
         return cls(max(p.end_lsn for p in parts), max(p.resolved_ts for p in parts), max(times) if times else None,
                    sum(p.changes for p in parts), tuple(p.chunk for p in parts if p.chunk))

@@ -169,12 +169,14 @@ class ChangeBuilder:
     rows at once (see `feed_block`), columns that are mostly NULL (old_key, unchanged, meta) are
     kept sparse, and the per-transaction columns (lsn, seq, xid, times) are recorded once per
     transaction and expanded when taken. An open transaction's rows start at `_mark`; dropping
-    it truncates the rows back to there.
+    it truncates the rows back to there. The window is input partition `part` of its batch's
+    `parts` (named in its `P` row).
     """
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
-                 catalog: Catalog = offline_catalog) -> None:
+                 catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1) -> None:
         self.start_lsn, self.end_lsn, self.end_ts = start_lsn, end_lsn, end_ts
+        self.part, self.parts = part, parts
         self.last_ts = start_ts
         self.catalog = catalog
         self.relations: dict[int, po.Relation] = {}
@@ -444,7 +446,8 @@ class ChangeBuilder:
         """Close the window: drop an unfinished transaction, append the `P` progress row, take all."""
         self._drop_open()
         self._begin = None
-        progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes)
+        progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes,
+                               part=self.part, parts=self.parts)
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
         self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts))

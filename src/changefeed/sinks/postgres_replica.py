@@ -27,7 +27,7 @@ from ..core import change as ch
 from ..core.copytext import NULL
 from ..core.lsn import format_lsn
 from .. import faults
-from ..errors import SinkError
+from ..errors import ChangefeedError, SinkError
 from .ledger import RATE_WINDOW_S, LastBatch
 
 META_SCHEMA = "changefeed"
@@ -254,10 +254,11 @@ class BatchApplier:
 
     def commit(self) -> Applied:
         """Record progress and commit; a batch the replica already covers commits nothing new."""
-        if not self._progress:
-            raise SinkError(f"batch {self.batch_id} carries no progress row",
-                            "this is a bug in the change stream; report it")
-        p = ch.BatchProgress.of(self._progress)
+        try:
+            p = ch.BatchProgress.of(self._progress)
+        except ChangefeedError:
+            self.rollback()
+            raise
         applied = p.end_lsn > self.done
         if applied:
             self.conn.execute(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pyspark import TaskContext
@@ -36,21 +36,31 @@ except ImportError:  # pragma: no cover
     SupportsTriggerAvailableNow = object  # type: ignore[misc,assignment]
 
 
-class WindowPartition(InputPartition):
+class BatchPartition(InputPartition):
+    """Input partition `part` of a batch's `parts`, labelled with the batch's WAL window [start, end);
+    its `P` row names both, so that a sink can tell a whole batch from one cut short."""
+
+    def __init__(self, uri: str, start: dict[str, int], end: dict[str, int], rows_per_batch: int) -> None:
+        self.uri, self.start, self.end, self.rows_per_batch = uri, start, end, rows_per_batch
+        self.part, self.parts = 0, 1
+
+
+class WindowPartition(BatchPartition):
     """One node's share of a batch: what starts in WAL [start, end)."""
 
     def __init__(self, uri: str, slot: str, publication: str, start: dict[str, int], end: dict[str, int],
                  rows_per_batch: int) -> None:
-        self.uri, self.slot, self.publication = uri, slot, publication
-        self.start, self.end, self.rows_per_batch = start, end, rows_per_batch
+        super().__init__(uri, start, end, rows_per_batch)
+        self.slot, self.publication = slot, publication
 
 
-class ChunkPartition(InputPartition):
-    """One snapshot chunk of a batch: existing rows of one key range, labelled with the window."""
+class ChunkPartition(BatchPartition):
+    """One snapshot chunk of a batch: existing rows of one key range."""
 
     def __init__(self, uri: str, chunk: list[Any], start: dict[str, int], end: dict[str, int],
                  rows_per_batch: int) -> None:
-        self.uri, self.chunk, self.start, self.end, self.rows_per_batch = uri, chunk, start, end, rows_per_batch
+        super().__init__(uri, start, end, rows_per_batch)
+        self.chunk = chunk
 
 
 class ChangefeedSource(DataSource):
@@ -165,11 +175,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             out["chunks"] = [c.to_json() for c in chunks]
         return out
 
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[InputPartition]:
-        parts: list[InputPartition] = []
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        parts: list[BatchPartition] = []
         if end["lsn"] > start["lsn"]:
             parts.append(WindowPartition(self.uri, self.slot, self.publication, start, end, self.rows_per_batch))
         parts += [ChunkPartition(self.uri, c, start, end, self.rows_per_batch) for c in end.get("chunks", ())]
+        for i, part in enumerate(parts):
+            part.part, part.parts = i, len(parts)
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[Any]:  # type: ignore[override]
@@ -185,7 +197,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             src.advance(conn, partition.slot, partition.start["lsn"])
             conn.commit()
             builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
-                                    partition.end["ts"], lambda rel: src.column_catalog(conn, rel))
+                                    partition.end["ts"], lambda rel: src.column_catalog(conn, rel),
+                                    part=partition.part, parts=partition.parts)
             blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
             for rb in builder.batches(blocks, partition.rows_per_batch):
                 yield ch.pack(rb)
@@ -228,6 +241,6 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     task = TaskContext.get()
     done = ch.Progress(part.end["lsn"], part.end["ts"], None, found.rows,
                        {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
-                        "task": task.taskAttemptId() if task else None})
+                        "task": task.taskAttemptId() if task else None}, part.part, part.parts)
     yield ch.pack(ch.progress_batch(done))
     faults.reach("snapshot_chunk")
