@@ -10,6 +10,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ..config import FeedSpec, FeedState
 from ..sinks.registry import KAFKA, ledger_path, sink_kind
+from .spark_home import use_linked_home
 
 
 def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
@@ -17,6 +18,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    use_linked_home()
     from pyspark.sql import SparkSession
 
     from .kafka_sink import KafkaSink
