@@ -1,4 +1,5 @@
-"""A batch whose writer task is cancelled mid-input commits nothing (real Spark session, real replica).
+"""A batch whose writer task is cancelled mid-input commits nothing (real Spark session, real replica
+and Kafka-protocol broker).
 
 When a streaming query stops while its writer task reads, Spark can close the Python writer's input
 cleanly between two input partitions, so the writer sees a normal end of input. The sink must see
@@ -101,37 +102,86 @@ def _register(spark: Any) -> None:
     spark.dataSource.register(TwoPartitionProbe)  # type: ignore[attr-defined]
 
 
-def _start(spark: Any, dbs: Dbs, tmp: Path, chunks: int) -> Any:
+class ReplicaTarget:
+    """The batch goes to a PostgreSQL replica (spark.sink)."""
+
+    def __init__(self, dbs: Dbs, tmp: Path, kafka: Any = None) -> None:
+        self.dbs = dbs
+        with dbs.dst() as d:
+            replica.ensure_meta(d)
+            d.execute("CREATE TABLE cut (id integer PRIMARY KEY, v text)")
+
+    def writer(self, stream: Any) -> Any:
+        return stream.format("changefeed-postgres").option("uri", self.dbs.sink).option("feed", self.dbs.name)
+
+    def wait_for_writer(self) -> None:
+        """Until no sink writer is connected: a cancelled task's writer may still be finishing."""
+        deadline = time.monotonic() + 60
+        with psycopg.connect(self.dbs.sink, autocommit=True) as d:
+            while d.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'changefeed' "
+                            "AND datname = current_database()").fetchone() != (0,):
+                assert time.monotonic() < deadline, "the sink's writer task never ended"
+                time.sleep(0.2)
+
+    def committed(self) -> tuple[list[tuple[int, int]], int]:
+        """(batch id, changes) of each committed batch, and the rows the target holds."""
+        with self.dbs.dst() as d:
+            progress = d.execute("SELECT batch_id, changes FROM changefeed.progress WHERE feed = %s",
+                                 (self.dbs.name,)).fetchall()
+            return progress, d.execute("SELECT count(*) FROM cut").fetchone()[0]  # type: ignore[index]
+
+
+class KafkaTarget:
+    """The batch goes to Kafka in one transaction (spark.kafka_sink)."""
+
+    def __init__(self, dbs: Dbs, tmp: Path, kafka: Any) -> None:
+        from changefeed.sinks.kafka import KafkaOptions
+
+        self.kafka, self.feed, self.ledger = kafka, dbs.name, tmp / "ledger"
+        self.uri = (f"kafka://{kafka.bootstrap}?topic_prefix={dbs.name}&progress_topic={dbs.name}_progress"
+                    "&timeout=10s&topic_partitions=1")
+        self.opts = KafkaOptions.parse(self.uri)
+        self.topic = self.opts.topic("public", "cut")
+
+    def writer(self, stream: Any) -> Any:
+        return (stream.format("changefeed-kafka").option("uri", self.uri).option("feed", self.feed)
+                .option("format", "json").option("diff", "false").option("database", "src")
+                .option("ledger", str(self.ledger)).option("outbox", "").option("topics", self.topic))
+
+    def wait_for_writer(self) -> None:
+        """Until the cancelled writer has ended its transaction (its messages are no longer open)."""
+        from changefeed.local_kafka import read_partition
+
+        deadline = time.monotonic() + 60
+        while not (records := read_partition(self.kafka.bootstrap, self.topic)) or any(
+                r.outcome == "open" for r in records):
+            assert time.monotonic() < deadline, "the sink's writer task never ended its transaction"
+            time.sleep(0.5)
+
+    def committed(self) -> tuple[list[tuple[int, int]], int]:
+        from changefeed.local_kafka import committed, read_partition
+        from changefeed.sinks.kafka_batch import committed_progress
+
+        done = committed_progress(self.opts, self.feed)
+        batches = [(done.batch, done.progress.changes)] if done else []
+        return batches, len(committed(read_partition(self.kafka.bootstrap, self.topic)))
+
+
+def _start(spark: Any, target: Any, tmp: Path, chunks: int) -> Any:
     tmp.mkdir()
-    return (spark.readStream.format("changefeed-two-partition-probe").option("dir", str(tmp))
-            .option("chunks", str(chunks)).load().coalesce(1)
-            .writeStream.format("changefeed-postgres").option("uri", dbs.sink).option("feed", dbs.name)
-            .option("checkpointLocation", str(tmp / "checkpoint")).start())
+    stream = (spark.readStream.format("changefeed-two-partition-probe").option("dir", str(tmp))
+              .option("chunks", str(chunks)).load().coalesce(1).writeStream)
+    return target.writer(stream).option("checkpointLocation", str(tmp / "checkpoint")).start()
 
 
-def _writers_gone(dbs: Dbs) -> None:
-    """Wait until no sink writer is connected: a cancelled task's writer may still be finishing."""
-    deadline = time.monotonic() + 60
-    with psycopg.connect(dbs.sink, autocommit=True) as d:
-        while d.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'changefeed' "
-                        "AND datname = current_database()").fetchone() != (0,):
-            assert time.monotonic() < deadline, "the sink's writer task never ended"
-            time.sleep(0.2)
-
-
-def _sink_state(dbs: Dbs) -> tuple[list[Any], int]:
-    with dbs.dst() as d:
-        progress = d.execute("SELECT batch_id, changes FROM changefeed.progress WHERE feed = %s",
-                             (dbs.name,)).fetchall()
-        return progress, d.execute("SELECT count(*) FROM cut").fetchone()[0]  # type: ignore[index]
-
-
-def test_stopped_mid_batch_commits_nothing_and_a_whole_batch_commits(spark: Any, dbs: Dbs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sink", ["replica", "kafka"])
+def test_stopped_mid_batch_commits_nothing_and_a_whole_batch_commits(spark: Any, dbs: Dbs, tmp_path: Path,
+                                                                      request: pytest.FixtureRequest,
+                                                                      sink: str) -> None:
     _register(spark)
-    with dbs.dst() as d:
-        replica.ensure_meta(d)
-        d.execute("CREATE TABLE cut (id integer PRIMARY KEY, v text)")
-    query = _start(spark, dbs, tmp_path / "stopped", chunks=0)
+    target = (ReplicaTarget(dbs, tmp_path) if sink == "replica"
+              else KafkaTarget(dbs, tmp_path, request.getfixturevalue("kafka")))
+    query = _start(spark, target, tmp_path / "stopped", chunks=0)
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "stopped" / "streaming").exists():
@@ -140,12 +190,12 @@ def test_stopped_mid_batch_commits_nothing_and_a_whole_batch_commits(spark: Any,
         time.sleep(1)  # the writer task holds the first partition's P row and some of the second's rows
     finally:
         query.stop()
-    _writers_gone(dbs)
-    assert _sink_state(dbs) == ([], 0), "a batch cut short by a stopped query was committed"
+    target.wait_for_writer()
+    assert target.committed() == ([], 0), "a batch cut short by a stopped query was committed"
     # The same probe, with the second partition whole: the sink commits the batch.
-    query = _start(spark, dbs, tmp_path / "whole", chunks=3)
+    query = _start(spark, target, tmp_path / "whole", chunks=3)
     try:
         query.processAllAvailable()
     finally:
         query.stop()
-    assert _sink_state(dbs) == ([(0, 1 + 3 * CHUNK_ROWS)], 1 + 3 * CHUNK_ROWS)
+    assert target.committed() == ([(0, 1 + 3 * CHUNK_ROWS)], 1 + 3 * CHUNK_ROWS)
