@@ -9,6 +9,7 @@ $(BIN)/changefeed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/python -m changefeed.spark.jvm_archive || echo "(no JVM class archive: feeds start a few seconds slower)"
 	touch $@
 
 install: $(BIN)/changefeed

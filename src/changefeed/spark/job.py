@@ -10,15 +10,19 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ..config import FeedSpec, FeedState
 from ..sinks.registry import KAFKA, ledger_path, sink_kind
+from . import jvm_archive
 from .spark_home import use_linked_home
 
 
-def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
-    """One SparkSession per process, with our data sources registered."""
+def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None) -> Any:
+    """One SparkSession per process, with our data sources registered. The driver JVM gets
+    `java_options`, by default the class archive's when there is one (see jvm_archive)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     use_linked_home()
+    if java_options is None:
+        java_options = jvm_archive.java_options()
     from pyspark.sql import SparkSession
 
     from .kafka_sink import KafkaSink
@@ -27,7 +31,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed") -> Any:
     from .webhook_sink import WebhookSink
 
     spark = (SparkSession.builder.master(master).appName(app)
-             .config("spark.driver.extraJavaOptions", "-Xss64m")
+             .config("spark.driver.extraJavaOptions", f"-Xss64m {java_options}".strip())
              .config("spark.driver.memory", os.environ.get("CHANGEFEED_DRIVER_MEMORY", "4g"))
              .config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false")

@@ -50,6 +50,7 @@ def linked_home(package: Path, cache: Path, version: str) -> Path:
         return home
     cache.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=".spark-home-", dir=cache))
+    building.chmod(0o755)
     try:
         _link_all_but_zip(package, building, ZIP.parts)
         try:
