@@ -21,13 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from .spark_home import default_cache
+from .spark_home import default_cache, use_linked_home
 
 
 def archive_path(cache: Path | None = None) -> Path | None:
     """Where the archive for this JVM, pyspark and Spark home lives; None without a java."""
-    java = shutil.which("java", path=os.path.join(os.environ["JAVA_HOME"], "bin")) if os.environ.get(
-        "JAVA_HOME") else shutil.which("java")
+    java_home = os.environ.get("JAVA_HOME")  # the java that Spark's launcher runs
+    java = shutil.which("java", path=os.path.join(java_home, "bin") if java_home else None)
     if java is None:
         return None
     import pyspark
@@ -47,8 +47,6 @@ def java_options(cache: Path | None = None) -> str:
 
 def build(cache: Path | None = None) -> Path | None:
     """Build the archive (about a minute) unless it is there; the archive, or None if this JVM cannot."""
-    from .spark_home import use_linked_home
-
     use_linked_home()  # the archive records the class path: build it with the one feeds use
     path = archive_path(cache)
     if path is None or path.is_file():
