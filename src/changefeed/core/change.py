@@ -40,6 +40,8 @@ PACKED_DDL = "`rows` int, `changes` binary"
 DATA_OPS = frozenset("cudtrm")
 RELATION = "R"
 PROGRESS = "P"
+# A logical message with this prefix ends a batch window: the source emits it, the decoder knows it.
+HEARTBEAT_PREFIX = "changefeed.heartbeat"
 
 
 def arrow_schema() -> Any:

@@ -28,24 +28,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..core import change as ch
+from ..core.change import HEARTBEAT_PREFIX
 from ..core.hlc import next_commit_ts
 from . import pgoutput as po
 from . import tuple_block as tb
-
-
-@dataclass(frozen=True)
-class RelationInfo:
-    """What pgoutput does not say about a relation: SQL type names, the primary key (pgoutput
-    flags every column as key under REPLICA IDENTITY FULL), and the value rows that predate a
-    column read as (None where there is none)."""
-
-    types: tuple[str, ...]
-    key: tuple[int, ...]
-    missing: tuple[str | None, ...]
+from .pgoutput import RelationInfo
 
 
 Catalog = Callable[[po.Relation], RelationInfo]
-HEARTBEAT_PREFIX = "changefeed.heartbeat"
 
 
 def offline_catalog(rel: po.Relation) -> RelationInfo:

@@ -80,6 +80,17 @@ class Relation:
         return tuple(i for i, c in enumerate(self.columns) if c.is_key)
 
 
+@dataclass(frozen=True)
+class RelationInfo:
+    """What pgoutput does not say about a relation: SQL type names, the primary key (pgoutput
+    flags every column as key under REPLICA IDENTITY FULL), and the value rows that predate a
+    column read as (None where there is none)."""
+
+    types: tuple[str, ...]
+    key: tuple[int, ...]
+    missing: tuple[str | None, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Type:
     oid: int

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from ..core.lsn import format_lsn, parse_lsn
-from .changes import RelationInfo
+from .pgoutput import RelationInfo
 from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError, start_over_hint
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")

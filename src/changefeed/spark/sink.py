@@ -5,21 +5,26 @@ apply the whole batch in one target transaction and commit it: the progress row 
 transaction makes a retried task or a replayed batch a no-op, and the source advances its slot
 only after Spark has seen the task succeed. Applying while reading needs the task to keep
 taking input while the database merges: a thread applies chunks from a short queue.
+
+The applier (numpy, Arrow, psycopg) is imported by `write` alone: Spark imports this module in
+each of the Python processes it starts one after another to plan a query, where ~0.2 s each
+of imports would only delay a feed's start.
 """
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from ..core import change as ch
 from ..errors import SinkError
-from ..postgres.connect import connect
-from ..sinks import postgres_replica as replica
+
+if TYPE_CHECKING:
+    from ..sinks import postgres_replica as replica
 
 QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the database merges
 
@@ -56,6 +61,9 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
         self.feed = options["feed"]
 
     def write(self, iterator: Iterator[Any]) -> AppliedMessage:
+        from ..postgres.connect import connect
+        from ..sinks import postgres_replica as replica
+
         chunks: queue.Queue[Any] = queue.Queue(QUEUED_CHUNKS)
         failed: list[BaseException] = []
         done = object()

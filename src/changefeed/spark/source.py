@@ -6,6 +6,10 @@ snapshot chunks it carries (see core.snapshot; each chunk is one more input part
 holds what starts in [start, end) (see postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
 end, a commit's end (a change limit) or a WAL page boundary (a byte limit, found without decoding).
 The driver only plans offsets and advances the slot in `commit`; executors decode in `read`.
+
+Spark imports this module in every Python process it starts to plan a query (a new one each
+step, one after another, at a feed's start), so the decoder and its numpy/Arrow imports are
+imported by `read` alone: ~0.1 s less in each of those processes.
 """
 from __future__ import annotations
 
@@ -27,7 +31,6 @@ from ..core.requests import SnapshotRequests
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
-from ..postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from ..postgres.connect import connect
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
@@ -124,7 +127,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._available_now = self._boundary()
 
     def _boundary(self) -> dict[str, int]:
-        lsn, ms = src.heartbeat(self.conn, HEARTBEAT_PREFIX)
+        lsn, ms = src.heartbeat(self.conn, ch.HEARTBEAT_PREFIX)
         return {"lsn": lsn, "ts": ceiling_of_ms(ms)}
 
     def _boundary_key(self, table: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
@@ -189,6 +192,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             yield from _read_chunk(partition)
             return
         assert isinstance(partition, WindowPartition)
+        from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
+
         conn = connect(partition.uri, "source", autocommit=False)
         try:
             # The slot is at `start` already (latestOffset released it before planning); a slot
