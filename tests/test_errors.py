@@ -524,6 +524,28 @@ def test_malformed_kafka_options(fresh: Dbs, tmp_path: Path, query: str, problem
     assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
 
 
+@pytest.mark.parametrize("query, named", [
+    ('kafka_config={"acks":"1"}', "acks=1"),
+    ("transaction.timeout.ms=20000&socket.timeout.ms=60000", "socket.timeout.ms=60000"),
+    ("message.timeout.ms=300000&transaction.timeout.ms=60000", "message.timeout.ms=300000"),
+    ("timeout=16m", "timeout must be between 1s and 15m"),
+], ids=["acks", "socket-timeout", "message-timeout", "timeout-range"])
+def test_kafka_settings_the_client_refuses(fresh: Dbs, tmp_path: Path, kafka: Any, query: str, named: str) -> None:
+    """Refused by run's checks, naming the setting the user gave: before the slot, the publication or
+    any topic (the broker is reachable, so a later check would have created them)."""
+    from confluent_kafka.admin import AdminClient
+
+    prefix = f"refused{fresh.name}."
+    state = tmp_path / "state"
+    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={prefix}progress&{query}"
+    proc, dt = cli(*run_args(fresh.name, fresh.source, sink, "public.items", state), cwd=tmp_path)
+    assert_clean_failure(proc, dt, EX_USAGE, named)
+    assert "fix the client settings" not in proc.stderr
+    assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
+    topics = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(timeout=10).topics
+    assert not [t for t in topics if t.startswith(prefix)], "a topic was created before the settings were refused"
+
+
 # -- an outbox table that cannot be used ----------------------------------------------------------
 
 @pytest.mark.parametrize("ddl, extra, code, problem", [

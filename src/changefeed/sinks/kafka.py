@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from ..errors import ConfigError
+from .kafka_client import Timeouts, parse_step
 
 SCHEME = "kafka"
 DELIVERIES = ("exactly_once", "at_least_once")
@@ -27,6 +28,8 @@ _EXAMPLE = "kafka://HOST:9092?topic_prefix=cdc.&delivery=exactly_once"
 _TOPIC_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 MAX_TOPIC = 249
 SECRET_KEYS = ("sasl.password", "ssl.key.password", "ssl.keystore.password", "sasl.oauthbearer.client.secret")
+# librdkafka settings whose names have no dot (the others are told apart from sink options by theirs)
+_PLAIN_CLIENT = ("acks", "retries", "partitioner", "debug", "log_level")
 # settings the sink owns: exactly-once and per-key order depend on them
 _OWNED = ("transactional.id", "enable.idempotence", "bootstrap.servers")
 
@@ -76,7 +79,7 @@ class KafkaOptions:
     topic_partitions: int = -1  # for topics the sink creates; -1: the broker's default
     replication_factor: int = -1
     create_topics: bool = True
-    timeout_s: float = 30.0  # one transaction step, one admin request
+    timeout_s: float = 30.0  # one request or transaction step; the client's timeouts follow (kafka_client)
     client: tuple[tuple[str, str], ...] = field(default=())  # librdkafka settings passed through
 
     @classmethod
@@ -96,7 +99,7 @@ class KafkaOptions:
         given: dict[str, Any] = {"bootstrap": ",".join(hosts)}
         client: dict[str, str] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
-            if "." in name:
+            if "." in name or name in _PLAIN_CLIENT:
                 client[name] = value
             elif name == "kafka_config":
                 client.update(_client_settings(value))
@@ -119,16 +122,12 @@ class KafkaOptions:
                     raise ConfigError(f"{name} must be -1 (the broker's default) or >= 1, got 0",
                                       f"fix {name}= in the --sink URI")
             elif name == "timeout":
-                from ..config import parse_duration
-
-                given["timeout_s"] = parse_duration(value)
-                if given["timeout_s"] <= 0:
-                    raise ConfigError("timeout must be > 0", "e.g. timeout=30s")
+                given["timeout_s"] = parse_step(value)
             else:
                 raise ConfigError(f"unknown Kafka sink option {name!r}",
                                   "options: topic_prefix, topic_name, delivery, tombstones, resolved, progress_topic, "
                                   "topic_partitions, replication_factor, create_topics, timeout, kafka_config, and "
-                                  "librdkafka settings with a dot in their name (security.protocol=SSL)")
+                                  "librdkafka settings (security.protocol=SSL, log_level=7, acks=all, ...)")
         owned = sorted(k for k in client if k in _OWNED)
         if owned:
             raise ConfigError(f"the Kafka sink sets {', '.join(owned)} itself",
@@ -151,22 +150,39 @@ class KafkaOptions:
 
         librdkafka's own log lines are off (`log_level` 0) unless the URI sets one: the sink reports
         what failed as a typed error, and stray lines would bury it."""
-        return {"log_level": "0", **dict(self.client), "bootstrap.servers": self.bootstrap}
+        socket = {"socket.timeout.ms": str(self.timeouts.socket_ms)}  # a hung request ends within `timeout`
+        return {"log_level": "0", **socket, **dict(self.client), "bootstrap.servers": self.bootstrap}
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return Timeouts.derive(self.timeout_s, dict(self.client), transactional=self.delivery == "exactly_once")
 
     def producer_config(self, feed: str) -> dict[str, Any]:
         config: dict[str, Any] = {
             "enable.idempotence": True,  # no duplicates or reordering from the producer's own retries
             "acks": "all",
             "partitioner": "murmur2_random",  # the Java client's: same key, same partition as other producers
-            "linger.ms": 20,
             "queue.buffering.max.messages": 1_000_000,
-            "message.timeout.ms": int(self.timeout_s * 1000) * 4,
             **self.client_config(),
+            **self.timeouts.settings(),
         }
         if self.delivery == "exactly_once":
             config["transactional.id"] = transactional_id(feed)
-            config.setdefault("transaction.timeout.ms", 60_000)
         return config
+
+    def check_client(self, feed: str) -> None:
+        """Make the producer and the admin client from these options (librdkafka checks its settings
+        when a client is made, before any request): a ConfigError naming the user's setting if refused."""
+        from .kafka_client import check_settings
+
+        for config, producer in ((self.client_config(), False), (self.producer_config(feed), True)):
+            check_settings(config, self.refused, producer=producer)
+
+    def refused(self, text: str) -> ConfigError:
+        """librdkafka's refusal `text` of these options, naming the user's settings (kafka_client.refused)."""
+        from .kafka_client import refused
+
+        return refused(text, dict(self.client), self.timeout_s, SECRET_KEYS)
 
     def topic(self, schema: str, table: str) -> str:
         return sanitize_topic(self.topic_prefix + self.topic_name.format(schema=schema, table=table))

@@ -1,7 +1,8 @@
 """Kafka sink, control side: check the cluster, create the feed's topics, keep the ledger.
 
-`prepare` runs before anything else of a feed is created: an unreachable broker, refused
-credentials or bad client settings stop `run` there with a typed error. Topics the sink writes
+`check` runs before anything else of a feed is created: client settings librdkafka refuses, an
+unreachable broker, refused credentials, or (exactly once) a cluster that cannot start the feed's
+transactions stop `run` there with a typed error. Topics the sink writes
 to are created when missing (`create_topics=true`, the default) with `topic_partitions` and
 `replication_factor` (-1: the broker's defaults); the progress topic has one partition and is
 compacted, so the last record of each feed stays however long the feed is down.
@@ -30,8 +31,7 @@ def admin(opts: KafkaOptions) -> Any:
     try:
         return AdminClient(opts.client_config())
     except KafkaException as e:
-        raise ConfigError(f"the Kafka client settings are not accepted: {e.args[0].str()}",
-                          "fix the librdkafka settings in the --sink URI (kafka_config or dotted parameters)") from None
+        raise opts.refused(e.args[0].str()) from None
 
 
 def check_cluster(opts: KafkaOptions) -> set[str]:
@@ -48,6 +48,33 @@ def check_cluster(opts: KafkaOptions) -> set[str]:
             raise ConnectionFailed(f"cannot reach Kafka at {opts.bootstrap} within {opts.timeout_s:g} s: "
                                    f"{e.args[0].str()}", "check the host:port list of the --sink URI and that "
                                    "the brokers run; TLS or SASL clusters need security.protocol") from None
+        raise error from None
+
+
+def check_transactions(opts: KafkaOptions, feed: str) -> None:
+    """Start the feed's transactional producer once (which also ends a dead runner's open
+    transaction, as every batch does): the broker's word on the transactional id and timeout
+    comes before the slot is created, not at the first batch."""
+    from confluent_kafka import KafkaError, KafkaException, Producer
+
+    from .kafka_batch import kafka_error
+
+    try:
+        Producer(opts.producer_config(feed)).init_transactions(opts.timeout_s)
+    except KafkaException as e:
+        err = e.args[0]
+        txn = opts.timeouts.transaction_ms
+        if err.code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:
+            source = ("transaction.timeout.ms" if "transaction.timeout.ms" in opts.timeouts.given
+                      else f"timeout={opts.timeout_s:g}s")
+            raise ConfigError(f"Kafka {opts.bootstrap} refuses transaction.timeout.ms={txn} (from {source}): "
+                              f"{err.str()}", "lower it, or raise the brokers' transaction.max.timeout.ms "
+                              "(Kafka's default is 900000)") from None
+        error = kafka_error(e, f"starting transactions as changefeed-{feed}", opts)
+        if error.exit_code == 75:
+            error.hint = ("the cluster's transaction coordinator did not answer in time: a cluster needs at least "
+                          "transaction.state.log.replication.factor brokers (and min.insync.replicas of them) for "
+                          "transactions; or raise timeout=, or use delivery=at_least_once")
         raise error from None
 
 
@@ -84,13 +111,16 @@ def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool =
 class KafkaLedger(FileLedger):
     """The file ledger, plus checking the cluster and creating the topics when the feed starts."""
 
-    def __init__(self, path: str, opts: KafkaOptions, *, outbox: str = "") -> None:
+    def __init__(self, path: str, opts: KafkaOptions, feed: str, *, outbox: str = "") -> None:
         super().__init__(path)
-        self.opts, self.outbox = opts, outbox  # the outbox table's events go to topics made on demand
+        self.opts, self.feed, self.outbox = opts, feed, outbox  # the outbox's events go to topics made on demand
         self._existing: set[str] | None = None
 
     def check(self) -> None:
+        self.opts.check_client(self.feed)
         self._existing = check_cluster(self.opts)
+        if self.opts.delivery == "exactly_once":
+            check_transactions(self.opts, self.feed)
 
     def prepare(self, tables: list[Any]) -> None:
         existing = self._existing if self._existing is not None else check_cluster(self.opts)

@@ -91,10 +91,8 @@ def kafka_error(e: BaseException, doing: str, opts: KafkaOptions) -> ChangefeedE
     if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
         return TransientError(what, "another producer took over the transactional id changefeed-FEED (a second "
                                     "runner of this feed, or a leftover task); run the feed again")
-    if code == KafkaError._INVALID_ARG or code == KafkaError.INVALID_CONFIG:
-        from ..errors import ConfigError
-
-        return ConfigError(what, "fix the client settings in the --sink URI")
+    if code == KafkaError._INVALID_ARG:  # librdkafka refused the settings (run's checks name them first)
+        return opts.refused(err.str())
     if err.fatal() or not (err.retriable() or code in _transient_codes()):
         return SinkError(what, "see the broker's answer above; the feed resumes from its checkpoint when run again")
     return TransientError(what, "the broker may be down or slow; the feed resumes from its checkpoint when run "
@@ -213,19 +211,14 @@ class KafkaBatch:
         record = ProgressRecord(self.feed, self.query, self.batch, progress, self.sent)
         try:
             if not self.exactly_once:
-                left = self._producer.flush(self.opts.timeout_s * 4)
-                self._check()
-                if left:
-                    raise TransientError(f"Kafka {self.opts.bootstrap}: {left} messages of batch {self.batch} "
-                                         "not acknowledged in time", "the feed resumes from its checkpoint when run again")
+                self._flush()
                 return record
             if self._last is not None and self._last.progress.end_lsn >= progress.end_lsn > 0:
                 self.abort()  # already in Kafka under another query id: never twice
                 return self._last
             self._producer.produce(self.opts.progress_topic, key=self.feed.encode(), value=record.encode(),
                                    partition=0, on_delivery=self._on_delivery)
-            self._producer.flush(self.opts.timeout_s)
-            self._check()
+            self._flush()
             self._producer.commit_transaction(self.opts.timeout_s)
             self._in_txn = False
             return record
@@ -236,6 +229,15 @@ class KafkaBatch:
         finally:
             if not self._in_txn:
                 self._producer = None  # done: a fresh one (a fresh epoch) for the next batch
+
+    def _flush(self) -> None:
+        """Wait until every message sent was acknowledged: each one is, or fails, within the delivery
+        timeout (message.timeout.ms), so a flush that long plus one step ends with a verdict."""
+        left = self._producer.flush(self.opts.timeouts.delivery_ms / 1000 + self.opts.timeout_s)
+        self._check()
+        if left:
+            raise TransientError(f"Kafka {self.opts.bootstrap}: {left} messages of batch {self.batch} not "
+                                 "acknowledged in time", "the feed resumes from its checkpoint when run again")
 
     def abort(self) -> None:
         """Give the batch up: its transaction aborted (best effort: fencing ends it otherwise)."""

@@ -63,7 +63,7 @@ def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from .kafka import KafkaOptions
         from .kafka_admin import KafkaLedger
 
-        return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), outbox=spec.outbox)
+        return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), spec.name, outbox=spec.outbox)
     from .ledger import FileLedger
 
     return FileLedger(ledger_path(state))
