@@ -72,7 +72,7 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
                   " FROM generate_series(1, 5) g")  # before the feed: snapshot reads, events all the same
     prefix, progress_topic = f"k{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
     sink = (f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}"
-            "&topic_partitions=3&resolved=true&timeout=10s")
+            "&topic_partitions=3&resolved=true")  # default timeouts
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", sink, "--tables", "public.ledger,public.accounts",
