@@ -73,6 +73,9 @@ def assert_clean_failure(proc: subprocess.CompletedProcess[str], elapsed: float,
     out = f"exit {proc.returncode} after {elapsed:.1f}s\n--- stderr:\n{proc.stderr}\n--- stdout:\n{proc.stdout}"
     assert proc.returncode != 0, f"bad input was accepted: {out}"
     assert "Traceback" not in proc.stderr, f"a Python traceback instead of a typed error: {out}"
+    spark = [line for line in (proc.stderr + proc.stdout).splitlines()
+             if any(w in line for w in ("WARN", "log4j", "setLogLevel", "at org.apache", "Py4J"))]
+    assert not spark, f"Spark's or the JVM's lines on the console: {spark}\n{out}"
     assert proc.stderr.startswith("changefeed: error:"), f"stderr does not start with 'changefeed: error:': {out}"
     for m in mentions:
         assert m in proc.stderr, f"the message does not name {m!r}: {out}"
@@ -140,9 +143,8 @@ def assert_nothing_created(source: str, sink: str, state: Path, name: str) -> No
     dst = sink_snapshot(sink)
     assert dst["schemas"] == ["public"], f"schemas were created on the sink: {dst['schemas']}"
     assert dst["tables"] == {}, f"tables were created on the sink: {sorted(dst['tables'])}"
-    stored = sorted(str(p.relative_to(state)) for p in state.rglob("*")
-                    if p.name in ("feed.json", "checkpoint")) if state.exists() else []
-    assert stored == [], f"a failed first run stored feed state (a corrected re-run would be refused): {stored}"
+    left = sorted(str(p.relative_to(state)) for p in (state / name).rglob("*")) if (state / name).exists() else []
+    assert not (state / name).exists(), f"a failed first run left {state / name} ({left}), which list cannot show"
 
 
 def make_tables(uri: str) -> None:
@@ -171,6 +173,35 @@ def test_unreachable_server(fresh: Dbs, tmp_path: Path, role: str) -> None:
     state = tmp_path / "state"
     proc, dt = cli(*run_args(fresh.name, source, sink, "public.items", state), cwd=tmp_path)
     assert_clean_failure(proc, dt, EX_TEMPFAIL, f"cannot reach {role}", f"127.0.0.1:{port}")
+    assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
+
+
+def test_unreachable_webhook(fresh: Dbs, tmp_path: Path) -> None:
+    """A webhook is connected to before anything is created (no request is sent)."""
+    port = closed_port()
+    state = tmp_path / "state"
+    proc, dt = cli(*run_args(fresh.name, fresh.source, f"webhook-http://u:s3cr3t@127.0.0.1:{port}/hook?retry_max=inf",
+                             "public.items", state), cwd=tmp_path)
+    err = assert_clean_failure(proc, dt, EX_TEMPFAIL, "cannot reach webhook", f"127.0.0.1:{port}",
+                               "nothing was created")
+    assert "s3cr3t" not in err
+    assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
+
+
+def test_https_webhook_that_speaks_plain_http(fresh: Dbs, tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        state = tmp_path / "state"
+        sink = f"webhook-https://127.0.0.1:{server.server_address[1]}/hook"
+        proc, dt = cli(*run_args(fresh.name, fresh.source, sink, "public.items", state), cwd=tmp_path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert_clean_failure(proc, dt, EX_DEFINITE, "TLS handshake failed", "webhook-http://")
     assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
 
 
@@ -251,25 +282,28 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--sink": "kafka://x"}, ["--sink", "HOST:PORT", "'x'"]),
     ({"--source": "kafka://x"}, ["--source", "postgresql://", "'kafka'"]),
     ({"--sink": ""}, ["--sink is required"]),
-    ({"--max-changes-per-batch": "-1"}, ["negative"]),
-    ({"--trigger-interval": "-5"}, ["negative"]),
-    ({"--max-bytes-per-batch": "lots"}, ["'lots'", "size"]),
-    ({"--max-bytes-per-batch": "-1MB"}, ["'-1MB'", "size"]),
-    ({"--resolved": "soon"}, ["'soon'", "duration"]),
-    ({"--resolved": "-1s"}, ["'-1s'", "duration"]),
+    ({"--source": None, "--sink": None, "--tables": None}, ["--source, --sink, --tables are required"]),
+    ({"--max-changes-per-batch": "-1"}, ["--max-changes-per-batch", "negative"]),
+    ({"--trigger-interval": "-5"}, ["--trigger-interval", "negative"]),
+    ({"--max-bytes-per-batch": "lots"}, ["--max-bytes-per-batch", "'lots'", "size"]),
+    ({"--max-bytes-per-batch": "-1MB"}, ["--max-bytes-per-batch", "'-1MB'", "size"]),
+    ({"--resolved": "soon"}, ["--resolved", "'soon'", "duration"]),
+    ({"--resolved": "-1s"}, ["--resolved", "'-1s'", "duration"]),
+    ({"--retention": "-5h"}, ["--retention", "'-5h'", "duration"]),
+    ({"--max-retained-wal": "abc"}, ["--max-retained-wal", "'abc'", "size"]),
     ({"--snapshot": "sometimes"}, ["--snapshot", "'sometimes'", "initial"]),
     ({"--snapshot-chunk-rows": "0"}, ["--snapshot-chunk-rows", "at least 1"]),
     ({"--snapshot-chunks-per-batch": "0"}, ["--snapshot-chunks-per-batch", "at least 1"]),
     ({"--metrics-port": "70000"}, ["metrics", "127.0.0.1:70000", "0-65535"]),
     ({"--metrics-port": "http"}, ["--metrics-port", "'http'"]),
 ], ids=["upper-name", "space-name", "digit-name", "long-name", "three-part-table", "table-twice", "kafka-sink",
-        "kafka-source", "empty-sink", "negative-changes", "negative-interval", "bytes-lots", "bytes-negative",
-        "resolved-soon", "resolved-negative", "snapshot-mode", "snapshot-chunk-rows", "snapshot-chunks-per-batch", "metrics-port-range",
+        "kafka-source", "empty-sink", "all-missing", "negative-changes", "negative-interval", "bytes-lots",
+        "bytes-negative", "resolved-soon", "resolved-negative", "retention-negative", "wal-abc", "snapshot-mode", "snapshot-chunk-rows", "snapshot-chunks-per-batch", "metrics-port-range",
         "metrics-port-word"])
-def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str], problem: list[str]) -> None:
+def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str | None], problem: list[str]) -> None:
     opts = {"--name": fresh.name, "--source": fresh.source, "--sink": fresh.sink, "--tables": "public.items",
             "--state": str(tmp_path / "state"), **change}
-    args = ["run", "--available-now"] + [f"{k}={v}" for k, v in opts.items()]  # = : "-1MB" is a value
+    args = ["run", "--available-now"] + [f"{k}={v}" for k, v in opts.items() if v is not None]  # =: "-1MB" a value
     proc, dt = cli(*args, cwd=tmp_path)
     assert_clean_failure(proc, dt, EX_USAGE, *problem)
     assert_nothing_created(fresh.source, fresh.sink, tmp_path / "state", fresh.name)
@@ -399,8 +433,7 @@ def test_feed_running_elsewhere_other_state(runner: Runner, tmp_path: Path) -> N
     assert [s[0] for s in src["slots"]] == [runner.slot], f"slots: {src['slots']}"
     assert src["publication_tables"] == pubs_before
     assert sink_snapshot(d.sink)["schemas"] == sink_schemas
-    assert not list(other.rglob("feed.json")) and not list(other.rglob("checkpoint")), \
-        f"the refused runner stored state: {sorted(map(str, other.rglob('*')))}"
+    assert not (other / d.name).exists(), f"the refused runner left {sorted(map(str, other.rglob('*')))}"
     runner.replicates()  # the first runner is undisturbed
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +23,33 @@ def _qualified(table: str) -> str:
     return names[0]
 
 
+def _option(option: str, parse: Callable[[str], Any], text: str | None) -> Any:
+    """`parse(text)` of the value of --OPTION (None if not given); its error names the option."""
+    if text is None:
+        return None
+    try:
+        return parse(text)
+    except ConfigError as e:
+        raise ConfigError(f"--{option}: {e.message}", e.hint) from None
+
+
 def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     stored = state.load()
     given = {k: v for k, v in {
         "source": args.source, "sink": args.sink,
         "tables": parse_tables(args.tables) if args.tables else None,
-        "max_bytes_per_batch": parse_size(args.max_bytes_per_batch) if args.max_bytes_per_batch else None,
+        "max_bytes_per_batch": _option("max-bytes-per-batch", parse_size, args.max_bytes_per_batch),
         "max_changes_per_batch": args.max_changes_per_batch,
         "trigger_interval_s": args.trigger_interval,
-        "resolved_interval_s": parse_duration(args.resolved) if args.resolved is not None else None,
+        "resolved_interval_s": _option("resolved", parse_duration, args.resolved),
         "snapshot": args.snapshot, "snapshot_chunk_rows": args.snapshot_chunk_rows,
         "snapshot_chunks_per_batch": args.snapshot_chunks_per_batch,
-        "retention_s": parse_duration(args.retention) if args.retention is not None else None,
-        "max_retained_wal": parse_size(args.max_retained_wal) if args.max_retained_wal is not None else None,
+        "retention_s": _option("retention", parse_duration, args.retention),
+        "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
         "format": args.format, "diff": args.diff,
         "outbox": _qualified(args.outbox) if args.outbox else None, "outbox_columns": args.outbox_columns,
         "outbox_topic": args.outbox_topic,
-        "outbox_ttl_s": parse_duration(args.outbox_ttl) if args.outbox_ttl is not None else None,
+        "outbox_ttl_s": _option("outbox-ttl", parse_duration, args.outbox_ttl),
     }.items() if v is not None}
     outbox = given.get("outbox") or (stored.outbox if stored else "")
     if outbox and "tables" in given and outbox not in given["tables"]:
@@ -63,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _running(args: argparse.Namespace) -> dict[str, Any]:
     """The options of `_running_args`, as keywords of feed.run."""
-    return {"available_now": args.available_now, "master": args.master,
+    return {"available_now": args.available_now, "master": args.master, "verbose": args.verbose,
             "metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
 
 
@@ -169,25 +180,32 @@ class _Parser(argparse.ArgumentParser):
 
 def _definition_args(cmd: argparse.ArgumentParser) -> None:
     """What defines a feed (stored on its first run or create; later runs may change the limits)."""
-    cmd.add_argument("--name", required=True, help="feed name: lowercase letters, digits, _")
-    cmd.add_argument("--source", help="source PostgreSQL URI (stored on first run)")
+    cmd.add_argument("--name", required=True,
+                     help="feed name: 1-40 lowercase letters, digits or _, starting with a letter")
+    cmd.add_argument("--source", help="source URI postgresql://USER:PASSWORD@HOST:PORT/DB; the user needs REPLICATION "
+                                      "(or superuser) and rights to create a publication (required on the first run, "
+                                      "then stored)")
     cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica, kafka://HOST:PORT[,...]?options for "
-                                    "Kafka, webhook-https://... (or webhook-http://) for a webhook (stored on first run)")
-    cmd.add_argument("--tables", help="comma-separated schema.table list (stored on first run)")
+                                    "Kafka, webhook-https://... (or webhook-http://) for a webhook (required on "
+                                    "the first run, then stored)")
+    cmd.add_argument("--tables", help="comma-separated schema.table list, each once (a bare name means public.NAME); "
+                                      "each needs a primary key or replica identity index (required on the first "
+                                      "run, then stored)")
     cmd.add_argument("--state", default=DEFAULT_STATE, help=f"state directory (default {DEFAULT_STATE})")
     cmd.add_argument("--max-bytes-per-batch", help="most WAL bytes per batch, e.g. 64MB (default 64MB; 0 = no limit)")
     cmd.add_argument("--max-changes-per-batch", type=int,
-                     help="most decoded messages per batch (exact, costs a server-side decode; 0 = off)")
-    cmd.add_argument("--trigger-interval", type=float, help="seconds between batch starts (default 0: back to back)")
+                     help="most decoded messages per batch, >= 0 (exact, costs a server-side decode; 0 = off)")
+    cmd.add_argument("--trigger-interval", type=float,
+                     help="seconds between batch starts, >= 0 (default 0: back to back)")
     cmd.add_argument("--resolved", help="close a resolved timestamp at least this often while the captured tables "
                                         "are idle, e.g. 1s, 500ms (default 1s; 0 = only when other WAL moves)")
     cmd.add_argument("--snapshot", choices=SNAPSHOT_MODES,
                      help="initial: deliver the tables' existing rows, then stream (default); never: changes "
                           "only; only: stop once the existing rows are delivered (stored on first run)")
     cmd.add_argument("--snapshot-chunk-rows", type=int,
-                     help=f"rows per snapshot chunk, a primary-key range (default {DEFAULT_CHUNK_ROWS})")
+                     help=f"rows per snapshot chunk, a primary-key range, >= 1 (default {DEFAULT_CHUNK_ROWS})")
     cmd.add_argument("--snapshot-chunks-per-batch", type=int,
-                     help="snapshot chunks per batch, each read by a Spark task of its own "
+                     help="snapshot chunks per batch, >= 1, each read by a Spark task of its own "
                           f"(default {DEFAULT_CHUNKS_PER_BATCH})")
     cmd.add_argument("--retention", help="stop when the checkpoint is older than this, e.g. 24h, 90m "
                                          "(default 24h; 0 = no limit)")
@@ -213,6 +231,8 @@ def _running_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--available-now", action="store_true",
                      help="deliver everything committed before start, then exit 0")
     cmd.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    cmd.add_argument("--verbose", action="store_true",
+                     help="show Spark's and the JVM's output on the console (default: in STATE/NAME/spark.log)")
     cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port at /metrics while "
                                                       "running (0: any free port, printed at start)")
     cmd.add_argument("--metrics-host", default="127.0.0.1",

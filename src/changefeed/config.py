@@ -61,9 +61,12 @@ class FeedSpec:
         if not _NAME.match(self.name):
             raise ConfigError(f"feed name {self.name!r} is not allowed",
                               "use 1-40 lowercase letters, digits or _, starting with a letter")
-        for role, uri in (("source", self.source), ("sink", self.sink)):
-            if not uri:
-                raise ConfigError(f"--{role} is required", "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        required = (("source", self.source), ("sink", self.sink), ("tables", self.tables))
+        missing = [f"--{option}" for option, value in required if not value]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required for a new feed",
+                              "e.g. --source postgresql://USER:PASSWORD@HOST:5432/DB --sink "
+                              "postgresql://USER:PASSWORD@REPLICA:5432/DB --tables public.accounts")
         if not self.source.startswith(("postgresql://", "postgres://")):
             scheme = self.source.split("://")[0] if "://" in self.source else "<no scheme>"
             raise ConfigError(f"--source must be a postgresql:// URI, got scheme {scheme!r}",
@@ -78,16 +81,18 @@ class FeedSpec:
         if not sink_kind(self.sink).messages and (self.format != "json" or self.diff):
             raise ConfigError("--format and --diff apply to message sinks (Kafka, webhook), not to a replica",
                               "leave them out: a replica receives rows")
-        if not self.tables:
-            raise ConfigError("--tables is required", "e.g. --tables public.accounts,public.transfers")
         bad = [t for t in self.tables if not _TABLE.match(t)]
         if bad:
             raise ConfigError(f"table names must be schema.table: {', '.join(bad)}", "e.g. public.accounts")
         if len(set(self.tables)) != len(self.tables):
             raise ConfigError("--tables lists a table twice", "list each table once")
-        if min(self.max_bytes_per_batch, self.max_changes_per_batch, self.trigger_interval_s,
-               self.resolved_interval_s, self.retention_s, self.max_retained_wal) < 0:
-            raise ConfigError("batch limits and intervals must not be negative", "use 0 for no limit")
+        negative = [o for o, v in (("max-bytes-per-batch", self.max_bytes_per_batch),
+                                   ("max-changes-per-batch", self.max_changes_per_batch),
+                                   ("trigger-interval", self.trigger_interval_s),
+                                   ("resolved", self.resolved_interval_s), ("retention", self.retention_s),
+                                   ("max-retained-wal", self.max_retained_wal)) if v < 0]
+        if negative:
+            raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
         if self.snapshot not in SNAPSHOT_MODES:
             raise ConfigError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)}, got {self.snapshot!r}",
                               "initial: existing rows, then changes; never: changes only; only: existing rows")
@@ -166,14 +171,15 @@ class FeedState:
         self.outbox_marks = self.dir / "outbox_marks.jsonl"  # postgres.outbox.OutboxCleanup
         self.paused_file = self.dir / "paused"
         self.failed_file = self.dir / "failed"
+        self.spark_log = self.dir / "spark.log"  # the Spark driver's and workers' output (spark.spark_log)
 
     @property
     def paused(self) -> bool:
         return self.paused_file.exists()
 
     def record_failure(self, error: Exception) -> None:
-        """Note why the last run stopped on an error (`status` and `list` show it)."""
-        if self.dir.is_dir():
+        """Note why the last run of a stored feed stopped on an error (`status` and `list` show it)."""
+        if self.spec_file.exists():
             self.failed_file.write_text(str(error).splitlines()[0])
 
     def failure(self) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psycopg
 
+from .errors import ChangefeedError, DefiniteError
 from .config import FeedSpec, FeedState
 from .local_postgres import LocalPostgres
 from .sinks.postgres_replica import applied_upto
@@ -67,6 +68,15 @@ def _caught_up(sink: str, feed: str, target_lsn: int) -> bool:
         return applied_upto(c, feed) >= target_lsn
 
 
+def _failed(doing: str, failure: list[BaseException]) -> ChangefeedError:
+    """The feed's own typed error if it raised one, else one that says where to look."""
+    if failure and isinstance(failure[0], ChangefeedError):
+        return failure[0]
+    return DefiniteError(f"the demo's feed did not {doing}" + (f": {failure[0]!r}" if failure else ""),
+                         "see the feed's Spark log, WORKDIR/state/demo/spark.log (--workdir, default "
+                         "./changefeed-demo)")
+
+
 def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writers: int = 2) -> int:
     from .feed import run
 
@@ -94,7 +104,7 @@ def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writer
         with psycopg.connect(source.uri(), autocommit=True) as c:
             while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (spec.slot,)).fetchone():
                 if failure or not feed_thread.is_alive():
-                    raise RuntimeError(f"the feed failed to start: {failure[0] if failure else 'unknown'}")
+                    raise _failed("start", failure)
                 time.sleep(0.2)
             c.execute("INSERT INTO accounts (id, owner, balance, tags) SELECT g, 'owner ' || g, 1000, "
                       "ARRAY['demo', 'n' || g %% 7] FROM generate_series(1, %s) g", (ACCOUNTS,))
@@ -113,7 +123,7 @@ def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writer
         deadline = time.monotonic() + 300
         while not _caught_up(replica.uri(), spec.name, target):
             if failure or not feed_thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the feed did not catch up: {failure[0] if failure else 'timeout'}")
+                raise _failed("catch up within 300 s", failure)
             time.sleep(0.5)
         stop_feed.set()
         feed_thread.join()

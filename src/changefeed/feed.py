@@ -8,10 +8,11 @@ import json
 import re
 import signal
 import threading
-from collections.abc import Callable
-from contextlib import ExitStack, suppress
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from . import errors, faults, retention
 from .config import FeedSpec, FeedState
@@ -26,6 +27,7 @@ from .postgres.outbox import OutboxCleanup, check_outbox_table
 from .runner_lock import state_lock
 from .sinks.ledger import Ledger
 from .sinks.registry import open_ledger, sink_kind
+from .status import counted
 
 
 @dataclass
@@ -36,22 +38,24 @@ class Prepared:
     ledger: Ledger
 
 
-def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
+def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
     """Check everything, then create publication, slot and target tables if missing."""
     spec.validate()
     stack.enter_context(state_lock(state))
-    source = stack.enter_context(connect(spec.source, "source"))
+    with told_if_slow(f"the source {_endpoint(spec.source)} to answer", report):
+        source = stack.enter_context(connect(spec.source, "source"))
     src.check_wal_level(source)
     tables = src.describe_tables(source, list(spec.tables))
     if spec.outbox_spec is not None:
         check_outbox_table(source, spec.outbox_spec)
     src.lock_feed(source, spec.name)
-    ledger = open_ledger(spec, state)
-    stack.callback(ledger.close)
-    slot = src.slot_state(source, spec.slot)
-    if state.has_checkpoint() or slot is not None:
-        src.check_slot_usable(slot, spec.slot, ledger.checkpoint_lsn(), spec.name)
-    ledger.check()
+    with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report):
+        ledger = open_ledger(spec, state)
+        stack.callback(ledger.close)
+        slot = src.slot_state(source, spec.slot)
+        if state.has_checkpoint() or slot is not None:
+            src.check_slot_usable(slot, spec.slot, ledger.checkpoint_lsn(), spec.name)
+        ledger.check()
     # -- nothing was created up to here --
     src.ensure_publication(source, spec.publication, tables)
     created = slot is None
@@ -65,6 +69,25 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack) -> Prepared:
         raise
     state.save(spec)
     return Prepared(spec, state, source, ledger)
+
+
+@contextmanager
+def told_if_slow(what: str, report: Callable[[str], None], after_s: float = 1.0) -> Iterator[None]:
+    """Say what the feed waits for when a step takes longer than `after_s`: an unreachable server
+    may take its whole timeout to give its answer, and silence meanwhile looks like a hang."""
+    timer = threading.Timer(after_s, lambda: report(f"waiting for {what} ..."))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _endpoint(uri: str) -> str:
+    """scheme://host:port of a URI, for messages: no credentials, no query (Kafka's may hold secrets)."""
+    parts = urlsplit(uri)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
 
 
 def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
@@ -98,9 +121,10 @@ def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) 
 def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
         report: Callable[[str], None] = print, report_every_s: float = 2.0,
         stop_event: threading.Event | None = None, handle_signals: bool = True,
-        metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+        metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
-    with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile."""
+    with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
+    Spark's own output goes to the state folder's spark.log, or with `verbose` to the console."""
     from pyspark.errors import StreamingQueryException
 
     from .spark.job import spark_session, start_query
@@ -111,7 +135,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
         try:
-            prepared = prepare(spec, state, stack)
+            prepared = prepare(spec, state, stack, report)
         except FeedBusy:
             raise  # about this runner, not the feed
         except ChangefeedError as e:
@@ -124,7 +148,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
-        spark = spark_session(master)
+        spark = spark_session(master, log=None if verbose else state.spark_log)
         parallel = _parallel_reads(spec, state)
         query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
@@ -154,7 +178,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
             if query.exception() is not None:
                 _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
-                error = _query_error(query.exception())
+                error = _query_error(query.exception(), state)
                 state.record_failure(error)
                 raise error
             _release_wal(prepared, query)
@@ -164,7 +188,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 report(f"feed {spec.name}: stopping")
                 query.stop()
             meter.update(query)
-        report(f"feed {spec.name}: stopped cleanly after {meter.changes} changes in {meter.batches} batches")
+        report(f"feed {spec.name}: stopped cleanly after {counted(meter.changes, 'change')} in "
+               f"{counted(meter.batches, 'batch')}")
 
 
 def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
@@ -261,7 +286,7 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
             return
 
 
-def _query_error(exc: Any) -> ChangefeedError:
+def _query_error(exc: Any, state: FeedState) -> ChangefeedError:
     """Re-raise a query failure as the typed error it carries, if any."""
     text = str(exc)
     for name in ("SlotLost", "SinkError", "SourceNotReady", "ConnectionFailed", "AuthenticationFailed",
@@ -270,6 +295,7 @@ def _query_error(exc: Any) -> ChangefeedError:
         if m:
             return getattr(errors, name)(m.group(1).strip(), (m.group(2) or "").strip())  # type: ignore[no-any-return]
     return SinkError(f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
-                     "see the log above; the feed resumes from its checkpoint when run again")
+                     f"Spark's log is {state.spark_log} (or run with --verbose); the feed resumes from its "
+                     "checkpoint when run again")
 
 

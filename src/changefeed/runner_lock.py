@@ -8,7 +8,7 @@ import fcntl
 import os
 import socket
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from .config import FeedState
 from .errors import FeedBusy
@@ -16,19 +16,30 @@ from .errors import FeedBusy
 
 @contextmanager
 def state_lock(state: FeedState) -> Iterator[None]:
-    """An exclusive lock on the feed's state folder for this process's lifetime."""
+    """An exclusive lock on the feed's state folder for this process's lifetime.
+
+    A first run or `create` that ends before the feed was stored (bad input, a server that cannot
+    be used, the feed busy elsewhere) takes the folder away again: nothing stays that `list`,
+    `status` or `remove` could not show."""
     state.dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(state.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    held = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise FeedBusy(f"feed {state.dir.name} is already running: held by {_holder_of(fd)}",
                            "stop the other runner first, or use another --name or --state") from None
+        held = True
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
     finally:
+        if held and not state.spec_file.exists():  # still ours: unlinked before the lock goes
+            for leftover in (state.lock_file, state.failed_file):
+                leftover.unlink(missing_ok=True)
+            with suppress(OSError):  # only if nothing else is in it
+                state.dir.rmdir()
         os.close(fd)
 
 

@@ -28,38 +28,50 @@ class FeedStatus:
     lag_bytes: int | None
     lag_seconds: float | None  # checkpoint lag (RPO): 0 when all WAL is applied
     resolved_lag_seconds: float | None  # source clock now - the last applied resolved ts, also when caught up
-    changes_per_second: float | None  # applied over the last minute
-    last_batch_seconds: float | None  # the last batch's sink transaction, begin to progress row
+    changes_per_second_last_minute: float | None  # applied (recorded by the sink) over the last minute
+    last_batch_apply_seconds: float | None  # the last batch's sink transaction, begin to progress row
     batches: int
     snapshot: dict[str, dict[str, int]]  # per table: chunks and rows applied
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
                if k != "snapshot"]
-        return out + [f"snapshot {t}: {s['rows']:,} rows in {s['chunks']} chunks" for t, s in self.snapshot.items()]
+        return out + [f"snapshot {t}: {counted(s['rows'], 'row')} in {counted(s['chunks'], 'chunk')}"
+                      for t, s in self.snapshot.items()]
 
 
 def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
+    state = run_state(feed_state)
     with connect(spec.source, "source") as source, closing(open_ledger(spec, feed_state)) as ledger:
         slot = src.slot_state(source, spec.slot)
         current, now_ms = src.flush_lsn(source)
         last = ledger.last_batch()
         rate = ledger.recent_rate() if last else None
         snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()}
+        caught_up = False
+        if last is not None:  # a stopped feed whose slot holds no change of a captured table past the
+            # checkpoint is caught up, whatever other WAL came since (other tables, PostgreSQL's own records)
+            caught_up = current <= last.end_lsn or (not state.startswith("running") and src.captured_change_after(
+                source, spec.slot, spec.publication, last.end_lsn) is False)
     lag_bytes = lag_s = resolved_lag = None
     if last:
-        lag_bytes = max(0, current - last.end_lsn)
-        lag_s = checkpoint_lag_s(current, now_ms, last.end_lsn, last.resolved_ts)
+        lag_bytes = 0 if caught_up else current - last.end_lsn
+        lag_s = 0.0 if caught_up else resolved_lag_s(now_ms, last.resolved_ts)
         resolved_lag = resolved_lag_s(now_ms, last.resolved_ts)
     elif slot and slot.confirmed_flush:
         lag_bytes = max(0, current - slot.confirmed_flush)
     return FeedStatus(
-        name=spec.name, state=run_state(feed_state), slot=spec.slot, slot_state=_slot_text(slot),
+        name=spec.name, state=state, slot=spec.slot, slot_state=_slot_text(slot),
         slot_retained_wal_bytes=retained_bytes(slot, current),
         checkpoint_lsn=format_lsn(last.end_lsn) if last else None,
         checkpoint_commit_time=last.commit_time if last else None, lag_bytes=lag_bytes, lag_seconds=lag_s,
-        resolved_lag_seconds=resolved_lag, changes_per_second=rate,
-        last_batch_seconds=last.seconds if last else None, batches=last.batches if last else 0, snapshot=snapshot)
+        resolved_lag_seconds=resolved_lag, changes_per_second_last_minute=rate,
+        last_batch_apply_seconds=last.seconds if last else None, batches=last.batches if last else 0, snapshot=snapshot)
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 batch`, `2 batches`, `1,000 changes`."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "es" if noun.endswith("ch") else "s")
 
 
 def _slot_text(slot: src.SlotState | None) -> str:
@@ -79,6 +91,8 @@ def retained_bytes(slot: src.SlotState | None, current_lsn: int) -> int | None:
 def resolved_lag_s(now_ms: int, resolved_ts: int) -> float:
     """Source clock now minus the physical part of `resolved_ts`: how old the replica's cut is."""
     return max(0.0, (now_ms - physical_ms(resolved_ts)) / 1000)
+
+
 
 
 def checkpoint_lag_s(current_lsn: int, now_ms: int, applied_lsn: int, resolved_ts: int) -> float:

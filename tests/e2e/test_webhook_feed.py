@@ -198,6 +198,9 @@ def test_a_400_stops_the_feed_with_the_status_shown(dbs: Dbs, tmp_path: Path,
                        "--sink", f"{url}?{OPTIONS}", "--tables", "public.t", "--available-now")
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "400" in r.stderr and "bad payload: field x" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.startswith("changefeed: error:") and "hint:" in r.stderr, r.stderr[-2000:]
+    assert not [line for line in (r.stdout + r.stderr).splitlines()  # the one error, Spark's log elsewhere
+                if any(w in line for w in ("Traceback", "at org.apache", "ERROR", "WARN", "PythonException"))], r.stderr
     assert rec.seen == 1  # not retried
     status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", state, "--json").stdout)
     assert status["state"].startswith("failed") and "400" in status["state"], status

@@ -204,6 +204,33 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
         want *= 2
 
 
+def captured_change_after(conn: psycopg.Connection[Any], slot: str, publication: str, after: int,
+                          rows: int = 256, timeout_ms: int = 3000) -> bool | None:
+    """Whether the slot holds a transaction that changed a captured table and committed past
+    `after` (a checkpoint's end LSN). Decodes in the server from the slot's position, stopping
+    after about `rows` messages; None when that does not settle it, when it takes longer than
+    `timeout_ms`, or when the slot is in use (never call it while the feed runs: it would take
+    the slot from the feed's reader)."""
+    try:
+        with conn.transaction():
+            conn.execute("SELECT set_config('statement_timeout', %s, true)", (str(timeout_ms),))
+            found = conn.execute(
+                "SELECT lsn - '0/0'::pg_lsn, get_byte(data, 0) FROM pg_logical_slot_peek_binary_changes("
+                "%s, NULL, %s, 'proto_version', '1', 'publication_names', %s)", (slot, rows, publication)).fetchall()
+    except (psycopg.errors.ObjectInUse, psycopg.errors.QueryCanceled, psycopg.errors.UndefinedObject,
+            psycopg.errors.ObjectNotInPrerequisiteState):
+        return None
+    data = False
+    for lsn, kind in found:  # a commit's row carries the end of its commit record
+        if kind == ord("B"):
+            data = False
+        elif chr(kind) in "IUDT":
+            data = True
+        elif kind == ord("C") and data and int(lsn) > after:
+            return True
+    return False if len(found) < rows else None
+
+
 def wal_block_size(conn: psycopg.Connection[Any]) -> int:
     return int(conn.execute("SHOW wal_block_size").fetchone()[0])  # type: ignore[index]
 

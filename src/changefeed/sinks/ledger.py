@@ -26,7 +26,7 @@ class LastBatch:
     """The last batch a sink recorded."""
 
     end_lsn: int
-    commit_time: str | None  # of its last commit, as text
+    commit_time: str | None  # of the last commit applied (by this batch or an earlier one), as text
     resolved_ts: int
     batches: int  # recorded in all
     seconds: float | None  # its delivery time, None where unknown
@@ -136,7 +136,7 @@ class FileLedger:
         if not entries:
             return None
         last = entries[-1]
-        when = last.progress.last_commit_time
+        when = next((e.progress.last_commit_time for e in reversed(entries) if e.progress.last_commit_time), None)
         commit_time = None if when is None else time.strftime(
             "%Y-%m-%d %H:%M:%S", time.gmtime(when / 1e6)) + f".{when % 1_000_000:06d}+00"
         return LastBatch(last.progress.end_lsn, commit_time, last.progress.resolved_ts, len(entries),

@@ -140,10 +140,11 @@ class ReplicaLedger:
         if not has_meta(self.conn, "progress"):
             return None
         row = self.conn.execute(
-            "SELECT end_lsn - '0/0'::pg_lsn, commit_time::text, resolved_ts, "
+            "SELECT end_lsn - '0/0'::pg_lsn, coalesce(commit_time, (SELECT max(commit_time) FROM "
+            f"{META_SCHEMA}.progress WHERE feed = %s))::text, resolved_ts, "
             f"(SELECT count(*) FROM {META_SCHEMA}.progress WHERE feed = %s), "
             "extract(epoch FROM applied_at - b.began) "
-            f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed, self.feed)).fetchone()
+            f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed,) * 3).fetchone()
         if row is None:
             return None
         return LastBatch(int(row[0]), row[1], int(row[2]), int(row[3]),

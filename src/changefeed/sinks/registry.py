@@ -64,9 +64,10 @@ def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from .kafka_admin import KafkaLedger
 
         return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), spec.name, outbox=spec.outbox)
-    from .ledger import FileLedger
+    from .webhook import WebhookOptions
+    from .webhook_batch import WebhookLedger
 
-    return FileLedger(ledger_path(state))
+    return WebhookLedger(ledger_path(state), WebhookOptions.parse(spec.sink))
 
 
 def ledger_path(state: "FeedState") -> str:

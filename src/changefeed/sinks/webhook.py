@@ -23,7 +23,7 @@ from urllib.parse import unquote, unquote_plus, urlsplit
 
 from .. import __version__
 from ..config import parse_duration
-from ..errors import ConfigError, SinkError, TransientError
+from ..errors import ConfigError, ConnectionFailed, SinkError, TransientError
 
 SCHEMES = ("webhook-http", "webhook-https")
 USER_AGENT = f"changefeed/{__version__}"
@@ -344,11 +344,7 @@ class WebhookClient:
             data = response.read()  # all of it, so the connection can carry the next request
         except ssl.SSLCertVerificationError as e:
             self.close()
-            raise SinkError(
-                f"webhook {self.opts.redacted_url()}: TLS certificate verification failed for {describe}: "
-                f"{e.verify_message or e}",
-                "give the endpoint a certificate a trusted CA signed, or trust its CA (SSL_CERT_FILE=ca.pem); "
-                "for tests only, insecure_tls_skip_verify=true in the --sink URI turns verification off") from None
+            raise self._untrusted(e, describe) from None
         except (OSError, http.client.HTTPException) as e:
             self.close()
             return _Failure(_describe(e, self.opts.timeout_s), stale=reused and isinstance(e, _STALE))
@@ -361,6 +357,32 @@ class WebhookClient:
             return _Failure(what, retry_after=_retry_after(response.getheader("Retry-After")))
         raise SinkError(f"webhook {self.opts.redacted_url()} refused {describe}: {what}",
                         self._refused_hint(status, response.getheader("Location")))
+
+    def check_reachable(self) -> None:
+        """Connect, and for https complete the TLS handshake with the certificate verified, without
+        sending a request: what `run` checks before it creates anything."""
+        try:
+            self._connection().connect()
+        except ssl.SSLCertVerificationError as e:
+            raise self._untrusted(e, "the start-up check") from None
+        except ssl.SSLError as e:
+            raise SinkError(f"webhook {self.opts.redacted_url()}: the TLS handshake failed: {e}",
+                            "check that the endpoint speaks https at this port (webhook-http:// is plain "
+                            "HTTP)") from None
+        except OSError as e:
+            why = _describe(e, self.opts.timeout_s)
+            raise ConnectionFailed(f"cannot reach webhook {self.opts.redacted_url()}: {why}",
+                                   "check the host and port of the --sink URI and that the endpoint is up; "
+                                   "nothing was created") from None
+        finally:
+            self.close()
+
+    def _untrusted(self, e: ssl.SSLCertVerificationError, describe: str) -> SinkError:
+        return SinkError(
+            f"webhook {self.opts.redacted_url()}: TLS certificate verification failed for {describe}: "
+            f"{e.verify_message or e}",
+            "give the endpoint a certificate a trusted CA signed, or trust its CA (SSL_CERT_FILE=ca.pem); "
+            "for tests only, insecure_tls_skip_verify=true in the --sink URI turns verification off")
 
     @staticmethod
     def _refused_hint(status: int, location: str | None) -> str:

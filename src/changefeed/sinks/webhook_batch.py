@@ -14,7 +14,20 @@ import time
 from collections.abc import Callable
 
 from ..core.envelope import resolved
+from .ledger import FileLedger
 from .webhook import WebhookClient, WebhookOptions, idempotency_key, request_body, resolved_body
+
+
+class WebhookLedger(FileLedger):
+    """The file ledger, plus a connection to the endpoint before the feed creates anything: a TCP
+    connection and, for https, a TLS handshake with the certificate verified (no request is sent)."""
+
+    def __init__(self, path: str, opts: WebhookOptions) -> None:
+        super().__init__(path)
+        self.opts = opts
+
+    def check(self) -> None:
+        WebhookClient(self.opts).check_reachable()
 
 
 class WebhookBatch:

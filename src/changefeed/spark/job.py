@@ -4,25 +4,32 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict
 
 from ..config import FeedSpec, FeedState
 from ..sinks.registry import KAFKA, ledger_path, sink_kind
-from . import jvm_archive
+from . import jvm_archive, spark_log
 from .spark_home import use_linked_home
 
 
-def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None) -> Any:
+def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None,
+                  log: Path | None = None) -> Any:
     """One SparkSession per process, with our data sources registered. The driver JVM gets
-    `java_options`, by default the class archive's when there is one (see jvm_archive)."""
+    `java_options`, by default the class archive's when there is one (see jvm_archive).
+
+    With `log`, the JVM's output goes to that file instead of the console, and with it that of
+    everything the JVM starts (Spark's Python workers, their tracebacks): the console keeps
+    changefeed's own lines, and a failure is reported once, as its typed error."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     use_linked_home()
     if java_options is None:
         java_options = jvm_archive.java_options()
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     from .kafka_sink import KafkaSink
@@ -30,17 +37,19 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     from .source import ChangefeedSource
     from .webhook_sink import WebhookSink
 
-    spark = (SparkSession.builder.master(master).appName(app)
-             .config("spark.driver.extraJavaOptions", f"-Xss64m {java_options}".strip())
-             .config("spark.driver.memory", os.environ.get("CHANGEFEED_DRIVER_MEMORY", "4g"))
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "2")
-             # a packed row is a whole chunk of changes: hand each to the sink as soon as it is read
-             .config("spark.sql.execution.arrow.maxRecordsPerBatch", "1")
-             .config("spark.sql.streaming.stopTimeout", "60s")
-             .config("spark.python.worker.faulthandler.enabled", "true")
-             .getOrCreate())
+    conf = (SparkConf().setMaster(master).setAppName(app)
+            .set("spark.driver.extraJavaOptions", f"-Xss64m {java_options}".strip())
+            .set("spark.driver.memory", os.environ.get("CHANGEFEED_DRIVER_MEMORY", "4g"))
+            .set("spark.ui.enabled", "false")
+            .set("spark.ui.showConsoleProgress", "false")
+            .set("spark.sql.shuffle.partitions", "2")
+            # a packed row is a whole chunk of changes: hand each to the sink as soon as it is read
+            .set("spark.sql.execution.arrow.maxRecordsPerBatch", "1")
+            .set("spark.sql.streaming.stopTimeout", "60s")
+            .set("spark.python.worker.faulthandler.enabled", "true"))
+    if log is not None and SparkContext._active_spark_context is None:
+        SparkContext(conf=conf, gateway=spark_log.launch_gateway(conf, log))
+    spark = SparkSession.builder.config(conf=conf).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "ERROR"))
     spark.dataSource.register(ChangefeedSource)
     spark.dataSource.register(PostgresReplicaSink)

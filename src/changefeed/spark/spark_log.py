@@ -1,0 +1,54 @@
+"""Where a feed's Spark output goes: `STATE/NAME/spark.log`, not the console.
+
+Spark's driver JVM prints its start-up notices, log4j lines and the Java frames of every failed
+task, and the Python workers it starts print theirs (a `BrokenPipeError` when a query is stopped
+under a task). None of it is for an operator in normal operation: the feed reports progress and
+ends with one typed error. The JVM is therefore started with its stdout and stderr on this file;
+its children inherit them. `run --verbose` keeps them on the console instead.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import DefiniteError
+
+MAX_BYTES = 16 << 20  # past this at a start, the log moves to spark.log.1 (one old copy kept)
+
+
+class SparkDidNotStart(DefiniteError):
+    """The driver JVM did not come up (no Java, too little memory, a bad SPARK_HOME)."""
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def open_log(path: Path) -> Any:
+    """The log file for appending, after a line that marks this start (rotated when large)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size > MAX_BYTES:
+        path.replace(path.with_name(path.name + ".1"))
+    out = open(path, "ab")
+    out.write(f"--- changefeed pid {os.getpid()} starts Spark at {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n".encode())
+    out.flush()
+    return out
+
+
+def launch_gateway(conf: Any, path: Path) -> Any:
+    """Start the driver JVM (pyspark's launcher) with its output on `path`."""
+    from pyspark.java_gateway import launch_gateway as launch
+
+    with open_log(path) as out:  # the JVM has its own copy of the descriptor
+        try:
+            return launch(conf, popen_kwargs={"stdout": out, "stderr": subprocess.STDOUT})
+        except Exception as e:  # noqa: BLE001 - pyspark raises plain runtime errors here
+            raise SparkDidNotStart(f"Spark's driver JVM did not start ({e}); its last lines, from {path}:\n"
+                                   f"{tail(path)}", "check that Java 17+ is installed and on PATH (or JAVA_HOME "
+                                   "is set), and CHANGEFEED_DRIVER_MEMORY fits this machine") from None
