@@ -541,6 +541,7 @@ def test_unreachable_kafka(fresh: Dbs, tmp_path: Path) -> None:
     proc, dt = cli(*run_args(fresh.name, fresh.source, f"kafka://127.0.0.1:{port}?timeout=3s", "public.items", state),
                    cwd=tmp_path)
     assert_clean_failure(proc, dt, EX_TEMPFAIL, "cannot reach Kafka", f"127.0.0.1:{port}")
+    assert f"waiting for the sink kafka://127.0.0.1:{port} to answer" in proc.stdout, proc.stdout  # not silence
     assert_nothing_created(fresh.source, fresh.sink, state, fresh.name)
 
 
