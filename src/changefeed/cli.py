@@ -74,8 +74,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _running(args: argparse.Namespace) -> dict[str, Any]:
     """The options of `_running_args`, as keywords of feed.run."""
+    give_up = _option("give-up-after", parse_duration, args.give_up_after)
     return {"available_now": args.available_now, "master": args.master, "verbose": args.verbose,
-            "metrics_port": args.metrics_port, "metrics_host": args.metrics_host}
+            "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
+            "retry_max_backoff_s": _option("retry-max-backoff", parse_duration, args.retry_max_backoff),
+            "give_up_after_s": give_up or None}
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -231,6 +234,11 @@ def _running_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--available-now", action="store_true",
                      help="deliver everything committed before start, then exit 0")
     cmd.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    cmd.add_argument("--retry-max-backoff", default="30s",
+                     help="longest wait between attempts while a fault lasts (source restarting, connection lost, "
+                          "sink down), e.g. 30s (default 30s)")
+    cmd.add_argument("--give-up-after", help="end the run (exit 75) when a fault lasts longer than this, e.g. 10m "
+                                             "(default: never)")
     cmd.add_argument("--verbose", action="store_true",
                      help="show Spark's and the JVM's output on the console (default: in STATE/NAME/spark.log)")
     cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port at /metrics while "

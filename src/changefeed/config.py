@@ -172,6 +172,7 @@ class FeedState:
         self.paused_file = self.dir / "paused"
         self.failed_file = self.dir / "failed"
         self.spark_log = self.dir / "spark.log"  # the Spark driver's and workers' output (spark.spark_log)
+        self.retrying_file = self.dir / "retrying"  # while a running feed waits out a fault (retry)
 
     @property
     def paused(self) -> bool:

@@ -11,10 +11,11 @@ class ChangefeedError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str, hint: str = "") -> None:
+    def __init__(self, message: str, hint: str = "", *, component: str = "") -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.component = component  # source, sink, ...: which part failed, where known
 
     def __str__(self) -> str:
         return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message

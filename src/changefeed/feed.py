@@ -14,16 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import psycopg
+
 from . import errors, faults, retention
 from .config import FeedSpec, FeedState
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.requests import SnapshotRequests
-from .errors import ChangefeedError, ConfigError, FeedBusy, SinkError
+from .errors import ChangefeedError, ConfigError, FeedBusy, SinkError, TransientError
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
-from .postgres.connect import connect
+from .postgres.connect import connect, lost_connection
 from .postgres.outbox import OutboxCleanup, check_outbox_table
+from .retry import Retry, write_note
 from .runner_lock import state_lock
 from .sinks.ledger import Ledger
 from .sinks.registry import open_ledger, sink_kind
@@ -42,6 +45,12 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable
     """Check everything, then create publication, slot and target tables if missing."""
     spec.validate()
     stack.enter_context(state_lock(state))
+    return attach(spec, state, stack, report)
+
+
+def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
+    """Connect to the source and the sink, check them, create what is missing (each step leaves
+    what exists as it is, so a runner that lost its servers calls this again to carry on)."""
     with told_if_slow(f"the source {_endpoint(spec.source)} to answer", report):
         source = stack.enter_context(connect(spec.source, "source"))
     src.check_wal_level(source)
@@ -121,46 +130,102 @@ def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) 
 def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
         report: Callable[[str], None] = print, report_every_s: float = 2.0,
         stop_event: threading.Event | None = None, handle_signals: bool = True,
-        metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False) -> None:
+        metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False,
+        retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
-    Spark's own output goes to the state folder's spark.log, or with `verbose` to the console."""
-    from pyspark.errors import StreamingQueryException
+    Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
 
-    from .spark.job import spark_session, start_query
-
+    Once running, a transient fault (a server restarted, a connection lost, a sink down) stops the
+    query, waits (retry.Retry) and carries on from the checkpoint; what fails at the start, or
+    definitely, ends the run with its typed error."""
     stop = stop_event or threading.Event()
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
+    retry = Retry(retry_max_backoff_s, give_up_after_s)
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
+        attempt = stack.enter_context(ExitStack())  # an attempt's connections: closed before the next one
         try:
-            prepared = prepare(spec, state, stack, report)
+            spec.validate()
+            stack.enter_context(state_lock(state))
+            prepared: Prepared | None = attach(spec, state, attempt, report)
         except FeedBusy:
             raise  # about this runner, not the feed
         except ChangefeedError as e:
             state.record_failure(e)  # only if the state folder exists: bad input leaves none
             raise
         state.failed_file.unlink(missing_ok=True)
+        stack.callback(write_note, state.retrying_file, None)
         _check_retention(prepared, report)
         faults.mark_feed_group()
         faults.reach("startup")
         if handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
+        from .spark.job import spark_session
+
         spark = spark_session(master, log=None if verbose else state.spark_log)
-        parallel = _parallel_reads(spec, state)
-        query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
+        meter = Meter(report, prepared.ledger.totals)
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
-        meter = Meter(report, prepared.ledger.totals, SnapshotMeter(report, prepared.source_conn, prepared.ledger),
-                      Gauges(metrics, prepared) if metrics else None)
-        cleanup = _outbox_cleanup(prepared, stack)
-        try:
+        while True:
+            try:
+                if prepared is None:  # after a transient fault: connect and check again
+                    prepared = attach(spec, state, attempt, report)
+                    _check_retention(prepared, report)
+                    meter.totals = prepared.ledger.totals
+                _run_query(prepared, spark, meter, metrics, stop, retry, attempt, report,
+                           available_now=available_now, report_every_s=report_every_s)
+                break
+            except TransientError as e:
+                prepared = None
+                attempt.close()  # this attempt's connections (and the source's lock) and outbox cleanup
+                try:
+                    delay = retry.failed(e)
+                except TransientError:
+                    state.record_failure(e)
+                    raise
+                assert retry.current is not None
+                write_note(state.retrying_file, retry.current)
+                if metrics is not None:
+                    metrics.update(state="retrying", reason=retry.current.reason, component=retry.current.component)
+                report(f"feed {spec.name}: {retry.current.describe()}; next attempt in {delay:.1f}s")
+                if stop.wait(delay):
+                    break
+            except ChangefeedError as e:
+                state.record_failure(e)
+                raise
+        report(f"feed {spec.name}: stopped cleanly after {counted(meter.changes, 'change')} in "
+               f"{counted(meter.batches, 'batch')}")
+
+
+def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop: threading.Event, retry: Retry,
+               attempt: ExitStack, report: Callable[[str], None], *, available_now: bool,
+               report_every_s: float) -> None:
+    """One attempt: start the query, report, check and clean up until it stops, is stopped or fails;
+    a failure is raised as its typed error (a lost connection as ConnectionFailed)."""
+    from pyspark.errors import StreamingQueryException
+
+    from .spark.job import start_query
+
+    spec, state = prepared.spec, prepared.state
+    meter.snapshot = SnapshotMeter(report, prepared.source_conn, prepared.ledger)
+    meter.gauges = Gauges(metrics, prepared) if metrics else None
+    cleanup = _outbox_cleanup(prepared, attempt)
+    parallel = _parallel_reads(spec, state)
+    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
+    batches_at_start = meter.batches
+    try:
+        with _lost_connections(prepared):
             while query.isActive and not stop.is_set():
                 with suppress(StreamingQueryException):  # a failed query is handled below
                     query.awaitTermination(report_every_s)
                 meter.update(query)
+                if retry.current is not None and meter.batches > batches_at_start:
+                    report(f"feed {spec.name}: the {retry.current.component} is back; carrying on")
+                    retry.succeeded()
+                    write_note(state.retrying_file, None)
                 _clean_outbox(cleanup, prepared, report)
                 if spec.snapshot == "only" and _snapshot_done(query):
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
@@ -178,18 +243,27 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
             if query.exception() is not None:
                 _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
-                error = _query_error(query.exception(), state)
-                state.record_failure(error)
-                raise error
+                raise _query_error(query.exception(), state)
             _release_wal(prepared, query)
             _clean_outbox(cleanup, prepared, report)
-        finally:
-            if query.isActive:
-                report(f"feed {spec.name}: stopping")
-                query.stop()
+    finally:
+        if query.isActive:
+            report(f"feed {spec.name}: stopping")
+            query.stop()
+        with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
             meter.update(query)
-        report(f"feed {spec.name}: stopped cleanly after {counted(meter.changes, 'change')} in "
-               f"{counted(meter.batches, 'batch')}")
+
+
+@contextmanager
+def _lost_connections(prepared: Prepared) -> Iterator[None]:
+    """The runner's own work on the source and the sink: a lost connection is ConnectionFailed,
+    naming the server whose connection broke."""
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        role = "source" if prepared.source_conn.broken else "sink"
+        with lost_connection(role):
+            raise e from None
 
 
 def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
@@ -293,7 +367,10 @@ def _query_error(exc: Any, state: FeedState) -> ChangefeedError:
                  "TransientError", "FeedBusy", "ConfigError"):
         m = re.search(rf"changefeed\.errors\.{name}: (.*)(?:\n\s*hint: (.*))?", text)
         if m:
-            return getattr(errors, name)(m.group(1).strip(), (m.group(2) or "").strip())  # type: ignore[no-any-return]
+            message = m.group(1).strip()
+            role = re.search(r"\b(source|sink)\b", message)
+            return getattr(errors, name)(message, (m.group(2) or "").strip(),  # type: ignore[no-any-return]
+                                         component=role.group(1) if role else "query")
     return SinkError(f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
                      f"Spark's log is {state.spark_log} (or run with --verbose); the feed resumes from its "
                      "checkpoint when run again")

@@ -15,6 +15,7 @@ from .core.hlc import physical_ms
 from .metrics import FeedMetrics, TableSnapshot
 from .metrics import serve as serve_metrics
 from .postgres import source as src
+from .retry import read_note
 from .status import checkpoint_lag_s, counted, resolved_lag_s, retained_bytes
 
 if TYPE_CHECKING:
@@ -90,8 +91,9 @@ class Gauges:
 
     def update(self, query: Any, pending: tuple[str, ...], **meter: Any) -> None:
         """A meter value that is None (no batch done since a query (re)start) keeps the last one."""
-        state, reason = _phase(self.prepared.state, query)
-        self.metrics.update(state=state, reason=reason, **{k: v for k, v in meter.items() if v is not None})
+        state, reason, component = _phase(self.prepared.state, query)
+        self.metrics.update(state=state, reason=reason, component=component,
+                            **{k: v for k, v in meter.items() if v is not None})
         with suppress(psycopg.Error):  # a server gone away must not mask why the feed stops
             self.metrics.update(**self._read(pending))
 
@@ -109,12 +111,16 @@ class Gauges:
         return out
 
 
-def _phase(state: FeedState, query: Any) -> tuple[str, str]:
-    """(state, failure reason) of this run for the metrics: failed wins, then paused, running, stopped."""
+def _phase(state: FeedState, query: Any) -> tuple[str, str, str]:
+    """(state, reason, component) of this run for the metrics: failed wins, then retrying (until a
+    batch is recorded after the fault), paused, running, stopped."""
     failure = state.failure()
     if failure:
-        return "failed", failure.removeprefix("failed: ")
-    return ("paused" if state.paused else "running" if query.isActive else "stopped"), ""
+        return "failed", failure.removeprefix("failed: "), ""
+    retrying = read_note(state.retrying_file)
+    if retrying is not None:
+        return "retrying", retrying.reason, retrying.component
+    return ("paused" if state.paused else "running" if query.isActive else "stopped"), "", ""
 
 
 class SnapshotMeter:

@@ -16,7 +16,7 @@ from typing import Any
 from .errors import ConfigError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-STATES = ("starting", "running", "paused", "stopped", "failed")
+STATES = ("starting", "running", "retrying", "paused", "stopped", "failed")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Values:
     """The latest gauge values; None where nothing was measured yet (the sample is left out)."""
 
     state: str = "starting"
-    reason: str = ""  # why it failed, when state is failed
+    reason: str = ""  # why it failed (state failed), or what it waits out (state retrying)
+    component: str = ""  # what is retried: source, sink, query
     checkpoint_lag_seconds: float | None = None
     resolved_lag_seconds: float | None = None
     slot_retained_wal_bytes: int | None = None
@@ -101,6 +102,10 @@ def _lines(feed: str, v: Values) -> Iterator[str]:
                        [({"feed": feed, "state": s}, int(v.state == s)) for s in STATES])
     yield from _family("changefeed_failure_info", "gauge", "Why the feed failed, while its state is failed.",
                        [({"feed": feed, "reason": v.reason}, 1)] if v.state == "failed" else [])
+    yield from _family("changefeed_retrying_info", "gauge", "What a running feed waits out (the component and "
+                       "the last failure), while its state is retrying.",
+                       [({"feed": feed, "component": v.component, "reason": v.reason}, 1)]
+                       if v.state == "retrying" else [])
     for name, kind, text, attr in _SCALARS:
         value = getattr(v, attr)
         yield from _family(name, kind, text, [] if value is None else [({"feed": feed}, value)])

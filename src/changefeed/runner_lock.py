@@ -64,6 +64,12 @@ def holder(state: FeedState) -> str | None:
 
 
 def run_state(state: FeedState) -> str:
-    """running (holder), paused, failed: reason (of the last run), or stopped."""
+    """running (holder), with what it is retrying if a fault lasts; paused, failed: reason (of the
+    last run), or stopped."""
+    from .retry import read_note
+
     who = holder(state)
-    return f"running ({who})" if who else "paused" if state.paused else state.failure() or "stopped"
+    if who:
+        retrying = read_note(state.retrying_file)
+        return f"running ({who}), {retrying.describe()}" if retrying else f"running ({who})"
+    return "paused" if state.paused else state.failure() or "stopped"

@@ -11,7 +11,8 @@ from .config import FeedSpec, FeedState
 from .core.hlc import physical_ms
 from .core.lsn import format_lsn
 from .postgres import source as src
-from .postgres.connect import connect
+from .errors import ConnectionFailed
+from .postgres.connect import connect, lost_connection
 from .runner_lock import run_state
 from .sinks.registry import open_ledger
 
@@ -30,7 +31,7 @@ class FeedStatus:
     resolved_lag_seconds: float | None  # source clock now - the last applied resolved ts, also when caught up
     changes_per_second_last_minute: float | None  # applied (recorded by the sink) over the last minute
     last_batch_apply_seconds: float | None  # the last batch's sink transaction, begin to progress row
-    batches: int
+    batches: int | None
     snapshot: dict[str, dict[str, int]]  # per table: chunks and rows applied
 
     def lines(self) -> list[str]:
@@ -41,7 +42,20 @@ class FeedStatus:
 
 
 def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
+    """The feed's status; for a running feed whose source or sink cannot be reached now (it is
+    retrying), what the state folder knows, and the rest unknown."""
     state = run_state(feed_state)
+    try:
+        with lost_connection("source or sink"):
+            return _measured(spec, feed_state, state)
+    except ConnectionFailed as e:
+        if not state.startswith("running"):
+            raise
+        return FeedStatus(spec.name, state, spec.slot, f"unknown ({e.message.splitlines()[0]})", None, None, None,
+                          None, None, None, None, None, None, {})
+
+
+def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
     with connect(spec.source, "source") as source, closing(open_ledger(spec, feed_state)) as ledger:
         slot = src.slot_state(source, spec.slot)
         current, now_ms = src.flush_lsn(source)

@@ -1,6 +1,13 @@
-"""Open PostgreSQL connections, turning driver failures into typed, actionable errors."""
+"""Open PostgreSQL connections, turning driver failures into typed, actionable errors.
+
+Every connection has TCP keepalives (probes after 10 s idle, every 5 s, 3 unanswered: a silent
+peer is found within about 25 s) and `tcp_user_timeout` (data unacknowledged for 30 s drops the
+connection), so a network stall ends in an error the feed retries, never in a hang.
+"""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -22,6 +29,22 @@ def redact(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+              "tcp_user_timeout": 30_000}
+
+
+@contextmanager
+def lost_connection(role: str) -> Iterator[None]:
+    """Work on a `role` server's connection: losing it (the server restarted or crashed, the backend
+    terminated, the network dropped or stalled) is ConnectionFailed, which the feed retries."""
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConnectionFailed(f"lost the connection to the {role}: {first}",
+                               f"changefeed retries until the {role} is back", component=role) from None
+
+
 def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection[Any]:
     """Connect to `uri`; `role` ("source", "sink") names the server in error messages."""
     if not uri.startswith(("postgresql://", "postgres://")):
@@ -29,7 +52,7 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
                           "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
     try:
         return psycopg.connect(uri, autocommit=autocommit, connect_timeout=10, application_name="changefeed",
-                               **kwargs)
+                               **{**KEEPALIVES, **kwargs})
     except psycopg.ProgrammingError as e:
         raise ConfigError(f"{role} URI {redact(uri)!r} is malformed: {e}",
                           "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME") from None
@@ -42,4 +65,5 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
         if "database \"" in text and "does not exist" in text:
             raise ConfigError(f"{role} {redact(uri)}: {text.strip()}", "create the database or fix the URI") from None
         raise ConnectionFailed(f"cannot reach {role} {redact(uri)}: {text.strip()}",
-                               "check host and port, and that the server is running and accepts TCP connections") from None
+                               "check host and port, and that the server is running and accepts TCP connections",
+                               component=role) from None

@@ -232,6 +232,11 @@ class BatchApplier:
         self.conn.execute(f"SET temp_buffers = '{SESSION_MEMORY}'")
         self.conn.execute("BEGIN")
         self.conn.execute(f"SET LOCAL work_mem = '{SESSION_MEMORY}'")
+        # The batch counts as applied once this commits (Spark logs it, the slot moves past it): the
+        # commit must be durable even where the replica's default is synchronous_commit=off, or a
+        # replica crash would lose batches nothing replays. Stronger settings (standbys) are kept.
+        self.conn.execute("SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
+                          "WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true)")
         self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{self.feed}",))
         self.done = applied_upto(self.conn, self.feed)
 

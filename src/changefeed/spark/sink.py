@@ -61,7 +61,7 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
         self.feed = options["feed"]
 
     def write(self, iterator: Iterator[Any]) -> AppliedMessage:
-        from ..postgres.connect import connect
+        from ..postgres.connect import connect, lost_connection
         from ..sinks import postgres_replica as replica
 
         chunks: queue.Queue[Any] = queue.Queue(QUEUED_CHUNKS)
@@ -77,7 +77,7 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                 while chunks.get() is not done:  # let the reader finish; its data is not needed
                     pass
 
-        with connect(self.uri, "sink", autocommit=True) as conn:
+        with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
             applier = replica.BatchApplier(conn, self.feed, batch_id())
             applier.begin()
             worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)

@@ -31,7 +31,7 @@ from ..core.requests import SnapshotRequests
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
-from ..postgres.connect import connect
+from ..postgres.connect import connect, lost_connection
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
@@ -109,6 +109,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             self._conn = connect(self.uri, "source")
         return self._conn
 
+    @lost_connection("source")
     def initialOffset(self) -> dict[str, int]:
         state = src.slot_state(self.conn, self.slot)
         src.check_slot_usable(state, self.slot, None, self.feed)
@@ -123,6 +124,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return ReadMaxBytes(self.max_bytes)
         return ReadAllAvailable()
 
+    @lost_connection("source")
     def prepareForTriggerAvailableNow(self) -> None:
         self._available_now = self._boundary()
 
@@ -142,6 +144,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                 cursor = cursor.request(tables, no)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
+    @lost_connection("source")
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark plans a batch only once the previous one is committed downstream, so `start` is
         # safe to release now (Spark's own `commit(start)` comes later): the cut below then
@@ -196,22 +199,24 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
         conn = connect(partition.uri, "source", autocommit=False)
         try:
-            # The slot is at `start` already (latestOffset released it before planning); a slot
-            # behind it would re-send a message that straddles `start`. Everything before `start`
-            # is committed downstream, so moving the slot there is always safe.
-            src.advance(conn, partition.slot, partition.start["lsn"])
-            conn.commit()
-            builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
-                                    partition.end["ts"], lambda rel: src.column_catalog(conn, rel),
-                                    part=partition.part, parts=partition.parts)
-            blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
-            for rb in builder.batches(blocks, partition.rows_per_batch):
-                yield ch.pack(rb)
-                yield from _push_through()
-                faults.reach("read")
+            with lost_connection("source"):
+                # The slot is at `start` already (latestOffset released it before planning); a slot
+                # behind it would re-send a message that straddles `start`. Everything before `start`
+                # is committed downstream, so moving the slot there is always safe.
+                src.advance(conn, partition.slot, partition.start["lsn"])
+                conn.commit()
+                builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
+                                        partition.end["ts"], lambda rel: src.column_catalog(conn, rel),
+                                        part=partition.part, parts=partition.parts)
+                blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
+                for rb in builder.batches(blocks, partition.rows_per_batch):
+                    yield ch.pack(rb)
+                    yield from _push_through()
+                    faults.reach("read")
         finally:
             conn.close()
 
+    @lost_connection("source")
     def commit(self, end: dict[str, int]) -> None:
         """Spark has committed the batch ending at `end` downstream: release WAL before it.
 
@@ -237,7 +242,7 @@ def _push_through() -> list[Any]:
 def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
     chunk = snapshot.Chunk.from_json(part.chunk)
-    with connect(part.uri, "source") as conn:
+    with connect(part.uri, "source") as conn, lost_connection("source"):
         found = snap_pg.ChunkRead()
         for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start["lsn"], part.end["ts"],
                                      found, part.rows_per_batch):
