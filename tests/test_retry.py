@@ -60,3 +60,18 @@ def test_the_note_is_written_read_and_removed(tmp_path: Path) -> None:
     assert not path.exists() and read_note(path) is None
     path.write_text("{torn")
     assert read_note(path) is None
+
+
+@pytest.mark.parametrize("message, trace, component", [
+    ("lost the connection to the sink: server closed the connection", "", "sink"),
+    ("cannot reach source postgresql://h:1/db: refused", 'File "/x/changefeed/spark/sink.py"', "source"),
+    ("webhook http://h/x did not take batch 1", 'File "/x/changefeed/spark/webhook_sink.py", line 40', "sink"),
+    ("Kafka h:1, committing batch 3: _TRANSPORT", 'File "/x/changefeed/spark/kafka_sink.py"', "sink"),
+    ("replication slot s is in use", 'File "/x/changefeed/spark/source.py", line 9', "source"),
+    ("something", "", "query"),
+])
+def test_a_query_failure_names_the_part_it_came_from(message: str, trace: str, component: str) -> None:
+    from changefeed.feed import _component
+
+    assert _component(message, f"org.apache.spark.SparkException: ...\n{trace}\nchangefeed.errors.X: {message}") \
+        == component

@@ -360,6 +360,17 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
             return
 
 
+def _component(message: str, text: str) -> str:
+    """Which part of the feed a query failure came from: the one its message names, else the one
+    whose Spark module raised it (the Python traceback in the failure's text), else the query."""
+    named = re.search(r"\b(source|sink)\b", message)
+    if named:
+        return named.group(1)
+    if re.search(r"changefeed/spark/(sink|message_writer|kafka_sink|webhook_sink)\.py", text):
+        return "sink"
+    return "source" if "changefeed/spark/source.py" in text else "query"
+
+
 def _query_error(exc: Any, state: FeedState) -> ChangefeedError:
     """Re-raise a query failure as the typed error it carries, if any."""
     text = str(exc)
@@ -367,10 +378,8 @@ def _query_error(exc: Any, state: FeedState) -> ChangefeedError:
                  "TransientError", "FeedBusy", "ConfigError"):
         m = re.search(rf"changefeed\.errors\.{name}: (.*)(?:\n\s*hint: (.*))?", text)
         if m:
-            message = m.group(1).strip()
-            role = re.search(r"\b(source|sink)\b", message)
-            return getattr(errors, name)(message, (m.group(2) or "").strip(),  # type: ignore[no-any-return]
-                                         component=role.group(1) if role else "query")
+            return getattr(errors, name)(m.group(1).strip(), (m.group(2) or "").strip(),  # type: ignore[no-any-return]
+                                         component=_component(m.group(1), text))
     return SinkError(f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
                      f"Spark's log is {state.spark_log} (or run with --verbose); the feed resumes from its "
                      "checkpoint when run again")

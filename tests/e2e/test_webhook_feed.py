@@ -205,3 +205,41 @@ def test_a_400_stops_the_feed_with_the_status_shown(dbs: Dbs, tmp_path: Path,
     status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", state, "--json").stdout)
     assert status["state"].startswith("failed") and "400" in status["state"], status
     assert status["batches"] == 0
+
+
+def test_an_endpoint_down_for_a_while_is_waited_out(dbs: Dbs, tmp_path: Path,
+                                                     receiver: tuple[Receiver, str]) -> None:
+    """The endpoint answers 500 longer than the client's own retries last (retry_max=2): the batch
+    fails with a transient error, and the runner waits and sends it again, in the same process,
+    until the endpoint is back; status says retrying meanwhile and names the sink."""
+    rec, url = receiver
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v int NOT NULL)")
+        c.execute("INSERT INTO t SELECT g, 0 FROM generate_series(1, 50) g")
+    state, log = str(tmp_path / "state"), tmp_path / "run.log"
+    sink = f"{url}?flush_messages=40&retry_backoff=50ms&retry_max_backoff=200ms&timeout=1s&retry_max=2"
+    feed = start_changefeed("run", "--name", dbs.name, "--state", state, "--source", dbs.source, "--sink", sink,
+                            "--tables", "public.t", "--retry-max-backoff", "1s", log=log)
+    try:
+        wait_for("the snapshot delivered", lambda: len(replay(rec.messages())) == 50, log)
+        rec.always = "500"
+        with dbs.src() as c:
+            c.execute("UPDATE t SET v = v + 1 WHERE id <= 25")
+            c.execute("DELETE FROM t WHERE id > 45")
+
+        def retrying() -> str | None:
+            out = changefeed_cli("status", "--name", dbs.name, "--state", state, "--json")
+            st = json.loads(out.stdout) if out.returncode == 0 else {}
+            return st["state"] if "retrying" in st.get("state", "") else None
+
+        assert "the sink" in wait_for("status to say retrying", retrying, log, timeout=120)
+        time.sleep(2)
+        rec.always = ""
+        wait_for("every change delivered", lambda: replay(rec.messages()) == source_rows(dbs), log, timeout=120)
+        wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log)
+        assert feed.poll() is None, log.read_text()[-3000:]
+        assert "Traceback" not in log.read_text()
+    finally:
+        feed.send_signal(signal.SIGTERM)
+        rc = feed.wait(timeout=120)
+    assert rc == 0, log.read_text()[-3000:]
