@@ -145,10 +145,10 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     retry = Retry(retry_max_backoff_s, give_up_after_s)
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
-        attempt = stack.enter_context(ExitStack())  # an attempt's connections: closed before the next one
         try:
             spec.validate()
             stack.enter_context(state_lock(state))
+            attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
             prepared: Prepared | None = attach(spec, state, attempt, report)
         except FeedBusy:
             raise  # about this runner, not the feed
