@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,9 @@ _counter = itertools.count()
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPostgres, LocalPostgres]]:
     root = tmp_path_factory.mktemp("pg")
-    source = LocalPostgres.start(root / "source")
-    sink = LocalPostgres.start(root / "sink")
+    slots = {"max_replication_slots": "64"}  # every test's feed has one while it runs (dbs drops them after)
+    source = LocalPostgres.start(root / "source", settings=slots)
+    sink = LocalPostgres.start(root / "sink", settings=slots)
     yield source, sink
     source.stop("immediate")
     sink.stop("immediate")
@@ -49,15 +50,25 @@ class Dbs:
 
 
 @pytest.fixture
-def dbs(servers: tuple[LocalPostgres, LocalPostgres]) -> Dbs:
-    """A fresh empty database on each server, and a fresh feed name."""
+def dbs(servers: tuple[LocalPostgres, LocalPostgres]) -> Iterator[Dbs]:
+    """A fresh empty database on each server, and a fresh feed name. Afterwards the replication
+    slots left in the source database are dropped: the shared server has a fixed number of them,
+    and each one keeps WAL back for the rest of the session."""
     n = next(_counter)
     name = f"t{os.getpid()}_{n}"
     source, sink = servers
     for server in servers:
         with psycopg.connect(server.uri(), autocommit=True) as c:
             c.execute(f"CREATE DATABASE {name}")
-    return Dbs(source.uri(name), sink.uri(name), name)
+    yield Dbs(source.uri(name), sink.uri(name), name)
+    drop_slots(source.uri(), name)
+
+
+def drop_slots(uri: str, database: str) -> None:
+    """Drop the inactive replication slots of `database` (a slot a process still reads stays)."""
+    with suppress(psycopg.Error), psycopg.connect(uri, autocommit=True) as c:
+        c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                  "WHERE database = %s AND NOT active", (database,))
 
 
 @pytest.fixture(scope="session")
