@@ -53,28 +53,32 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     what exists as it is, so a runner that lost its servers calls this again to carry on)."""
     with told_if_slow(f"the source {_endpoint(spec.source)} to answer", report):
         source = stack.enter_context(connect(spec.source, "source"))
-    src.check_wal_level(source)
-    tables = src.describe_tables(source, list(spec.tables))
-    if spec.outbox_spec is not None:
-        check_outbox_table(source, spec.outbox_spec)
-    src.lock_feed(source, spec.name)
-    with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report):
+    with lost_connection("source"):  # a connection lost on the way is retried by a running feed
+        src.check_wal_level(source)
+        tables = src.describe_tables(source, list(spec.tables))
+        if spec.outbox_spec is not None:
+            check_outbox_table(source, spec.outbox_spec)
+        src.lock_feed(source, spec.name)
+        slot = src.slot_state(source, spec.slot)
+    with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report), lost_connection("sink"):
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
-        slot = src.slot_state(source, spec.slot)
         if state.has_checkpoint() or slot is not None:
             src.check_slot_usable(slot, spec.slot, ledger.checkpoint_lsn(), spec.name)
         ledger.check()
     # -- nothing was created up to here --
-    src.ensure_publication(source, spec.publication, tables)
-    created = slot is None
-    if created:
-        src.create_slot(source, spec.slot)
+    with lost_connection("source"):
+        src.ensure_publication(source, spec.publication, tables)
+        created = slot is None
+        if created:
+            src.create_slot(source, spec.slot)
     try:
-        ledger.prepare(tables)
+        with lost_connection("sink"):
+            ledger.prepare(tables)
     except Exception:
         if created:  # leave nothing half-made behind: the next run starts clean
-            source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
+            with lost_connection("source"):
+                source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
         raise
     state.save(spec)
     return Prepared(spec, state, source, ledger)
