@@ -141,6 +141,16 @@ def kill_runs(base: list[str], kills: list[str], tmp_path: Path, random_after: t
         time.sleep(0.5)  # let the killed group's sockets close
 
 
+def kafka_partitions(bootstrap: str, topic: str) -> list[Any]:
+    """Every record of each partition of `topic`, with its transaction's outcome (local_kafka.LogRecord)."""
+    from confluent_kafka.admin import AdminClient
+
+    from changefeed.local_kafka import read_partition
+
+    meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10).topics[topic]
+    return [read_partition(bootstrap, topic, p, timeout=60) for p in sorted(meta.partitions)]
+
+
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real Kafka-protocol broker (Tansu, in memory) for the session."""

@@ -2,8 +2,16 @@
 
 `TransientError`: retrying (or restarting from the checkpoint) may succeed. `DefiniteError`: it
 will not, an operator must act; the message says what to do. The CLI maps both to a non-zero exit.
+Which of the two an error is, is its type, never its text: an error raised inside Spark (a task,
+a data source callback) reaches the driver as text only, so it travels as one marker line that
+`carried_in` turns back into the same type.
 """
 from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class ChangefeedError(Exception):
@@ -25,6 +33,7 @@ class TransientError(ChangefeedError):
     """The feed may succeed if retried: a network blip, a server restarting."""
 
     exit_code = 75  # EX_TEMPFAIL
+    max_attempts: int | None = None  # failed attempts in a row after which retrying stops (None: never)
 
 
 class DefiniteError(ChangefeedError):
@@ -61,6 +70,14 @@ class IncompleteBatch(TransientError):
     """A sink's input lacks some of the batch's partitions: its task was cut short."""
 
 
+class QueryFailed(TransientError):
+    """The streaming query failed with an error changefeed has no type for (a Python worker
+    crashed, an executor was lost, an unexpected exception): restarting from the checkpoint is
+    safe and often enough, but an error that comes back every time needs a human."""
+
+    max_attempts = 3
+
+
 class SinkError(DefiniteError):
     """The sink refused the data in a way that retrying will not fix."""
 
@@ -70,3 +87,54 @@ def start_over_hint(feed: str) -> str:
     return (f"changefeed remove --name {feed} (drops its slot and publication, forgets its checkpoint), truncate "
             f"its replica tables, then changefeed run --name {feed} --source ... --sink ... --tables ... "
             "(a fresh snapshot); changefeed never skips WAL and never re-creates a slot silently")
+
+
+MARKER = "changefeed-error:"
+
+
+class Carried(Exception):
+    """A ChangefeedError on its way out of Spark: its text is the marker line."""
+
+
+@contextmanager
+def carried(component: str) -> Iterator[None]:
+    """Code that Spark runs (a task, a data source callback): an error leaves as one marker line
+    naming its type, message, hint and component (`component` if it names none). An error that is
+    not ours becomes QueryFailed, its traceback printed first (to the worker's log)."""
+    try:
+        yield
+    except ChangefeedError as e:
+        raise Carried(_marker(e, component)) from None
+    except Exception as e:  # noqa: BLE001 - anything else is a failure nobody foresaw
+        traceback.print_exc()
+        failed = QueryFailed(f"{component}: {type(e).__name__}: {e}".splitlines()[0],
+                             "the feed restarts from its checkpoint; if the error comes back, see Spark's log")
+        raise Carried(_marker(failed, component)) from None
+
+
+def _marker(e: ChangefeedError, component: str) -> str:
+    return MARKER + json.dumps({"type": type(e).__name__, "message": e.message, "hint": e.hint,
+                                "component": e.component or component})
+
+
+def carried_in(text: str) -> ChangefeedError | None:
+    """The error a `carried` marker in `text` (a failed query's message) stands for, if any."""
+    at = text.find(MARKER)
+    if at < 0:
+        return None
+    try:
+        fields, _ = json.JSONDecoder().raw_decode(text, at + len(MARKER))
+        kind = _types()[fields["type"]]
+        return kind(fields["message"], fields["hint"], component=fields["component"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _types() -> dict[str, type[ChangefeedError]]:
+    found: dict[str, type[ChangefeedError]] = {}
+    todo: list[type[ChangefeedError]] = [ChangefeedError]
+    while todo:
+        kind = todo.pop()
+        found[kind.__name__] = kind
+        todo += kind.__subclasses__()
+    return found

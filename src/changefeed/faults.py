@@ -4,8 +4,10 @@
 n-th time (default 1st) execution reaches `point`: startup, read, snapshot_chunk (a chunk was
 read), sink_write (a message sink wrote another 1000 messages of a batch), insert_run (the replica
 COPYed a run of inserts into its target, inside the batch's transaction), before_sink_commit or
-after_sink_commit. Counting uses a file next to the feed state
-(`CHANGEFEED_FAULT_DIR`), because the points run in different processes. Unset: no cost.
+after_sink_commit. `CHANGEFEED_FAIL_AT=point[:n]` instead raises an unexpected error there, once
+(the n-th time): a task failing for a reason changefeed has no type for. Counting uses a file
+next to the feed state (`CHANGEFEED_FAULT_DIR`), because the points run in different processes.
+Unset: no cost.
 """
 from __future__ import annotations
 
@@ -13,23 +15,34 @@ import os
 import signal
 
 def reach(point: str) -> None:
-    spec = os.environ.get("CHANGEFEED_KILL_AT")
+    if _due("CHANGEFEED_KILL_AT", point, "fault"):
+        # The feed's group (driver + JVM), then ours: PySpark's worker daemon has its own group.
+        os.killpg(int(os.environ.get("CHANGEFEED_PGID", os.getpgrp())), signal.SIGKILL)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    if _due("CHANGEFEED_FAIL_AT", point, "fail"):
+        raise InjectedFault(f"fault injected at {point} (CHANGEFEED_FAIL_AT)")
+
+
+class InjectedFault(RuntimeError):
+    """Deliberately not a ChangefeedError: it stands for a failure nobody foresaw."""
+
+
+def _due(variable: str, point: str, kind: str) -> bool:
+    """Whether this is the n-th time `point` is reached and `variable` names it."""
+    spec = os.environ.get(variable)
     if not spec:
-        return
+        return False
     name, _, nth = spec.partition(":")
     if name != point:
-        return
-    counter = os.path.join(os.environ.get("CHANGEFEED_FAULT_DIR", "."), f".fault-{point}")
+        return False
+    counter = os.path.join(os.environ.get("CHANGEFEED_FAULT_DIR", "."), f".{kind}-{point}")
     fd = os.open(counter, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, b"x")
         hits = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    if hits == int(nth or 1):
-        # The feed's group (driver + JVM), then ours: PySpark's worker daemon has its own group.
-        os.killpg(int(os.environ.get("CHANGEFEED_PGID", os.getpgrp())), signal.SIGKILL)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+    return hits == int(nth or 1)
 
 
 def mark_feed_group() -> None:

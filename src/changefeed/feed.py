@@ -5,7 +5,6 @@ Everything that can fail on bad input is checked before anything is created or a
 from __future__ import annotations
 
 import json
-import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from .config import FeedSpec, FeedState
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.requests import SnapshotRequests
-from .errors import ChangefeedError, ConfigError, FeedBusy, SinkError, TransientError
+from .errors import ChangefeedError, ConfigError, FeedBusy, QueryFailed, TransientError
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
 from .postgres.connect import connect, lost_connection
@@ -364,28 +363,11 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
             return
 
 
-def _component(message: str, text: str) -> str:
-    """Which part of the feed a query failure came from: the one its message names, else the one
-    whose Spark module raised it (the Python traceback in the failure's text), else the query."""
-    named = re.search(r"\b(source|sink)\b", message)
-    if named:
-        return named.group(1)
-    if re.search(r"changefeed/spark/(sink|message_writer|kafka_sink|webhook_sink)\.py", text):
-        return "sink"
-    return "source" if "changefeed/spark/source.py" in text else "query"
-
-
 def _query_error(exc: Any, state: FeedState) -> ChangefeedError:
-    """Re-raise a query failure as the typed error it carries, if any."""
+    """A query failure as the typed error it carries (errors.carried); any other failure (Spark's
+    own, a Python worker that crashed) as QueryFailed."""
     text = str(exc)
-    for name in ("SlotLost", "SinkError", "SourceNotReady", "ConnectionFailed", "AuthenticationFailed",
-                 "TransientError", "FeedBusy", "ConfigError"):
-        m = re.search(rf"changefeed\.errors\.{name}: (.*)(?:\n\s*hint: (.*))?", text)
-        if m:
-            return getattr(errors, name)(m.group(1).strip(), (m.group(2) or "").strip(),  # type: ignore[no-any-return]
-                                         component=_component(m.group(1), text))
-    return SinkError(f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
-                     f"Spark's log is {state.spark_log} (or run with --verbose); the feed resumes from its "
-                     "checkpoint when run again")
-
-
+    return errors.carried_in(text) or QueryFailed(
+        f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
+        f"Spark's log is {state.spark_log} (or run with --verbose); the feed restarts from its checkpoint",
+        component="query")

@@ -119,10 +119,12 @@ class LocalKafka:
         return f"127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, workdir: Path | str, port: int | None = None, *, timeout: float = 30.0) -> LocalKafka:
+    def start(cls, workdir: Path | str, port: int | None = None, *, timeout: float = 30.0,
+              advertised_port: int | None = None) -> LocalKafka:
         """Start a broker logging to `workdir`/broker.log; return once it answers Kafka metadata requests.
 
         With no `port`, a free one is picked (and picked again if another process grabs it first).
+        With `advertised_port`, clients are told to reach the broker there (a proxy in front of it).
         On Linux the broker gets SIGKILL when the thread that started it ends (through util-linux's
         `setpriv --pdeathsig`), so start it from the main thread or one that outlives its use.
         """
@@ -132,7 +134,7 @@ class LocalKafka:
         tries = 1 if port else 3
         last: LocalKafkaNotReady | None = None
         for _ in range(tries):
-            broker = cls._spawn(binary, workdir, port or _free_port())
+            broker = cls._spawn(binary, workdir, port or _free_port(), advertised_port)
             try:
                 broker._wait_ready(timeout)
                 return broker
@@ -145,13 +147,13 @@ class LocalKafka:
         raise last
 
     @classmethod
-    def _spawn(cls, binary: Path, workdir: Path, port: int) -> LocalKafka:
+    def _spawn(cls, binary: Path, workdir: Path, port: int, advertised_port: int | None = None) -> LocalKafka:
         url = f"tcp://127.0.0.1:{port}"
         log_path = workdir / "broker.log"
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV} | {"NO_COLOR": "1"}
         cluster_id = f"changefeed-{uuid.uuid4().hex[:12]}"  # tells our broker from another on the same port
         cmd = [str(binary), "broker", "--cluster-id", cluster_id, "--storage-engine", "memory://tansu/",
-               "--listener-url", url, "--advertised-listener-url", url]
+               "--listener-url", url, "--advertised-listener-url", f"tcp://127.0.0.1:{advertised_port or port}"]
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()

@@ -4,7 +4,9 @@ A running feed that meets a TransientError (a server restarting, a connection lo
 endpoint down) stops its query, waits, and starts again from its checkpoint; nothing is lost or
 applied twice because every attempt resumes from what the sink committed. The n-th wait in a row
 is uniform in [0, min(max_backoff, first × 2ⁿ⁻¹)], so runners hit by the same outage do not come
-back in step. A fault that lasts longer than `give_up_after` ends the run with its error (exit 75).
+back in step. A fault that lasts longer than `give_up_after`, or fails more attempts in a row
+than its type allows (errors.QueryFailed: an error changefeed does not know, that may be a bug),
+ends the run with its error (exit 75).
 While it lasts, the state folder holds a `retrying` note (component, reason, since, attempts) that
 `status` and the metrics show.
 """
@@ -45,21 +47,25 @@ class Retry:
         self.max_backoff_s, self.give_up_after_s, self.first_s = max_backoff_s, give_up_after_s, first_s
         self._rng, self._clock = rng, clock
         self.current: Retrying | None = None
+        self._kind: tuple[type[TransientError], int] | None = None  # the last error's type, failures of it in a row
 
     def failed(self, error: TransientError) -> float:
         """Note `error`; the wait before the next attempt. Raises `error` once the fault has lasted
-        longer than give_up_after."""
+        longer than give_up_after, or once its type failed `max_attempts` times in a row."""
         now = self._clock()
         since = self.current.since if self.current else now
         attempts = (self.current.attempts if self.current else 0) + 1
         self.current = Retrying(error.component or "feed", error.message.splitlines()[0], since, attempts)
-        if self.give_up_after_s is not None and now - since >= self.give_up_after_s:
+        same = self._kind[1] + 1 if self._kind and self._kind[0] is type(error) else 1
+        self._kind = (type(error), same)
+        past_deadline = self.give_up_after_s is not None and now - since >= self.give_up_after_s
+        if past_deadline or (error.max_attempts is not None and same >= error.max_attempts):
             error.message = f"{error.message} (gave up after {now - since:.0f}s and {attempts} attempt(s))"
             raise error
         return self._rng() * min(self.max_backoff_s, self.first_s * 2 ** (attempts - 1))
 
     def succeeded(self) -> None:
-        self.current = None
+        self.current = self._kind = None
 
 
 def write_note(path: Path, retrying: Retrying | None) -> None:

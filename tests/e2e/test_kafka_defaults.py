@@ -24,10 +24,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, kill_runs, writing
+from conftest import Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
 
 from changefeed.core.lsn import parse_lsn
-from changefeed.local_kafka import LocalKafka, LogRecord, committed, read_partition
+from changefeed.local_kafka import LocalKafka, committed, read_partition
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 COUNTERS = 25
@@ -50,14 +50,6 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
                 c.execute("UPDATE counters SET version = version + 1 WHERE id = %s", (n % COUNTERS,))
             written[0] = n
             time.sleep(0.001)
-
-
-def partitions(kafka: LocalKafka, topic: str) -> list[list[LogRecord]]:
-    """Every record of each partition of `topic`, with its transaction's outcome."""
-    from confluent_kafka.admin import AdminClient
-
-    meta = AdminClient({"bootstrap.servers": kafka.bootstrap}).list_topics(topic, timeout=10).topics[topic]
-    return [read_partition(kafka.bootstrap, topic, p, timeout=60) for p in sorted(meta.partitions)]
 
 
 def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path: Path, own_kafka: LocalKafka) -> None:
@@ -83,12 +75,12 @@ def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path:
     topics = set(AdminClient({"bootstrap.servers": own_kafka.bootstrap}).list_topics(timeout=10).topics)
     assert {"public.ledger", "public.counters", "_changefeed_progress"} <= topics, topics
 
-    ledger = partitions(own_kafka, "public.ledger")
+    ledger = kafka_partitions(own_kafka.bootstrap, "public.ledger")
     ids = sorted(json.loads(r.key or b"")[0] for part in ledger for r in committed(part))
     assert ids == list(range(1, written[0] + 1)), f"{len(ids)} ids for {written[0]} rows, {len(set(ids))} distinct"
 
     versions: dict[int, list[int]] = defaultdict(list)
-    counters = partitions(own_kafka, "public.counters")
+    counters = kafka_partitions(own_kafka.bootstrap, "public.counters")
     for part in counters:
         for r in committed(part):
             versions[json.loads(r.key or b"")[0]].append(json.loads(r.value or b"")["after"]["version"])

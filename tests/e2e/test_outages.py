@@ -19,10 +19,20 @@ import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
+from conftest import (
+    Dbs,
+    changefeed_cli,
+    fingerprint,
+    kafka_partitions,
+    start_changefeed,
+    wait_for,
+    writing,
+)
+from tcp_proxy import TcpProxy
 
 from changefeed.local_postgres import LocalPostgres
 
@@ -122,3 +132,156 @@ def test_a_fault_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
     finally:
         if own:
             own.stop("immediate")
+
+
+def test_an_unforeseen_error_inside_a_task_is_retried(dbs: Dbs, tmp_path: Path) -> None:
+    """A reading task fails once with an error changefeed has no type for (CHANGEFEED_FAIL_AT):
+    the same process restarts the query from its checkpoint, after saying which part failed."""
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)")
+    state, log = tmp_path / "state", tmp_path / "feed.log"
+    feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
+                            "--sink", dbs.sink, "--tables", "public.t", "--retry-max-backoff", "2s", log=log,
+                            env={"CHANGEFEED_FAIL_AT": "read:3", "CHANGEFEED_FAULT_DIR": str(tmp_path)})
+    try:
+        written = [0]
+        with writing(writer, dbs.source, written):
+            wait_for("the fault", lambda: (tmp_path / ".fail-read").exists()
+                     and (tmp_path / ".fail-read").stat().st_size >= 3, log)
+            time.sleep(2)
+        wait_for("the replica to equal the source",
+                 lambda: fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t"), log, timeout=240)
+        assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
+        text = log.read_text()
+        assert "failure(s) of the source: source: InjectedFault: fault injected at read" in text, text[-3000:]
+        wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log, timeout=60)
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    finally:
+        feed.send_signal(signal.SIGTERM)
+        rc = feed.wait(timeout=120)
+    assert rc == 0, log.read_text()[-3000:]
+
+
+def test_a_definite_fault_while_running_ends_the_run(dbs: Dbs, tmp_path: Path) -> None:
+    """The feed's slot dropped by hand while it runs: retrying cannot bring the WAL back, so the run
+    ends with SlotLost (exit 2), its hint, no traceback, and `status` says failed."""
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("INSERT INTO t SELECT g, 'old ' || g FROM generate_series(1, 100) g")
+    state, log = tmp_path / "state", tmp_path / "feed.log"
+    feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
+                            "--sink", dbs.sink, "--tables", "public.t", log=log)
+    try:
+        wait_for("the snapshot on the replica", lambda: rows_on(dbs.sink) >= 100, log)
+
+        def dropped() -> bool:
+            with psycopg.connect(dbs.source, autocommit=True) as c:
+                try:  # the slot is busy while a batch reads it
+                    c.execute("SELECT pg_drop_replication_slot(%s)", (f"changefeed_{dbs.name}",))
+                    return True
+                except psycopg.errors.ObjectInUse:
+                    return False
+        wait_for("the slot to be dropped", dropped, log)
+        rc = feed.wait(timeout=120)
+    finally:
+        if feed.poll() is None:
+            feed.kill()
+    text = log.read_text()
+    assert rc == 2, text[-3000:]
+    assert "changefeed: error:" in text and "replication slot" in text and "hint:" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", str(state), "--json").stdout)
+    assert status["state"].startswith("failed"), status
+
+
+@pytest.mark.parametrize("path", ["source", "sink"])
+def test_a_stalled_connection_is_found_and_cut(dbs: Dbs, tmp_path: Path, path: str) -> None:
+    """The feed reaches the source (or the replica) through a TCP proxy that stops forwarding for
+    40 s without closing anything: the kernel still acknowledges, only the watchdog's probes can
+    tell. The feed cuts the hung connections, retries, and carries on once the path flows again."""
+    server = int(urlsplit(dbs.source if path == "source" else dbs.sink).port or 0)
+    with TcpProxy(server) as proxy:
+        proxied = lambda uri: uri.replace(f":{server}/", f":{proxy.port}/")
+        source, sink = (proxied(dbs.source), dbs.sink) if path == "source" else (dbs.source, proxied(dbs.sink))
+        with psycopg.connect(dbs.source, autocommit=True) as c:
+            c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)")
+        state, log = tmp_path / "state", tmp_path / "feed.log"
+        feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", source,
+                                "--sink", sink, "--tables", "public.t", "--retry-max-backoff", "2s", log=log)
+        try:
+            written = [0]
+            with writing(writer, dbs.source, written):
+                wait_for("changes streaming", lambda: rows_on(dbs.sink) > 200, log)
+                proxy.stall()
+                wait_for("the stall to be found", lambda: "the connection stalled" in log.read_text(), log, timeout=60)
+                out = changefeed_cli("status", "--name", dbs.name, "--state", str(state), "--json")
+                assert "retrying" in json.loads(out.stdout)["state"], out.stdout
+                time.sleep(20)  # the stall lasts on while the feed retries
+                proxy.flow()
+                time.sleep(3)
+            wait_for("the replica to equal the source",
+                     lambda: fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t"), log, timeout=240)
+            assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
+            text = log.read_text()
+            assert f"failure(s) of the {path}" in text, text[-3000:]
+            assert "Traceback" not in text, text[-3000:]
+        finally:
+            feed.send_signal(signal.SIGTERM)
+            rc = feed.wait(timeout=120)
+        assert rc == 0, log.read_text()[-3000:]
+
+
+def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path) -> None:
+    """The broker of the test's own is reached only through a TCP proxy (it advertises the proxy's
+    port), which goes down for 40 s, closing every connection, then comes back: the same feed
+    process retries meanwhile and the topic then holds every row exactly once."""
+    from changefeed.local_kafka import LocalKafka, committed
+
+    broker_port = free_port()
+    with TcpProxy(broker_port) as proxy, LocalKafka.start(tmp_path / "kafka", broker_port,
+                                                          advertised_port=proxy.port) as broker:
+        bootstrap = f"127.0.0.1:{proxy.port}"
+
+        def ids() -> list[int]:
+            return sorted(json.loads(r.key or b"")[0] for part in kafka_partitions(bootstrap, "public.t")
+                          for r in committed(part))
+
+        with psycopg.connect(dbs.source, autocommit=True) as c:  # rows for the snapshot, read before the writer starts
+            c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)")
+            c.execute("INSERT INTO t SELECT g, 'old ' || g FROM generate_series(-199, 0) g")
+        state, log = tmp_path / "state", tmp_path / "feed.log"
+        feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
+                                "--sink", f"kafka://{bootstrap}?timeout=10s", "--tables", "public.t",
+                                "--retry-max-backoff", "2s", log=log)
+        try:
+            wait_for("the snapshot in the topic", lambda: len(ids()) >= 200, log)
+            written = [0]
+            with writing(writer, dbs.source, written):
+                wait_for("changes in the topic", lambda: len(ids()) > 400, log)
+                proxy.down()
+                began = time.monotonic()
+                wait_for("status to say retrying", lambda: "retrying" in json.loads(changefeed_cli(
+                    "status", "--name", dbs.name, "--state", str(state), "--json").stdout)["state"], log, timeout=90)
+                time.sleep(max(0.0, 40 - (time.monotonic() - began)))
+                proxy.up()
+                time.sleep(3)
+            wait_for("every row in the topic", lambda: len(ids()) >= written[0] + 200, log, timeout=240)
+            got = ids()
+            if got != list(range(-199, written[0] + 1)):
+                doubled = {i for i in got if got.count(i) > 1}
+                found = [(p, r.offset, r.outcome, r.key) for p, part in enumerate(kafka_partitions(bootstrap, "public.t"))
+                         for r in part if json.loads(r.key or b"")[0] in doubled]
+                progress = [(r.offset, r.outcome, r.value) for part in kafka_partitions(bootstrap, "_changefeed_progress")
+                            for r in part]
+                raise AssertionError(f"{len(got)} ids for {written[0]} rows; doubled {sorted(doubled)[:20]}: "
+                                     f"{found[:20]}\nprogress: {progress}\n{log.read_text()[-5000:]}")
+            assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
+            assert broker.running
+            assert "failure(s) of the sink" in log.read_text() and "the sink is back" in log.read_text()
+            wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log,
+                     timeout=60)
+            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+        finally:
+            feed.send_signal(signal.SIGTERM)
+            rc = feed.wait(timeout=120)
+        assert rc == 0, log.read_text()[-3000:]

@@ -1,8 +1,9 @@
 """Open PostgreSQL connections, turning driver failures into typed, actionable errors.
 
 Every connection has TCP keepalives (probes after 10 s idle, every 5 s, 3 unanswered: a silent
-peer is found within about 25 s) and `tcp_user_timeout` (data unacknowledged for 30 s drops the
-connection), so a network stall ends in an error the feed retries, never in a hang.
+peer is found within about 25 s), `tcp_user_timeout` (data unacknowledged for 30 s drops the
+connection) and the process's watchdog (postgres.watchdog: an answer awaited for long is checked
+through a fresh connection), so a network stall ends in an error the feed retries, never in a hang.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 
 import psycopg
 
-from ..errors import AuthenticationFailed, ConfigError, ConnectionFailed
+from ..errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
+from .watchdog import WATCHDOG, WatchedConnection
 
 
 def redact(uri: str) -> str:
@@ -36,11 +38,15 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 @contextmanager
 def lost_connection(role: str) -> Iterator[None]:
     """Work on a `role` server's connection: losing it (the server restarted or crashed, the backend
-    terminated, the network dropped or stalled) is ConnectionFailed, which the feed retries."""
+    terminated, the network dropped or stalled) is ConnectionFailed, which the feed retries; our
+    own errors raised meanwhile are the `role`'s unless they name another part."""
     try:
         yield
+    except ChangefeedError as e:
+        e.component = e.component or role
+        raise
     except psycopg.OperationalError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = WATCHDOG.cut_reason() or (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConnectionFailed(f"lost the connection to the {role}: {first}",
                                f"changefeed retries until the {role} is back", component=role) from None
 
@@ -51,8 +57,10 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
         raise ConfigError(f"{role} URI {redact(uri)!r} is not a PostgreSQL URI",
                           "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
     try:
-        return psycopg.connect(uri, autocommit=autocommit, connect_timeout=10, application_name="changefeed",
-                               **{**KEEPALIVES, **kwargs})
+        conn = WatchedConnection.connect(uri, autocommit=autocommit, connect_timeout=10,
+                                         application_name="changefeed", **{**KEEPALIVES, **kwargs})
+        conn.probe_uri = uri
+        return conn
     except psycopg.ProgrammingError as e:
         raise ConfigError(f"{role} URI {redact(uri)!r} is malformed: {e}",
                           "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME") from None

@@ -16,7 +16,7 @@ from pyspark.sql.datasource import DataSource
 from .. import faults
 from ..core import change as ch
 from ..core.envelope import resolved
-from ..errors import SinkError
+from ..errors import SinkError, carried
 from ..sinks.kafka import KafkaOptions
 from ..sinks.kafka_batch import KafkaBatch
 from ..sinks.messages import MessageStream, outbox_spec
@@ -46,6 +46,7 @@ def query_id() -> str:
 
 
 class KafkaStreamWriter(MessageWriter):
+    @carried("sink")
     def write(self, iterator: Iterator[Any]) -> Delivered:
         o = self.options
         began = time.time()

@@ -10,6 +10,7 @@ from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMess
 
 from ..core import change as ch
 from ..core.envelope import Formatter, formatter
+from ..errors import carried
 from ..sinks.ledger import FileLedger
 
 
@@ -29,6 +30,7 @@ class MessageWriter(DataSourceStreamArrowWriter):
         o = self.options
         return formatter(o["format"], o["feed"], o["diff"] == "true", o.get("database", ""))
 
+    @carried("sink")
     def commit(self, messages: list[Delivered | None], batchId: int) -> None:
         """The batch was delivered: record it in the ledger."""
         for m in messages:  # one writer task: one message

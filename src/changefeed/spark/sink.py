@@ -21,7 +21,7 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from ..core import change as ch
-from ..errors import SinkError
+from ..errors import SinkError, carried
 
 if TYPE_CHECKING:
     from ..sinks import postgres_replica as replica
@@ -77,7 +77,7 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                 while chunks.get() is not done:  # let the reader finish; its data is not needed
                     pass
 
-        with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
+        with carried("sink"), connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
             applier = replica.BatchApplier(conn, self.feed, batch_id())
             applier.begin()
             worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)

@@ -31,6 +31,7 @@ from ..core.requests import SnapshotRequests
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
+from ..errors import carried
 from ..postgres.connect import connect, lost_connection
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
@@ -109,6 +110,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             self._conn = connect(self.uri, "source")
         return self._conn
 
+    @carried("source")
     @lost_connection("source")
     def initialOffset(self) -> dict[str, int]:
         state = src.slot_state(self.conn, self.slot)
@@ -124,6 +126,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return ReadMaxBytes(self.max_bytes)
         return ReadAllAvailable()
 
+    @carried("source")
     @lost_connection("source")
     def prepareForTriggerAvailableNow(self) -> None:
         self._available_now = self._boundary()
@@ -144,6 +147,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                 cursor = cursor.request(tables, no)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
+    @carried("source")
     @lost_connection("source")
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark plans a batch only once the previous one is committed downstream, so `start` is
@@ -191,31 +195,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[Any]:  # type: ignore[override]
-        if isinstance(partition, ChunkPartition):
-            yield from _read_chunk(partition)
-            return
-        assert isinstance(partition, WindowPartition)
-        from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
+        with carried("source"):
+            if isinstance(partition, ChunkPartition):
+                yield from _read_chunk(partition)
+            else:
+                assert isinstance(partition, WindowPartition)
+                yield from _read_window(partition)
 
-        conn = connect(partition.uri, "source", autocommit=False)
-        try:
-            with lost_connection("source"):
-                # The slot is at `start` already (latestOffset released it before planning); a slot
-                # behind it would re-send a message that straddles `start`. Everything before `start`
-                # is committed downstream, so moving the slot there is always safe.
-                src.advance(conn, partition.slot, partition.start["lsn"])
-                conn.commit()
-                builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
-                                        partition.end["ts"], lambda rel: src.column_catalog(conn, rel),
-                                        part=partition.part, parts=partition.parts)
-                blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
-                for rb in builder.batches(blocks, partition.rows_per_batch):
-                    yield ch.pack(rb)
-                    yield from _push_through()
-                    faults.reach("read")
-        finally:
-            conn.close()
-
+    @carried("source")
     @lost_connection("source")
     def commit(self, end: dict[str, int]) -> None:
         """Spark has committed the batch ending at `end` downstream: release WAL before it.
@@ -237,6 +224,30 @@ def _push_through() -> list[Any]:
     rows bigger than the worker's output buffer (`spark.buffer.size`, passed as SPARK_BUFFER_SIZE).
     Built once per worker process: every chunk yields the same rows."""
     return ch.push_through(int(os.environ.get("SPARK_BUFFER_SIZE") or 65536) + 1)
+
+
+def _read_window(partition: WindowPartition) -> Iterator[Any]:
+    """The batch's changes in its WAL window, peeked from the slot."""
+    from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
+
+    conn = connect(partition.uri, "source", autocommit=False)
+    try:
+        with lost_connection("source"):
+            # The slot is at `start` already (latestOffset released it before planning); a slot
+            # behind it would re-send a message that straddles `start`. Everything before `start`
+            # is committed downstream, so moving the slot there is always safe.
+            src.advance(conn, partition.slot, partition.start["lsn"])
+            conn.commit()
+            builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
+                                    partition.end["ts"], lambda rel: src.column_catalog(conn, rel),
+                                    part=partition.part, parts=partition.parts)
+            blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
+            for rb in builder.batches(blocks, partition.rows_per_batch):
+                yield ch.pack(rb)
+                yield from _push_through()
+                faults.reach("read")
+    finally:
+        conn.close()
 
 
 def _read_chunk(part: ChunkPartition) -> Iterator[Any]:

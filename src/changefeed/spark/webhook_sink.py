@@ -16,6 +16,7 @@ from pyspark.sql.datasource import DataSource
 
 from ..core import change as ch
 from ..core.outbox import OutboxEvent
+from ..errors import carried
 from ..sinks.messages import MessageStream, outbox_spec
 from ..sinks.webhook import WebhookClient, WebhookOptions
 from ..sinks.webhook_batch import WebhookBatch
@@ -35,6 +36,7 @@ class WebhookSink(DataSource):
 
 
 class WebhookStreamWriter(MessageWriter):
+    @carried("sink")
     def write(self, iterator: Iterator[Any]) -> Delivered:
         o = self.options
         began = time.time()
