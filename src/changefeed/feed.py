@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
 from .postgres.connect import connect, lost_connection
 from .postgres.outbox import OutboxCleanup, check_outbox_table
-from .retry import Retry, write_note
+from .retry import Retry, Retrying, write_note
 from .runner_lock import state_lock
 from .sinks.ledger import Ledger
 from .sinks.registry import open_ledger, sink_kind
@@ -190,6 +191,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     state.record_failure(e)
                     raise
                 assert retry.current is not None
+                _check_retention_meanwhile(spec, state, retry.current)
                 write_note(state.retrying_file, retry.current)
                 if metrics is not None:
                     metrics.update(state="retrying", reason=retry.current.reason, component=retry.current.component)
@@ -289,6 +291,24 @@ def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
         raise
     if warning:
         report(warning)
+
+
+def _check_retention_meanwhile(spec: FeedSpec, state: FeedState, fault: Retrying) -> None:
+    """The retention budget while a fault lasts: nothing was delivered since it began, so the
+    checkpoint is at least that old; the WAL the slot holds is asked of the source when it is
+    not the part that failed. Past a budget the run ends (RetentionExceeded, recorded)."""
+    retained, restart = 0, 0
+    if fault.component != "source" and spec.max_retained_wal:
+        with suppress(ChangefeedError), connect(spec.source, "source") as source, lost_connection("source"):
+            slot = src.slot_state(source, spec.slot)
+            if slot is not None and slot.restart_lsn is not None:
+                restart, retained = slot.restart_lsn, max(0, src.flush_lsn(source)[0] - slot.restart_lsn)
+    try:
+        retention.check(retention.Holding(spec.slot, restart, retained, time.time() - fault.since), spec.name,
+                        spec.retention_s, spec.max_retained_wal)
+    except ChangefeedError as e:
+        state.record_failure(e)
+        raise
 
 
 def _outbox_cleanup(prepared: Prepared, stack: ExitStack) -> OutboxCleanup | None:

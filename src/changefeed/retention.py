@@ -39,8 +39,8 @@ def check(h: Holding, feed: str, retention_s: float, max_bytes: int) -> str | No
         over.append(f"its checkpoint is {h.checkpoint_age_s:,.0f}s old, more than --retention {retention_s:,.0f}s")
     if over:
         raise RetentionExceeded(
-            f"feed {feed} is past its retention budget: replication slot {h.slot} at {format_lsn(h.restart_lsn)} "
-            + " and ".join(over),
+            f"feed {feed} is past its retention budget: replication slot {h.slot}"
+            + (f" at {format_lsn(h.restart_lsn)} " if h.restart_lsn else " ") + " and ".join(over),
             "either raise the budget (run with a larger --max-retained-wal / --retention) and let it catch up, or "
             f"give the WAL back and start over: {start_over_hint(feed)}")
     near = []

@@ -43,13 +43,14 @@ class FeedStatus:
 
 def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     """The feed's status; for a running feed whose source or sink cannot be reached now (it is
-    retrying), what the state folder knows, and the rest unknown."""
+    retrying), or a failed one (maybe for that reason), what the state folder knows, and the rest
+    unknown."""
     state = run_state(feed_state)
     try:
         with lost_connection("source or sink"):
             return _measured(spec, feed_state, state)
     except ConnectionFailed as e:
-        if not state.startswith("running"):
+        if not state.startswith(("running", "failed")):
             raise
         return FeedStatus(spec.name, state, spec.slot, f"unknown ({e.message.splitlines()[0]})", None, None, None,
                           None, None, None, None, None, None, {})

@@ -285,3 +285,34 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path) -> 
             feed.send_signal(signal.SIGTERM)
             rc = feed.wait(timeout=120)
         assert rc == 0, log.read_text()[-3000:]
+
+
+def test_the_retention_budget_holds_while_retrying(dbs: Dbs, tmp_path: Path) -> None:
+    """The replica is down for longer than --retention: the feed, retrying meanwhile, ends with
+    RetentionExceeded (exit 2) instead of holding the source's WAL for ever."""
+    own = LocalPostgres.start(tmp_path / "own")
+    try:
+        with psycopg.connect(dbs.source, autocommit=True) as c:
+            c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)")
+        state, log = tmp_path / "state", tmp_path / "feed.log"
+        feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
+                                "--sink", own.uri(), "--tables", "public.t", "--retention", "20s",
+                                "--retry-max-backoff", "2s", log=log)
+        written = [0]
+        with writing(writer, dbs.source, written):
+            wait_for("changes streaming", lambda: rows_on(own.uri()) > 100, log)
+            own.stop("immediate")
+            began = time.monotonic()
+            try:
+                rc = feed.wait(timeout=120)
+            finally:
+                if feed.poll() is None:
+                    feed.kill()
+        text = log.read_text()
+        assert rc == 2 and time.monotonic() - began >= 20, text[-3000:]
+        assert "past its retention budget" in text and "more than --retention 20s" in text, text[-3000:]
+        assert "retrying for" in text and "Traceback" not in text, text[-3000:]
+        status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", str(state), "--json").stdout)
+        assert "retention budget" in status["state"], status
+    finally:
+        own.stop("immediate")
