@@ -4,7 +4,8 @@ Spark's driver JVM prints its start-up notices, log4j lines and the Java frames 
 task, and the Python workers it starts print theirs (a `BrokenPipeError` when a query is stopped
 under a task). None of it is for an operator in normal operation: the feed reports progress and
 ends with one typed error. The JVM is therefore started with its stdout and stderr on this file;
-its children inherit them. `run --verbose` keeps them on the console instead.
+its children inherit them. `run --verbose` keeps them on the console instead. The driver's own
+Python threads that talk to the JVM (the accumulator server) print to the same file too.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def launch_gateway(conf: Any, path: Path) -> Any:
     """Start the driver JVM (pyspark's launcher) with its output on `path`."""
     from pyspark.java_gateway import launch_gateway as launch
 
+    _errors_of_driver_threads_to(path)
+
     with open_log(path) as out:  # the JVM has its own copy of the descriptor
         try:
             return launch(conf, popen_kwargs={"stdout": out, "stderr": subprocess.STDOUT})
@@ -52,3 +55,20 @@ def launch_gateway(conf: Any, path: Path) -> Any:
             raise SparkDidNotStart(f"Spark's driver JVM did not start ({e}); its last lines, from {path}:\n"
                                    f"{tail(path)}", "check that Java 17+ is installed and on PATH (or JAVA_HOME "
                                    "is set), and CHANGEFEED_DRIVER_MEMORY fits this machine") from None
+
+
+def _errors_of_driver_threads_to(path: Path) -> None:
+    """pyspark's accumulator server (a socketserver in the driver) prints a traceback to stderr
+    when the JVM's connection ends under it, as it may when a run ends; write it to `path`."""
+    import traceback
+
+    from pyspark import accumulators
+
+    def handle_error(server: Any, request: Any, client_address: Any) -> None:
+        with open(path, "a") as out:
+            out.write(f"error in pyspark's accumulator server ({client_address}):\n{traceback.format_exc()}")
+
+    for name in ("AccumulatorTCPServer", "AccumulatorUnixServer"):
+        server = getattr(accumulators, name, None)
+        if server is not None:
+            server.handle_error = handle_error
