@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -309,6 +311,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`kill -USR1 PID` prints every thread's stack to stderr: how to see where a runner waits."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
