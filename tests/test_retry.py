@@ -74,3 +74,17 @@ def test_an_unknown_error_is_retried_only_a_few_times_in_a_row() -> None:
     retry.succeeded()
     retry.failed(QueryFailed("once"))  # a success in between starts the count again
     retry.failed(QueryFailed("twice"))
+
+
+def test_a_query_that_does_not_stop_is_a_query_failure(tmp_path: Path) -> None:
+    from changefeed.config import FeedState
+    from changefeed.feed import _stop
+
+    class Stuck:
+        def stop(self) -> None:
+            raise RuntimeError("java.util.concurrent.TimeoutException: Stream Execution thread for stream x "
+                               "failed to stop within 60000 milliseconds\n\tat org.apache.spark...")
+
+    with pytest.raises(QueryFailed) as e:
+        _stop(Stuck(), FeedState(tmp_path, "f"))
+    assert "did not stop: java.util.concurrent.TimeoutException" in e.value.message and e.value.component == "query"

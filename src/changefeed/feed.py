@@ -244,7 +244,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read them "
                                                     "in parallel tasks" if parallel else
                                                     "snapshot read: restarting the query without the shuffle"))
-                    query.stop()
+                    _stop(query, state)
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
             if query.exception() is not None:
                 _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
@@ -254,9 +254,21 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     finally:
         if query.isActive:
             report(f"feed {spec.name}: stopping")
-            query.stop()
+            _stop(query, state)
         with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
             meter.update(query)
+
+
+def _stop(query: Any, state: FeedState) -> None:
+    """Stop the query. A stop that Spark gives up on (a task that would not end within
+    spark.sql.streaming.stopTimeout) is QueryFailed: the next attempt starts over."""
+    try:
+        query.stop()
+    except Exception as e:  # noqa: BLE001 - py4j and pyspark raise their own kinds here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise QueryFailed(f"the streaming query did not stop: {first}",
+                          f"Spark's log is {state.spark_log}; the feed restarts from its checkpoint",
+                          component="query") from None
 
 
 @contextmanager
