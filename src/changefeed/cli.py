@@ -142,7 +142,7 @@ def _stored(args: argparse.Namespace) -> tuple[FeedSpec, FeedState]:
 
 
 def cmd_alter(args: argparse.Namespace) -> int:
-    from .feed import add_tables
+    from .lifecycle import add_tables
 
     spec, state = _stored(args)
     grown = add_tables(spec, state, parse_tables(args.add_tables), snapshot=not args.no_snapshot)
@@ -152,7 +152,7 @@ def cmd_alter(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from .feed import request_snapshot
+    from .lifecycle import request_snapshot
 
     spec, state = _stored(args)
     no = request_snapshot(spec, state, parse_tables(args.tables))

@@ -21,7 +21,7 @@ from .config import FeedSpec, FeedState
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.requests import SnapshotRequests
-from .errors import ChangefeedError, ConfigError, FeedBusy, QueryFailed, TransientError
+from .errors import ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, TransientError
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
 from .postgres.connect import connect, lost_connection
@@ -103,34 +103,6 @@ def _endpoint(uri: str) -> str:
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
 
 
-def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
-    """Bring `tables` into the feed, running or not: target tables, publication, then a request
-    for their existing rows (the stream carries their changes from the publication change on)."""
-    new = tuple(t for t in tables if t not in spec.tables)
-    if not new:
-        raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
-    grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
-    with connect(spec.source, "source") as source, ExitStack() as stack:
-        described = src.describe_tables(source, list(grown.tables))
-        ledger = open_ledger(spec, state)
-        stack.callback(ledger.close)
-        ledger.prepare(described[len(spec.tables):])  # before the publication: changes need a target
-        src.ensure_publication(source, spec.publication, described)
-    state.save(grown)
-    if snapshot:
-        SnapshotRequests(state.requests).add(new)
-    return grown
-
-
-def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) -> int:
-    """Ask the feed to read `tables`' existing rows again (while it keeps streaming)."""
-    unknown = [t for t in tables if t not in spec.tables]
-    if unknown:
-        raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
-                          "add them first with changefeed alter --add-tables")
-    return SnapshotRequests(state.requests).add(tables)
-
-
 def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
         report: Callable[[str], None] = print, report_every_s: float = 2.0,
         stop_event: threading.Event | None = None, handle_signals: bool = True,
@@ -140,20 +112,30 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
     Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
 
-    Once running, a transient fault (a server restarted, a connection lost, a sink down) stops the
-    query, waits (retry.Retry) and carries on from the checkpoint; what fails at the start, or
-    definitely, ends the run with its typed error."""
+    A transient fault (a server restarted, a connection lost, a sink down) stops the query, waits
+    (retry.Retry) and carries on from the checkpoint, at the start too once the feed has a
+    checkpoint (a host that reboots starts the feed before its servers); a new feed's first start
+    ends at once on any fault, so a mistyped URI shows. Definite faults end the run with their
+    typed error."""
     stop = stop_event or threading.Event()
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
     retry = Retry(retry_max_backoff_s, give_up_after_s)
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
+        prepared: Prepared | None = None
+        fault: TransientError | None = None
         try:
             spec.validate()
             stack.enter_context(state_lock(state))
             attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
-            prepared: Prepared | None = attach(spec, state, attempt, report)
+            try:
+                prepared = attach(spec, state, attempt, report)
+                _check_retention(prepared, report)
+            except TransientError as e:
+                if not state.has_checkpoint():
+                    raise
+                prepared, fault = None, e
         except FeedBusy:
             raise  # about this runner, not the feed
         except ChangefeedError as e:
@@ -161,7 +143,6 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             raise
         state.failed_file.unlink(missing_ok=True)
         stack.callback(write_note, state.retrying_file, None)
-        _check_retention(prepared, report)
         faults.mark_feed_group()
         faults.reach("startup")
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -170,39 +151,48 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         from .spark.job import spark_session
 
         spark = spark_session(master, log=None if verbose else state.spark_log)
-        meter = Meter(report, prepared.ledger.totals)
+        meter: Meter | None = None
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
-        while True:
+        while fault is None or not _wait_out(fault, retry, spec, state, attempt, metrics, stop, report):
             try:
                 if prepared is None:  # after a transient fault: connect and check again
                     prepared = attach(spec, state, attempt, report)
                     _check_retention(prepared, report)
-                    meter.totals = prepared.ledger.totals
+                if meter is None:
+                    meter = Meter(report, prepared.ledger.totals)
+                meter.totals = prepared.ledger.totals
                 _run_query(prepared, spark, meter, metrics, stop, retry, attempt, report,
                            available_now=available_now, report_every_s=report_every_s)
                 break
             except TransientError as e:
-                prepared = None
-                attempt.close()  # this attempt's connections (and the source's lock) and outbox cleanup
-                try:
-                    delay = retry.failed(e)
-                except TransientError:
-                    state.record_failure(e)
-                    raise
-                assert retry.current is not None
-                _check_retention_meanwhile(spec, state, retry.current)
-                write_note(state.retrying_file, retry.current)
-                if metrics is not None:
-                    metrics.update(state="retrying", reason=retry.current.reason, component=retry.current.component)
-                report(f"feed {spec.name}: {retry.current.describe()}; next attempt in {delay:.1f}s")
-                if stop.wait(delay):
-                    break
+                prepared, fault = None, e
             except ChangefeedError as e:
                 state.record_failure(e)
                 raise
-        report(f"feed {spec.name}: stopped cleanly after {counted(meter.changes, 'change')} in "
-               f"{counted(meter.batches, 'batch')}")
+        changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
+        report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
+               f"{counted(batches, 'batch')}")
+
+
+def _wait_out(fault: TransientError, retry: Retry, spec: FeedSpec, state: FeedState, attempt: ExitStack,
+              metrics: Any, stop: threading.Event, report: Callable[[str], None]) -> bool:
+    """After a transient fault: close the attempt's connections, note the fault (status, metrics,
+    the console) and wait before the next attempt. True when stopped meanwhile; raises the fault
+    once retrying gives up or past the retention budget."""
+    attempt.close()  # this attempt's connections (and the source's lock) and outbox cleanup
+    try:
+        delay = retry.failed(fault)
+    except TransientError:
+        state.record_failure(fault)
+        raise
+    assert retry.current is not None
+    _check_retention_meanwhile(spec, state, retry.current)
+    write_note(state.retrying_file, retry.current)
+    if metrics is not None:
+        metrics.update(state="retrying", reason=retry.current.reason, component=retry.current.component)
+    report(f"feed {spec.name}: {retry.current.describe()}; next attempt in {delay:.1f}s")
+    return stop.wait(delay)
 
 
 def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop: threading.Event, retry: Retry,
@@ -285,20 +275,21 @@ def _lost_connections(prepared: Prepared) -> Iterator[None]:
 
 def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
     """Stop (typed error, recorded) when PostgreSQL invalidated the slot or past the retention
-    budget; warn near the budget."""
+    budget; warn near the budget. A connection lost meanwhile is ConnectionFailed."""
     spec = prepared.spec
-    slot = src.slot_state(prepared.source_conn, spec.slot)
     try:
-        src.check_slot_usable(slot, spec.slot, prepared.ledger.checkpoint_lsn(), spec.name)
-        assert slot is not None
-        if slot.restart_lsn is None:
-            return
-        current, now_ms = src.flush_lsn(prepared.source_conn)
-        resolved = prepared.ledger.last_resolved_ts()
+        with _lost_connections(prepared):
+            slot = src.slot_state(prepared.source_conn, spec.slot)
+            src.check_slot_usable(slot, spec.slot, prepared.ledger.checkpoint_lsn(), spec.name)
+            assert slot is not None
+            if slot.restart_lsn is None:
+                return
+            current, now_ms = src.flush_lsn(prepared.source_conn)
+            resolved = prepared.ledger.last_resolved_ts()
         held = retention.Holding(spec.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
                                  None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000))
         warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
-    except ChangefeedError as e:
+    except DefiniteError as e:
         prepared.state.record_failure(e)
         raise
     if warning:

@@ -1,4 +1,4 @@
-"""A feed's life outside `run`: create, list, pause, resume, remove.
+"""A feed's life outside `run`: create, list, pause, resume, remove; tables added, snapshots asked for.
 
 Feed definitions live under the state directory (`DIR/NAME/feed.json`). A paused feed keeps its
 slot, so the source holds its WAL and `resume` catches up from the checkpoint; a runner that sees
@@ -16,11 +16,12 @@ from pathlib import Path
 from psycopg import sql
 
 from .config import FeedSpec, FeedState
+from .core.requests import SnapshotRequests
 from .errors import ConfigError, FeedBusy
 from .feed import prepare
-from .runner_lock import holder, run_state
 from .postgres import source as src
 from .postgres.connect import connect, redact
+from .runner_lock import holder, run_state
 from .sinks.registry import REPLICA, open_ledger, sink_kind
 
 
@@ -81,3 +82,31 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
     shutil.rmtree(state.dir)
     gone.append(f"state folder {state.dir}")
     return gone
+
+
+def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
+    """Bring `tables` into the feed, running or not: target tables, publication, then a request
+    for their existing rows (the stream carries their changes from the publication change on)."""
+    new = tuple(t for t in tables if t not in spec.tables)
+    if not new:
+        raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
+    grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
+    with connect(spec.source, "source") as source, ExitStack() as stack:
+        described = src.describe_tables(source, list(grown.tables))
+        ledger = open_ledger(spec, state)
+        stack.callback(ledger.close)
+        ledger.prepare(described[len(spec.tables):])  # before the publication: changes need a target
+        src.ensure_publication(source, spec.publication, described)
+    state.save(grown)
+    if snapshot:
+        SnapshotRequests(state.requests).add(new)
+    return grown
+
+
+def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) -> int:
+    """Ask the feed to read `tables`' existing rows again (while it keeps streaming)."""
+    unknown = [t for t in tables if t not in spec.tables]
+    if unknown:
+        raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
+                          "add them first with changefeed alter --add-tables")
+    return SnapshotRequests(state.requests).add(tables)
