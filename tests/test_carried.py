@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from changefeed import errors
 from changefeed.errors import Carried, ChangefeedError, carried, carried_in
+from changefeed.postgres.pgoutput import DecodeError, decode
 from changefeed.retention import RetentionExceeded
 
 TYPES = sorted(errors._types().values(), key=lambda t: t.__name__)
@@ -33,7 +34,16 @@ def test_every_type_arrives_whole_inside_any_surrounding_text(kind: type[Changef
 
 
 def test_types_outside_the_errors_module_are_known() -> None:
-    assert RetentionExceeded in TYPES
+    assert RetentionExceeded in TYPES and DecodeError in TYPES
+
+
+def test_undecodable_wal_stops_the_feed_with_a_report_hint() -> None:
+    """Reading the same WAL again fails the same way: definite (exit 2), never retried as QueryFailed."""
+    with pytest.raises(Carried) as raised, carried("source"):
+        decode(b"Z")
+    got = carried_in(str(raised.value))
+    assert type(got) is DecodeError and isinstance(got, errors.DefiniteError) and got.exit_code == 2
+    assert "unknown pgoutput message type 'Z'" in got.message and "report it" in got.hint
 
 
 def test_an_unforeseen_error_arrives_as_query_failed_naming_its_part() -> None:

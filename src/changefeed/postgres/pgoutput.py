@@ -13,10 +13,19 @@ from typing import Final, Union
 
 from ..core.copytext import NULL, join_line
 from ..core.hlc import PG_EPOCH_US
+from ..errors import DefiniteError
+
+REPORT_HINT = ("nothing of this WAL window was applied and the slot keeps it; this is a changefeed bug or a "
+               "pgoutput it does not know: report it with the PostgreSQL version and the window's messages "
+               "(pg_logical_slot_peek_binary_changes on the slot, proto_version '1')")
 
 
-class DecodeError(ValueError):
-    """The bytes are not a pgoutput message this decoder understands."""
+class DecodeError(DefiniteError, ValueError):
+    """The bytes are not a pgoutput message this decoder understands. Reading the same WAL again
+    would fail the same way, so the feed stops before applying anything of that window."""
+
+    def __init__(self, message: str, hint: str = REPORT_HINT, *, component: str = "source") -> None:
+        super().__init__(message, hint, component=component)
 
 
 class _Unchanged:
