@@ -82,7 +82,7 @@ class LocalPostgres:
         port: int | None = None,
         wal_level: str = "logical",
         settings: dict[str, str] | None = None,
-    ) -> "LocalPostgres":
+    ) -> LocalPostgres:
         """Create the cluster if needed, then start it and wait until it accepts connections."""
         datadir = Path(datadir).absolute()
         kw = _run_as()
@@ -124,6 +124,35 @@ class LocalPostgres:
             check=True, capture_output=True, **kw,  # type: ignore[arg-type]
         )
         return server
+
+    def standby(self, datadir: Path | str, slot: str, settings: dict[str, str] | None = None) -> LocalPostgres:
+        """Start a hot standby of this server in `datadir`: a base backup, then streaming through
+        the physical slot `slot` (created here), with failover slots synchronized from this server
+        (PostgreSQL 17+: `sync_replication_slots`)."""
+        import psycopg
+
+        datadir = Path(datadir).absolute()
+        kw = _run_as()
+        with psycopg.connect(self.uri(), autocommit=True) as c:
+            c.execute("SELECT pg_create_physical_replication_slot(%s)", (slot,))
+        datadir.mkdir(parents=True, mode=0o700)
+        _open_path_for(datadir, kw)
+        if kw:
+            shutil.chown(datadir, SYSTEM_USER, SYSTEM_USER)
+        conninfo = f"host=127.0.0.1 port={self.port} user={SUPERUSER} password={self.password} dbname=postgres"
+        subprocess.run([str(bin_dir() / "pg_basebackup"), "-D", str(datadir), "-d", conninfo, "-S", slot, "-X",
+                        "stream", "--no-sync"], check=True, capture_output=True, **kw)  # type: ignore[arg-type]
+        (datadir / "standby.signal").touch()
+        if kw:
+            shutil.chown(datadir / "standby.signal", SYSTEM_USER, SYSTEM_USER)
+        return LocalPostgres.start(datadir, settings={
+            "primary_conninfo": f"'{conninfo}'", "primary_slot_name": f"'{slot}'", "hot_standby_feedback": "on",
+            "sync_replication_slots": "on", **(settings or {})})
+
+    def promote(self) -> None:
+        """End recovery: this standby becomes a primary."""
+        subprocess.run([str(bin_dir() / "pg_ctl"), "-D", str(self.datadir), "-w", "promote"],
+                       check=True, capture_output=True, **_run_as())  # type: ignore[arg-type]
 
     def stop(self, mode: str = "fast") -> None:
         subprocess.run(

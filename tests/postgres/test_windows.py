@@ -77,3 +77,30 @@ def test_windows_cut_at_pages_deliver_everything_once(dbs: Dbs, max_bytes: int) 
     strip = lambda rows: [(r["op"], r["lsn"], r["xid"], r["after"], r["before"]) for r in rows]  # noqa: E731
     assert strip(split) == strip(whole)
     assert sum(r["op"] == "c" for r in whole) == sum(1 + i % 5 * 20 for i in range(40))
+
+
+def test_a_window_past_the_servers_wal_is_read_once_the_wal_reaches_it(dbs: Dbs,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failover, a window planned on the old primary may end past the new primary's WAL:
+    `reach` writes heartbeats up to its end first, so rows committed before hold positions below
+    the end (this window) and rows committed after hold positions past it (the next one)."""
+    monkeypatch.setattr(src, "MAX_PAD", 8000)  # several padding messages
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        c.execute("CREATE PUBLICATION p FOR TABLE t")
+        start = src.create_slot(c, "ahead")
+        end = src.flush_lsn(c)[0] + 50_000  # not written yet
+        c.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 20) g")
+        src.reach(c, end, HEARTBEAT_PREFIX)
+        assert src.flush_lsn(c)[0] >= end
+        c.execute("INSERT INTO t SELECT g, 'after' FROM generate_series(21, 30) g")
+        end2, _ = src.heartbeat(c, HEARTBEAT_PREFIX)
+
+    with dbs.src() as a:
+        a.autocommit = False
+        first, second = _read(a, "ahead", start, end), _read(a, "ahead", end, end2)
+        a.rollback()
+        a.execute("SELECT pg_drop_replication_slot('ahead')")
+        a.commit()
+    assert [r["after"] for r in first] == [f"{i}\tbefore".encode() for i in range(1, 21)]
+    assert [r["after"] for r in second] == [f"{i}\tafter".encode() for i in range(21, 31)]

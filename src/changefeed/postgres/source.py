@@ -296,19 +296,36 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
                    "stop the other runner first, or use another --name")
 
 
-def heartbeat(conn: psycopg.Connection[Any], prefix: str) -> tuple[int, int]:
-    """Write a non-transactional logical decoding message and wait until it is flushed.
+def heartbeat(conn: psycopg.Connection[Any], prefix: str, pad: int = 0) -> tuple[int, int]:
+    """Write a non-transactional logical decoding message (`pad` bytes long) and wait until it is
+    flushed.
 
     Returns (the LSN just past it, server clock in Unix ms): a flushed WAL record boundary, so a
     window may end there (see page_cut), and a server clock reading taken once it was flushed.
     The message also keeps an idle slot moving.
     """
     if conn.info.server_version >= 170000:
-        row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''::text, true)::text", (prefix,)).fetchone()
+        row = conn.execute("SELECT pg_logical_emit_message(false, %s, repeat(' ', %s), true)::text",
+                           (prefix, pad)).fetchone()
         lsn = parse_lsn(row[0])  # type: ignore[index]
     else:
-        row = conn.execute("SELECT pg_logical_emit_message(false, %s, ''::text)::text", (prefix,)).fetchone()
+        row = conn.execute("SELECT pg_logical_emit_message(false, %s, repeat(' ', %s))::text", (prefix, pad)).fetchone()
         lsn = parse_lsn(row[0])  # type: ignore[index]
         while flush_lsn(conn)[0] < lsn:
             time.sleep(0.02)
     return lsn, flush_lsn(conn)[1]
+
+
+MAX_PAD = 16 << 20  # bytes of one padding message
+
+
+def reach(conn: psycopg.Connection[Any], upto: int, prefix: str) -> None:
+    """Make sure the server's WAL reaches `upto` before a window that ends there is read.
+
+    A window's end was a flushed position of the server that planned it. After a failover the new
+    primary may lack the end of that WAL (its standby lagged): a peek would return what there is,
+    the window would be recorded whole, and what the new primary then writes below `upto` would
+    never be read. Heartbeat messages as long as the gap move its WAL past `upto` first, so the
+    window holds exactly what the new primary's WAL has below it."""
+    while (gap := upto - flush_lsn(conn)[0]) > 0:
+        heartbeat(conn, prefix, min(gap, MAX_PAD))

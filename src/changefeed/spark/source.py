@@ -24,14 +24,16 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
 from .. import faults
+from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH
 from ..core import change as ch
 from ..core import snapshot
-from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH
-from ..core.requests import SnapshotRequests
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
+from ..core.lsn import format_lsn
+from ..core.requests import SnapshotRequests
+from ..errors import carried
+from ..postgres import pgoutput as po
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
-from ..errors import carried
 from ..postgres.connect import connect, lost_connection
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
@@ -79,7 +81,7 @@ class ChangefeedSource(DataSource):
     def schema(self) -> str:
         return ch.PACKED_DDL
 
-    def streamReader(self, schema: Any) -> "ChangeStreamReader":
+    def streamReader(self, schema: Any) -> ChangeStreamReader:
         return ChangeStreamReader(dict(self.options))
 
 
@@ -236,6 +238,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
             # The slot is at `start` already (latestOffset released it before planning); a slot
             # behind it would re-send a message that straddles `start`. Everything before `start`
             # is committed downstream, so moving the slot there is always safe.
+            src.reach(conn, partition.end["lsn"], ch.HEARTBEAT_PREFIX)
             src.advance(conn, partition.slot, partition.start["lsn"])
             conn.commit()
             builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
@@ -246,6 +249,10 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                 yield ch.pack(rb)
                 yield from _push_through()
                 faults.reach("read")
+    except po.DecodeError as e:
+        e.message = (f"cannot decode the WAL of slot {partition.slot} between {format_lsn(partition.start['lsn'])} "
+                     f"and {format_lsn(partition.end['lsn'])}: {e.message}")
+        raise
     finally:
         conn.close()
 
