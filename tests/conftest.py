@@ -96,6 +96,12 @@ def wait_for(what: str, check: Callable[[], Any], log: Path, timeout: float = 18
     return got
 
 
+def assert_no_traceback(text: str) -> None:
+    """No raw traceback reached the console; on failure, show the first one whole."""
+    at = text.find("Traceback")
+    assert at < 0, f"a traceback on the console:\n{text[max(0, at - 1500):at + 4000]}"
+
+
 def changefeed_cli(*args: str, timeout: float = 600, **kwargs: object) -> subprocess.CompletedProcess[str]:
     """Run `python -m changefeed ARGS` as its own process; returns the completed process."""
     return subprocess.run([sys.executable, "-m", "changefeed", *args], capture_output=True, text=True,
