@@ -4,7 +4,6 @@ Everything that can fail on bad input is checked before anything is created or a
 """
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -20,6 +19,7 @@ from . import errors, faults, retention
 from .config import FeedSpec, FeedState
 from .core import snapshot
 from .core.hlc import physical_ms
+from .core.offsets import Offset
 from .core.requests import SnapshotRequests
 from .errors import ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, TransientError
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
@@ -341,10 +341,10 @@ def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Cal
 def _snapshot_done(query: Any) -> bool:
     """The last completed batch left no table to snapshot."""
     end = end_offset(query.lastProgress)
-    return bool(end) and not (end.get("snap") or {}).get("pending")
+    return end is not None and not end.cursor.pending
 
 
-def _logged_end(state: FeedState) -> tuple[dict[str, Any] | None, bool]:
+def _logged_end(state: FeedState) -> tuple[Offset | None, bool]:
     """(The end offset of the last batch in the checkpoint's offset log, None before the first;
     whether Spark logged that batch as committed downstream too)."""
     logged = [p for p in (state.checkpoint / "offsets").glob("*") if p.name.isdigit()]
@@ -352,7 +352,7 @@ def _logged_end(state: FeedState) -> tuple[dict[str, Any] | None, bool]:
         return None, False
     path = max(logged, key=lambda p: int(p.name))
     last = path.read_text().splitlines()
-    end = json.loads(last[-1]) if len(last) > 2 else None
+    end = Offset.from_json(last[-1]) if len(last) > 2 else None
     return end, (state.checkpoint / "commits" / path.name).exists()
 
 
@@ -367,9 +367,8 @@ def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
     logged as committed), or chunks are pending after it, or requested; a fresh checkpoint has its
     initial snapshot ahead."""
     end, committed = _logged_end(state)
-    cursor = snapshot.Cursor.from_offset(end) if end else snapshot.Cursor(
-        pending=() if spec.snapshot == "never" else spec.tables)
-    running_chunks = bool((end or {}).get("chunks")) and not committed
+    cursor = end.cursor if end else snapshot.Cursor(pending=() if spec.snapshot == "never" else spec.tables)
+    running_chunks = end is not None and bool(end.chunks) and not committed
     return running_chunks or bool(cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
 
 
@@ -382,7 +381,7 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
     for p in reversed(query.recentProgress):
         end = end_offset(p)
         if end:
-            src.advance(prepared.source_conn, prepared.spec.slot, int(end["lsn"]))
+            src.advance(prepared.source_conn, prepared.spec.slot, end.lsn)
             return
 
 

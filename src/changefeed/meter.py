@@ -2,7 +2,6 @@
 snapshot progress, and the gauges of its metrics endpoint."""
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
@@ -12,6 +11,7 @@ import psycopg
 
 from .config import FeedState
 from .core.hlc import physical_ms
+from .core.offsets import Offset
 from .metrics import FeedMetrics, TableSnapshot
 from .metrics import serve as serve_metrics
 from .postgres import source as src
@@ -56,7 +56,7 @@ class Meter:
         last = query.lastProgress
         dur = last.get("durationMs", {}).get("triggerExecution", 0) / 1000 if last else None
         end = end_offset(last)
-        pending = tuple((end.get("snap") or {}).get("pending", ()))
+        pending = end.cursor.pending if end else ()
         if self.gauges is not None:
             self.gauges.update(query, pending, changes_total=self.changes, batches_total=self.batches,
                                changes_per_second=rate, batch_duration_seconds=dur)
@@ -64,7 +64,7 @@ class Meter:
             return
         if (self.batches, self.changes) != self._shown:  # a line only when something was delivered
             self._shown = (self.batches, self.changes)
-            self.report(self.line(dur, int(end["ts"]) if end.get("ts") else None, now - self._t0))
+            self.report(self.line(dur, end.ts if end and end.ts else None, now - self._t0))
         if self.snapshot is not None:
             self.snapshot.update(pending)
 
@@ -158,7 +158,7 @@ class SnapshotMeter:
         self._last, self._last_at = applied, now
 
 
-def end_offset(progress: dict[str, Any] | None) -> dict[str, Any]:
-    """The end offset of a progress report's (only) source, as a dict."""
-    end = ((progress or {}).get("sources") or [{}])[0].get("endOffset") or {}
-    return json.loads(end) if isinstance(end, str) else end  # type: ignore[no-any-return]
+def end_offset(progress: dict[str, Any] | None) -> Offset | None:
+    """The end offset of a progress report's (only) source; None before the first batch."""
+    end = ((progress or {}).get("sources") or [{}])[0].get("endOffset")
+    return Offset.from_json(end) if end else None

@@ -1,9 +1,9 @@
 """`changefeed` PySpark streaming source: PostgreSQL logical decoding as micro-batches.
 
-Offsets are `{"lsn", "ts", "snap", "chunks"}`: the batch's upper WAL bound, its resolved commit
-timestamp (no change in a later batch gets a smaller one), the snapshot cursor after it, and the
-snapshot chunks it carries (see core.snapshot; each chunk is one more input partition). A batch
-holds what starts in [start, end) (see postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
+Offsets are core.offsets.Offset: the batch's upper WAL bound, its resolved commit timestamp (no
+change in a later batch gets a smaller one), the snapshot cursor after it, and the snapshot chunks
+it carries (see core.snapshot; each chunk is one more input partition). A batch holds what starts
+in [start, end) (see postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
 end, a commit's end (a change limit) or a WAL page boundary (a byte limit, found without decoding).
 The driver only plans offsets and advances the slot in `commit`; executors decode in `read`.
 
@@ -29,6 +29,7 @@ from ..core import change as ch
 from ..core import snapshot
 from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..core.lsn import format_lsn
+from ..core.offsets import DEFAULT_NODE, Offset
 from ..core.requests import SnapshotRequests
 from ..errors import carried
 from ..postgres import pgoutput as po
@@ -46,7 +47,7 @@ class BatchPartition(InputPartition):
     """Input partition `part` of a batch's `parts`, labelled with the batch's WAL window [start, end);
     its `P` row names both, so that a sink can tell a whole batch from one cut short."""
 
-    def __init__(self, uri: str, start: dict[str, int], end: dict[str, int], rows_per_batch: int) -> None:
+    def __init__(self, uri: str, start: Offset, end: Offset, rows_per_batch: int) -> None:
         self.uri, self.start, self.end, self.rows_per_batch = uri, start, end, rows_per_batch
         self.part, self.parts = 0, 1
 
@@ -54,7 +55,7 @@ class BatchPartition(InputPartition):
 class WindowPartition(BatchPartition):
     """One node's share of a batch: what starts in WAL [start, end)."""
 
-    def __init__(self, uri: str, slot: str, publication: str, start: dict[str, int], end: dict[str, int],
+    def __init__(self, uri: str, slot: str, publication: str, start: Offset, end: Offset,
                  rows_per_batch: int) -> None:
         super().__init__(uri, start, end, rows_per_batch)
         self.slot, self.publication = slot, publication
@@ -63,7 +64,7 @@ class WindowPartition(BatchPartition):
 class ChunkPartition(BatchPartition):
     """One snapshot chunk of a batch: existing rows of one key range."""
 
-    def __init__(self, uri: str, chunk: list[Any], start: dict[str, int], end: dict[str, int],
+    def __init__(self, uri: str, chunk: snapshot.Chunk, start: Offset, end: Offset,
                  rows_per_batch: int) -> None:
         super().__init__(uri, start, end, rows_per_batch)
         self.chunk = chunk
@@ -104,7 +105,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._conn: Any = None
         self._block = 0
         self._released = 0  # the slot is known to be at or past this LSN
-        self._available_now: dict[str, int] | None = None
+        self._available_now: tuple[int, int] | None = None  # (LSN, ts) where an AvailableNow run ends
 
     @property
     def conn(self) -> Any:
@@ -114,12 +115,12 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     @carried("source")
     @lost_connection("source")
-    def initialOffset(self) -> dict[str, int]:
+    def initialOffset(self) -> dict[str, Any]:
         state = src.slot_state(self.conn, self.slot)
         src.check_slot_usable(state, self.slot, None, self.feed)
         assert state is not None and state.confirmed_flush is not None
-        return {"lsn": state.confirmed_flush, "ts": 0,
-                "snap": snapshot.Cursor(pending=tuple(self.snapshot_tables)).to_json()}
+        return Offset({DEFAULT_NODE: state.confirmed_flush}, 0,
+                      snapshot.Cursor(pending=tuple(self.snapshot_tables))).to_json()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -133,17 +134,18 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def prepareForTriggerAvailableNow(self) -> None:
         self._available_now = self._boundary()
 
-    def _boundary(self) -> dict[str, int]:
+    def _boundary(self) -> tuple[int, int]:
+        """(A fresh flushed LSN, a timestamp no commit before it exceeds)."""
         lsn, ms = src.heartbeat(self.conn, ch.HEARTBEAT_PREFIX)
-        return {"lsn": lsn, "ts": ceiling_of_ms(ms)}
+        return lsn, ceiling_of_ms(ms)
 
     def _boundary_key(self, table: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
         if table not in self._tables:
             self._tables[table] = src.describe_tables(self.conn, [table])[0]
         return snap_pg.chunk_boundary(self.conn, self._tables[table], after, rows)
 
-    def _plan_snapshot(self, start: dict[str, Any]) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
-        cursor = snapshot.Cursor.from_offset(start)
+    def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
+        cursor = start.cursor
         if self.requests is not None:
             for no, tables in self.requests.after(cursor.requests):
                 cursor = cursor.request(tables, no)
@@ -151,47 +153,45 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     @carried("source")
     @lost_connection("source")
-    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+    def latestOffset(self, start_json: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         # Spark plans a batch only once the previous one is committed downstream, so `start` is
         # safe to release now (Spark's own `commit(start)` comes later): the cut below then
         # decodes only the new window.
-        self.commit(start)
+        start = Offset.from_json(start_json)
+        self._release(start)
         if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
             limit = self.getDefaultReadLimit()
         chunks, cursor = self._plan_snapshot(start)
         if chunks:
             # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
-            end = self._boundary()
+            lsn, ts = self._boundary()
         elif self._available_now is not None:
-            end = self._available_now
+            lsn, ts = self._available_now
         else:
             flushed, _ = src.flush_lsn(self.conn)
             idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
-            if flushed <= start["lsn"] and not idle_due:
-                return start  # nothing new, and the resolved ts is fresh enough: no batch
+            if flushed <= start.lsn and not idle_due:
+                return start_json  # nothing new, and the resolved ts is fresh enough: no batch
             # The heartbeat gives the batch a flushed end even on an idle source, so the slot (and
             # the WAL it holds) and the resolved ts keep moving.
-            end = self._boundary()
-        end = {**end, "ts": window_end_ts(start["ts"], physical_ms(end["ts"]))}
-        if end["lsn"] <= start["lsn"]:  # (never with chunks: their end is a fresh heartbeat)
-            return start
-        lsn = end["lsn"]
-        if isinstance(limit, ReadMaxBytes) and lsn - start["lsn"] > limit.max_bytes:
+            lsn, ts = self._boundary()
+        ts = window_end_ts(start.ts, physical_ms(ts))
+        if lsn <= start.lsn:  # (never with chunks: their end is a fresh heartbeat)
+            return start_json
+        if isinstance(limit, ReadMaxBytes) and lsn - start.lsn > limit.max_bytes:
             self._block = self._block or src.wal_block_size(self.conn)
-            lsn = min(lsn, src.page_cut(start["lsn"], limit.max_bytes, self._block))
+            lsn = min(lsn, src.page_cut(start.lsn, limit.max_bytes, self._block))
         elif isinstance(limit, ReadMaxRows):
-            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start["lsn"], lsn, limit.max_rows)
+            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start.lsn, lsn, limit.max_rows)
         self._planned_at = time.monotonic()
-        out: dict[str, Any] = {"lsn": lsn, "ts": end["ts"], "snap": cursor.to_json()}
-        if chunks:
-            out["chunks"] = [c.to_json() for c in chunks]
-        return out
+        return Offset({DEFAULT_NODE: lsn}, ts, cursor, tuple(chunks)).to_json()
 
-    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+    def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
+        start, end = Offset.from_json(start_json), Offset.from_json(end_json)
         parts: list[BatchPartition] = []
-        if end["lsn"] > start["lsn"]:
+        if end.lsn > start.lsn:
             parts.append(WindowPartition(self.uri, self.slot, self.publication, start, end, self.rows_per_batch))
-        parts += [ChunkPartition(self.uri, c, start, end, self.rows_per_batch) for c in end.get("chunks", ())]
+        parts += [ChunkPartition(self.uri, c, start, end, self.rows_per_batch) for c in end.chunks]
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
         return parts
@@ -206,14 +206,16 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     @carried("source")
     @lost_connection("source")
-    def commit(self, end: dict[str, int]) -> None:
-        """Spark has committed the batch ending at `end` downstream: release WAL before it.
+    def commit(self, end: dict[str, Any]) -> None:
+        """Spark has committed the batch ending at `end` downstream: release WAL before it."""
+        self._release(Offset.from_json(end))
 
-        Called for every poll (see latestOffset): the slot is asked only when `end` is new.
-        """
-        if end["lsn"] > self._released:
-            src.advance(self.conn, self.slot, end["lsn"])
-            self._released = end["lsn"]
+    def _release(self, end: Offset) -> None:
+        """Move the slot to `end`; called for every poll (see latestOffset), so the slot is asked
+        only when `end` is new."""
+        if end.lsn > self._released:
+            src.advance(self.conn, self.slot, end.lsn)
+            self._released = end.lsn
 
     def stop(self) -> None:
         if self._conn is not None:
@@ -238,20 +240,20 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
             # The slot is at `start` already (latestOffset released it before planning); a slot
             # behind it would re-send a message that straddles `start`. Everything before `start`
             # is committed downstream, so moving the slot there is always safe.
-            src.reach(conn, partition.end["lsn"], ch.HEARTBEAT_PREFIX)
-            src.advance(conn, partition.slot, partition.start["lsn"])
+            start, end = partition.start, partition.end
+            src.reach(conn, end.lsn, ch.HEARTBEAT_PREFIX)
+            src.advance(conn, partition.slot, start.lsn)
             conn.commit()
-            builder = ChangeBuilder(partition.start["lsn"], partition.end["lsn"], partition.start["ts"],
-                                    partition.end["ts"], lambda rel: src.column_catalog(conn, rel),
+            builder = ChangeBuilder(start.lsn, end.lsn, start.ts, end.ts, lambda rel: src.column_catalog(conn, rel),
                                     part=partition.part, parts=partition.parts)
-            blocks = src.peek(conn, partition.slot, partition.publication, partition.end["lsn"])
+            blocks = src.peek(conn, partition.slot, partition.publication, end.lsn)
             for rb in builder.batches(blocks, partition.rows_per_batch):
                 yield ch.pack(rb)
                 yield from _push_through()
                 faults.reach("read")
     except po.DecodeError as e:
-        e.message = (f"cannot decode the WAL of slot {partition.slot} between {format_lsn(partition.start['lsn'])} "
-                     f"and {format_lsn(partition.end['lsn'])}: {e.message}")
+        e.message = (f"cannot decode the WAL of slot {partition.slot} between {format_lsn(partition.start.lsn)} "
+                     f"and {format_lsn(partition.end.lsn)}: {e.message}")
         raise
     finally:
         conn.close()
@@ -259,15 +261,15 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
 
 def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
-    chunk = snapshot.Chunk.from_json(part.chunk)
+    chunk = part.chunk
     with connect(part.uri, "source") as conn, lost_connection("source"):
         found = snap_pg.ChunkRead()
-        for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start["lsn"], part.end["ts"],
+        for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start.lsn, part.end.ts,
                                      found, part.rows_per_batch):
             yield ch.pack(rb)
             yield from _push_through()
     task = TaskContext.get()
-    done = ch.Progress(part.end["lsn"], part.end["ts"], None, found.rows,
+    done = ch.Progress(part.end.lsn, part.end.ts, None, found.rows,
                        {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
                         "task": task.taskAttemptId() if task else None}, part.part, part.parts)
     yield ch.pack(ch.progress_batch(done))
