@@ -128,6 +128,16 @@ def writing(writer: Callable[[str, threading.Event, list[int]], None], uri: str,
         w.join()
 
 
+def terminating(uri: str, stop: threading.Event, _: list[int]) -> None:
+    """A `writing` worker: terminate the feed's backends on the source (its runner's, its readers')
+    every 0.2 s until stopped."""
+    with psycopg.connect(uri, autocommit=True) as c:
+        while not stop.is_set():
+            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
+                      "AND application_name LIKE 'changefeed%%' AND pid <> pg_backend_pid()")
+            time.sleep(0.2)
+
+
 def kill_runs(base: list[str], kills: list[str], tmp_path: Path, random_after: tuple[float, float]) -> None:
     """Run the feed (`base` args) once per kill point, each killed there by its fault point
     (CHANGEFEED_KILL_AT), or for "random" SIGKILLed after a random time in `random_after`."""

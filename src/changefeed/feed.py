@@ -161,7 +161,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     _check_retention(prepared, report)
                 if meter is None:
                     meter = Meter(report, prepared.ledger.totals)
-                meter.totals = prepared.ledger.totals
+                else:  # the sink's ledger of this attempt
+                    meter.totals = prepared.ledger.totals
                 _run_query(prepared, spark, meter, metrics, stop, retry, attempt, report,
                            available_now=available_now, report_every_s=report_every_s)
                 break

@@ -32,6 +32,7 @@ from conftest import (
     changefeed_cli,
     fingerprint,
     start_changefeed,
+    terminating,
     wait_for,
     writing,
 )
@@ -70,14 +71,6 @@ def writer(uri: str, stop: threading.Event, acked: list[int]) -> None:
         except psycopg.OperationalError:
             time.sleep(0.2)
 
-
-def terminating(uri: str, stop: threading.Event, _: list[int]) -> None:
-    """Terminate the feed's backends on the source every 0.2 s."""
-    with psycopg.connect(uri, autocommit=True) as c:
-        while not stop.is_set():
-            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
-                      "AND application_name LIKE 'changefeed%%' AND pid <> pg_backend_pid()")
-            time.sleep(0.2)
 
 
 def last_row(uri: str) -> int:

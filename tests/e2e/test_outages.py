@@ -16,10 +16,12 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,6 +34,7 @@ from conftest import (
     fingerprint,
     kafka_partitions,
     start_changefeed,
+    terminating,
     wait_for,
     writing,
 )
@@ -57,6 +60,24 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
             time.sleep(0.2)
 
 
+def carried_on(feed: subprocess.Popen[bytes], log: Path) -> None:
+    """The same feed process waited the fault out: still running, saying it carries on, no traceback."""
+    assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
+    wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log, timeout=60)
+    assert_no_traceback(log.read_text())
+
+
+@contextmanager
+def stopped_cleanly(feed: subprocess.Popen[bytes], log: Path) -> Iterator[None]:
+    """Run the block, then stop the feed with SIGTERM: it exits 0."""
+    try:
+        yield
+    finally:
+        feed.send_signal(signal.SIGTERM)
+        rc = feed.wait(timeout=120)
+    assert rc == 0, log.read_text()[-3000:]
+
+
 def rows_on(uri: str) -> int:
     try:
         return fingerprint(uri, "t")[0]
@@ -69,14 +90,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
-
-def terminating(uri: str, stop: threading.Event, _: list[int]) -> None:
-    """Terminate the feed's backends on the source (its runner's, its readers') every 0.2 s."""
-    with psycopg.connect(uri, autocommit=True) as c:
-        while not stop.is_set():
-            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database() "
-                      "AND application_name LIKE 'changefeed%%' AND pid <> pg_backend_pid()")
-            time.sleep(0.2)
 
 
 @pytest.mark.parametrize("fault", ["source crash-restart", "replica crash-restart", "backends terminated"])
@@ -101,7 +114,7 @@ def test_a_fault_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
             st = json.loads(out.stdout) if out.returncode == 0 else {}
             return st["state"] if "retrying" in st.get("state", "") else None
 
-        try:
+        with stopped_cleanly(feed, log):
             wait_for("the snapshot on the replica", lambda: rows_on(sink) >= 200, log)
             written = [0]
             with writing(writer, uri, written):
@@ -123,15 +136,8 @@ def test_a_fault_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
                 time.sleep(4)  # the writer goes on after the fault
             wait_for("the replica to equal the source",
                      lambda: fingerprint(sink, "t") == fingerprint(uri, "t"), log, timeout=240)
-            assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
-            wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log,
-                     timeout=60)
-            assert_no_traceback(log.read_text())
+            carried_on(feed, log)
             wait_for("status without retrying", lambda: retrying() is None, log, timeout=60)
-        finally:
-            feed.send_signal(signal.SIGTERM)
-            rc = feed.wait(timeout=120)
-        assert rc == 0, log.read_text()[-3000:]
     finally:
         if own:
             own.stop("immediate")
@@ -146,7 +152,7 @@ def test_an_unforeseen_error_inside_a_task_is_retried(dbs: Dbs, tmp_path: Path) 
     feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
                             "--sink", dbs.sink, "--tables", "public.t", "--retry-max-backoff", "2s", log=log,
                             env={"CHANGEFEED_FAIL_AT": "read:3", "CHANGEFEED_FAULT_DIR": str(tmp_path)})
-    try:
+    with stopped_cleanly(feed, log):
         written = [0]
         with writing(writer, dbs.source, written):
             wait_for("the fault", lambda: (tmp_path / ".fail-read").exists()
@@ -154,15 +160,9 @@ def test_an_unforeseen_error_inside_a_task_is_retried(dbs: Dbs, tmp_path: Path) 
             time.sleep(2)
         wait_for("the replica to equal the source",
                  lambda: fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t"), log, timeout=240)
-        assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
         text = log.read_text()
         assert "failure(s) of the source: source: InjectedFault: fault injected at read" in text, text[-3000:]
-        wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log, timeout=60)
-        assert_no_traceback(log.read_text())
-    finally:
-        feed.send_signal(signal.SIGTERM)
-        rc = feed.wait(timeout=120)
-    assert rc == 0, log.read_text()[-3000:]
+        carried_on(feed, log)
 
 
 def test_a_definite_fault_while_running_ends_the_run(dbs: Dbs, tmp_path: Path) -> None:
@@ -211,7 +211,7 @@ def test_a_stalled_connection_is_found_and_cut(dbs: Dbs, tmp_path: Path, path: s
         state, log = tmp_path / "state", tmp_path / "feed.log"
         feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", source,
                                 "--sink", sink, "--tables", "public.t", "--retry-max-backoff", "2s", log=log)
-        try:
+        with stopped_cleanly(feed, log):
             written = [0]
             with writing(writer, dbs.source, written):
                 wait_for("changes streaming", lambda: rows_on(dbs.sink) > 200, log)
@@ -228,10 +228,6 @@ def test_a_stalled_connection_is_found_and_cut(dbs: Dbs, tmp_path: Path, path: s
             text = log.read_text()
             assert f"failure(s) of the {path}" in text, text[-3000:]
             assert_no_traceback(text)
-        finally:
-            feed.send_signal(signal.SIGTERM)
-            rc = feed.wait(timeout=120)
-        assert rc == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("fault", ["down", "stalled"])
@@ -258,7 +254,7 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
         feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
                                 "--sink", f"kafka://{bootstrap}?timeout=10s", "--tables", "public.t",
                                 "--retry-max-backoff", "2s", log=log)
-        try:
+        with stopped_cleanly(feed, log):
             wait_for("the snapshot in the topic", lambda: len(ids()) >= 200, log)
             written = [0]
             with writing(writer, dbs.source, written):
@@ -280,16 +276,9 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
                             for r in part]
                 raise AssertionError(f"{len(got)} ids for {written[0]} rows; doubled {sorted(doubled)[:20]}: "
                                      f"{found[:20]}\nprogress: {progress}\n{log.read_text()[-5000:]}")
-            assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
             assert broker.running
             assert "failure(s) of the sink" in log.read_text() and "the sink is back" in log.read_text()
-            wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log,
-                     timeout=60)
-            assert_no_traceback(log.read_text())
-        finally:
-            feed.send_signal(signal.SIGTERM)
-            rc = feed.wait(timeout=120)
-        assert rc == 0, log.read_text()[-3000:]
+            carried_on(feed, log)
 
 
 def test_the_retention_budget_holds_while_retrying(dbs: Dbs, tmp_path: Path) -> None:
@@ -359,7 +348,7 @@ def test_a_failover_to_a_standby_that_has_the_slot_is_waited_out(dbs: Dbs, tmp_p
                                 "WHERE slot_name = %s", (slot,)).fetchone()
             return bool(row and row[0])
 
-        try:
+        with stopped_cleanly(feed, log):
             wait_for("the snapshot on the replica", lambda: rows_on(dbs.sink) >= 200, log)
             written = [0]
             with writing(writer, uri, written):
@@ -373,14 +362,7 @@ def test_a_failover_to_a_standby_that_has_the_slot_is_waited_out(dbs: Dbs, tmp_p
             wait_for("the replica to equal the new primary",
                      lambda: fingerprint(dbs.sink, "t") == fingerprint(new_primary, "t"), log, timeout=240)
             assert fingerprint(new_primary, "t")[0] > 400 + 200
-            assert feed.poll() is None, f"the feed process ended:\n{log.read_text()[-3000:]}"
-            wait_for("the feed to say it carries on", lambda: "is back; carrying on" in log.read_text(), log,
-                     timeout=60)
-            assert_no_traceback(log.read_text())
-        finally:
-            feed.send_signal(signal.SIGTERM)
-            rc = feed.wait(timeout=120)
-        assert rc == 0, log.read_text()[-3000:]
+            carried_on(feed, log)
     finally:
         primary.stop("immediate")
         if standby is not None:
