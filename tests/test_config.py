@@ -65,3 +65,42 @@ def test_cli_captures_the_outbox_table(tmp_path: Path) -> None:
     spec = _spec_from_args(args, FeedState(tmp_path, "f"))
     assert spec.tables == ("public.a", "public.outbox") and spec.outbox == "public.outbox"
     assert spec.outbox_ttl_s == 600.0
+
+
+A, B = "postgresql://u:p@a:5432/db", "postgresql://u:p@b:5432/db"
+
+
+@pytest.mark.parametrize("given, source, nodes", [
+    ([A], A, ()),  # one unnamed source: exactly the feed of before
+    (["n1=" + A], A, ()),
+    ([A, B], "", (("n1", A), ("n2", B))),
+    (["east=" + A, "west=" + B], "", (("east", A), ("west", B))),
+    (["main=" + A], "", (("main", A),)),
+    ([A + "?target_session_attrs=read-write"], A + "?target_session_attrs=read-write", ()),  # '=' in the query
+])
+def test_sources_are_named_in_order(given: list[str], source: str, nodes: tuple[tuple[str, str], ...]) -> None:
+    from changefeed.config import parse_sources
+
+    assert parse_sources(given) == (source, nodes)
+    spec = FeedSpec("f", source, "postgresql://r/db", ("public.t",), nodes=nodes).validate()
+    assert [n.name for n in spec.sources] == ([n for n, _ in nodes] or ["n1"])
+    assert spec.sources[0].slot == ("changefeed_f" if spec.sources[0].name == "n1" else f"changefeed_f_{nodes[0][0]}")
+
+
+def test_nodes_round_trip_through_feed_json(tmp_path: Path) -> None:
+    spec = FeedSpec("f", "", "postgresql://r/db", ("public.t",), nodes=(("n1", A), ("n2", B))).validate()
+    state = FeedState(tmp_path, "f")
+    state.save(spec)
+    assert state.load() == spec and spec.multi_node
+
+
+@pytest.mark.parametrize("nodes, sink, words", [
+    ((("n1", A), ("n1", B)), "postgresql://r/db", "same name"),
+    ((("n1", A), ("n2", A)), "postgresql://r/db", "same URI"),
+    ((("N-1", A),), "postgresql://r/db", "node name 'N-1'"),
+    ((("n1", A), ("n2", "mysql://x")), "postgresql://r/db", "--source n2 must be a postgresql"),
+    ((("n1", A), ("n2", B)), "kafka://k:9092", "PostgreSQL replica"),
+])
+def test_bad_nodes_are_refused(nodes: tuple[tuple[str, str], ...], sink: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        FeedSpec("f", "", sink, ("public.t",), nodes=nodes).validate()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_tables
+from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_sources, parse_tables
 from .core.envelope import FORMATS
 from .errors import ChangefeedError, ConfigError
 
@@ -37,8 +37,9 @@ def _option(option: str, parse: Callable[[str], Any], text: str | None) -> Any:
 
 def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     stored = state.load()
+    source, nodes = parse_sources(args.source) if args.source else (None, None)
     given = {k: v for k, v in {
-        "source": args.source, "sink": args.sink,
+        "source": source, "nodes": nodes, "sink": args.sink,
         "tables": parse_tables(args.tables) if args.tables else None,
         "max_bytes_per_batch": _option("max-bytes-per-batch", parse_size, args.max_bytes_per_batch),
         "max_changes_per_batch": args.max_changes_per_batch,
@@ -58,9 +59,10 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
         return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate()
-    for key in ("source", "sink", "tables"):
+    for key in ("source", "nodes", "sink", "tables"):
         if key in given and given[key] != getattr(stored, key):
-            raise ConfigError(f"feed {args.name} was created with a different --{key} ({state.spec_file})",
+            option = "source" if key == "nodes" else key
+            raise ConfigError(f"feed {args.name} was created with a different --{option} ({state.spec_file})",
                               "omit the option to reuse the stored one, or choose another --name")
     return FeedSpec(**{**stored.__dict__, **given}).validate()
 
@@ -187,9 +189,11 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     """What defines a feed (stored on its first run or create; later runs may change the limits)."""
     cmd.add_argument("--name", required=True,
                      help="feed name: 1-40 lowercase letters, digits or _, starting with a letter")
-    cmd.add_argument("--source", help="source URI postgresql://USER:PASSWORD@HOST:PORT/DB; the user needs REPLICATION "
-                                      "(or superuser) and rights to create a publication (required on the first run, "
-                                      "then stored)")
+    cmd.add_argument("--source", action="append",
+                     help="source URI postgresql://USER:PASSWORD@HOST:PORT/DB; the user needs REPLICATION "
+                          "(or superuser) and rights to create a publication (required on the first run, then "
+                          "stored). Repeat it as --source NAME=URI for a feed over several nodes (servers "
+                          "that together hold the tables; unnamed ones are n1, n2, ... in order)")
     cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica, kafka://HOST:PORT[,...]?options for "
                                     "Kafka, webhook-https://... (or webhook-http://) for a webhook (required on "
                                     "the first run, then stored)")

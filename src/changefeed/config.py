@@ -6,11 +6,14 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .core.offsets import DEFAULT_NODE
 from .core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from .errors import ConfigError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
+# A node name goes into its slot's name (at most 63 bytes with the feed's): short, lowercase.
+_NODE = re.compile(r"^[a-z][a-z0-9_]{0,10}$")
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_RESOLVED_S = 1.0
 SNAPSHOT_MODES = ("initial", "never", "only")
@@ -20,8 +23,28 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
+class SourceNode:
+    """One PostgreSQL server (node) a feed reads, with the slot and publication it has there."""
+
+    name: str
+    uri: str
+    slot: str
+    publication: str
+
+
+def node_role(node: str, multi_node: bool) -> str:
+    """How messages name a source node: just "source" on a one-node feed."""
+    return f"source node {node}" if multi_node else "source"
+
+
+@dataclass(frozen=True)
 class FeedSpec:
-    """One named changefeed. Slot and publication names derive from the feed name."""
+    """One named changefeed. Slot and publication names derive from the feed name (and, but for
+    node n1, the node's: `changefeed_FEED_NODE`, so that two nodes may share a server).
+
+    A feed of one node named n1 keeps its URI in `source` (the shape every feed had before nodes
+    existed); any other feed lists its nodes in `nodes` as (name, URI) pairs and leaves `source`
+    empty."""
 
     name: str
     source: str
@@ -42,6 +65,18 @@ class FeedSpec:
     outbox_columns: str = ""  # role=column,... (core.outbox.parse_columns); "" = the default names
     outbox_topic: str = DEFAULT_TOPIC
     outbox_ttl_s: float = 0.0  # delete outbox rows this old once delivered; 0 = never
+    nodes: tuple[tuple[str, str], ...] = ()  # (name, URI) of each node; () = one node, n1, at `source`
+
+    @property
+    def sources(self) -> tuple[SourceNode, ...]:
+        """The nodes the feed reads, in the order they were named."""
+        pairs = self.nodes or ((DEFAULT_NODE, self.source),)
+        return tuple(SourceNode(n, uri, *(2 * (self.slot if n == DEFAULT_NODE else f"{self.slot}_{n}",)))
+                     for n, uri in pairs)
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.sources) > 1
 
     @property
     def outbox_spec(self) -> OutboxSpec | None:
@@ -61,16 +96,13 @@ class FeedSpec:
         if not _NAME.match(self.name):
             raise ConfigError(f"feed name {self.name!r} is not allowed",
                               "use 1-40 lowercase letters, digits or _, starting with a letter")
-        required = (("source", self.source), ("sink", self.sink), ("tables", self.tables))
+        required = (("source", self.source or self.nodes), ("sink", self.sink), ("tables", self.tables))
         missing = [f"--{option}" for option, value in required if not value]
         if missing:
             raise ConfigError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required for a new feed",
                               "e.g. --source postgresql://USER:PASSWORD@HOST:5432/DB --sink "
                               "postgresql://USER:PASSWORD@REPLICA:5432/DB --tables public.accounts")
-        if not self.source.startswith(("postgresql://", "postgres://")):
-            scheme = self.source.split("://")[0] if "://" in self.source else "<no scheme>"
-            raise ConfigError(f"--source must be a postgresql:// URI, got scheme {scheme!r}",
-                              "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        self._validate_nodes()
         from .core.envelope import FORMATS
         from .sinks.registry import sink_kind, validate_sink
 
@@ -106,6 +138,31 @@ class FeedSpec:
             self._validate_outbox()
         return self
 
+    def _validate_nodes(self) -> None:
+        if self.source and self.nodes:
+            raise ConfigError("a feed has either one source URI or named nodes, not both",
+                              "list every node as --source NAME=URI")
+        for node in self.sources:
+            if not _NODE.match(node.name):
+                raise ConfigError(f"node name {node.name!r} is not allowed",
+                                  "use 1-11 lowercase letters, digits or _, starting with a letter")
+            if not node.uri.startswith(("postgresql://", "postgres://")):
+                scheme = node.uri.split("://")[0] if "://" in node.uri else "<no scheme>"
+                raise ConfigError(f"--source {node.name} must be a postgresql:// URI, got scheme {scheme!r}",
+                                  "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        for what, values in (("name", [n.name for n in self.sources]), ("URI", [n.uri for n in self.sources])):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                shown = twice[0] if what == "name" else "a URI"
+                raise ConfigError(f"two nodes have the same {what} ({shown})", "name each node once, each with "
+                                  "its own server or database")
+        if self.multi_node:
+            from .sinks.registry import REPLICA, sink_kind
+
+            if sink_kind(self.sink) is not REPLICA:
+                raise ConfigError("a feed of several nodes delivers to a PostgreSQL replica (this version)",
+                                  "use a postgresql:// --sink, or one feed per node for Kafka or a webhook")
+
     def _validate_outbox(self) -> None:
         from .sinks.registry import sink_kind
 
@@ -134,9 +191,23 @@ class FeedSpec:
             if unknown:
                 raise ConfigError(f"{origin}: unknown keys {sorted(unknown)}", f"known keys: {sorted(known)}")
             data["tables"] = tuple(data["tables"])
+            data["nodes"] = tuple((str(n), str(u)) for n, u in data.get("nodes", ()))
             return cls(**data).validate()
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None
+
+
+def parse_sources(given: list[str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """`--source` values (`URI` or `NAME=URI`, in order) -> FeedSpec's (source, nodes): one
+    unnamed or n1 URI is a plain `source`; unnamed nodes are n1, n2, ... by position."""
+    pairs = []
+    for i, text in enumerate(given, 1):
+        name, sep, uri = text.partition("=")
+        named = bool(sep) and "://" not in name and "/" not in name
+        pairs.append((name.strip(), uri.strip()) if named else (f"n{i}", text.strip()))
+    if len(pairs) == 1 and pairs[0][0] == DEFAULT_NODE:
+        return pairs[0][1], ()
+    return "", tuple(pairs)
 
 
 def parse_tables(text: str) -> tuple[str, ...]:

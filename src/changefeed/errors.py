@@ -58,6 +58,10 @@ class SourceNotReady(DefiniteError):
     """The source database cannot be captured as configured (wal_level, tables, keys)."""
 
 
+class UnfollowableChange(DefiniteError):
+    """The source made a change the sink cannot follow faithfully: the feed stops before it."""
+
+
 class FeedBusy(DefiniteError):
     """Another runner holds this feed."""
 

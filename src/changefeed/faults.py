@@ -1,7 +1,8 @@
 """Named fault points for crash tests: SIGKILL the whole feed at an awkward moment.
 
 `CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the
-n-th time (default 1st) execution reaches `point`: startup, read, snapshot_chunk (a chunk was
+n-th time (default 1st) execution reaches `point`: node_created (a feed's publication and slot
+exist on one more source node), startup, read, snapshot_chunk (a chunk was
 read), sink_write (a message sink wrote another 1000 messages of a batch), insert_run (the replica
 COPYed a run of inserts into its target, inside the batch's transaction), before_sink_commit or
 after_sink_commit. `CHANGEFEED_FAIL_AT=point[:n]` instead raises an unexpected error there, once

@@ -14,14 +14,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import psycopg
+from psycopg import sql
 
 from . import errors, faults, retention
-from .config import FeedSpec, FeedState
+from .config import FeedSpec, FeedState, SourceNode, node_role
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.offsets import Offset
 from .core.requests import SnapshotRequests
-from .errors import ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, TransientError
+from .errors import (ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, SourceNotReady,
+                     TransientError)
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
 from .postgres.connect import connect, lost_connection
@@ -37,8 +39,13 @@ from .status import counted
 class Prepared:
     spec: FeedSpec
     state: FeedState
-    source_conn: Any  # holds the feed's advisory lock while the feed runs
+    sources: dict[str, Any]  # per source node, a connection that holds the feed's advisory lock there
     ledger: Ledger
+
+    @property
+    def source_conn(self) -> Any:
+        """The first node's connection (a one-node feed's only one)."""
+        return self.sources[self.spec.sources[0].name]
 
 
 def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
@@ -48,40 +55,104 @@ def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable
     return attach(spec, state, stack, report)
 
 
+@dataclass
+class _Checked:
+    """What the checks found on one source node."""
+
+    node: SourceNode
+    conn: Any
+    tables: list[src.SourceTable]
+    slot: src.SlotState | None
+
+
 def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
-    """Connect to the source and the sink, check them, create what is missing (each step leaves
-    what exists as it is, so a runner that lost its servers calls this again to carry on)."""
-    with told_if_slow(f"the source {_endpoint(spec.source)} to answer", report):
-        source = stack.enter_context(connect(spec.source, "source"))
-    with lost_connection("source"):  # a connection lost on the way is retried by a running feed
-        src.check_wal_level(source)
-        tables = src.describe_tables(source, list(spec.tables))
-        if spec.outbox_spec is not None:
-            check_outbox_table(source, spec.outbox_spec)
-        src.lock_feed(source, spec.name)
-        slot = src.slot_state(source, spec.slot)
+    """Connect to every source node and the sink, check them all, then create what is missing on
+    each node (each step leaves what exists as it is, so a runner that lost its servers calls
+    this again to carry on). Nothing is created anywhere before every check passed; a slot or
+    publication created on one node is dropped again when a later step fails."""
+    checked = [_check_node(spec, node, stack, report) for node in spec.sources]
+    _check_same_tables(spec, checked)
     with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report), lost_connection("sink"):
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
-        if state.has_checkpoint() or slot is not None:
-            src.check_slot_usable(slot, spec.slot, ledger.checkpoint_lsn(), spec.name)
+        checkpoint = ledger.checkpoint() or {}
+        for c in checked:
+            if state.has_checkpoint() or c.slot is not None:
+                with _about(spec, c.node):
+                    src.check_slot_usable(c.slot, c.node.slot, checkpoint.get(c.node.name), spec.name)
         ledger.check()
     # -- nothing was created up to here --
-    with lost_connection("source"):
-        src.ensure_publication(source, spec.publication, tables)
-        created = slot is None
-        if created:
-            src.create_slot(source, spec.slot)
+    created: list[tuple[_Checked, bool, bool]] = []  # (node, publication created, slot created)
     try:
+        for c in checked:
+            with _about(spec, c.node):
+                publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
+                created.append((c, publication, False))
+                if c.slot is None:
+                    src.create_slot(c.conn, c.node.slot)
+                    created[-1] = (c, publication, True)
+                faults.reach("node_created")
         with lost_connection("sink"):
-            ledger.prepare(tables)
+            ledger.prepare(checked[0].tables)
     except Exception:
-        if created:  # leave nothing half-made behind: the next run starts clean
-            with lost_connection("source"):
-                source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
+        _undo(spec, created)  # leave nothing half-made behind: the next run starts clean
         raise
     state.save(spec)
-    return Prepared(spec, state, source, ledger)
+    return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger)
+
+
+def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Callable[[str], None]) -> _Checked:
+    """Connect to `node`, check it (wal_level, tables and keys, outbox), take the feed's lock there."""
+    role = node_role(node.name, spec.multi_node)
+    with told_if_slow(f"the {role} {_endpoint(node.uri)} to answer", report), _about(spec, node):
+        conn = stack.enter_context(connect(node.uri, role))
+    with _about(spec, node):
+        src.check_wal_level(conn)
+        tables = src.describe_tables(conn, list(spec.tables))
+        if spec.outbox_spec is not None:
+            check_outbox_table(conn, spec.outbox_spec)
+        slot = src.slot_state(conn, node.slot)
+        if slot is None:
+            src.check_rights(conn, node.publication, tables)
+        src.lock_feed(conn, spec.name)
+        return _Checked(node, conn, tables, slot)
+
+
+def _check_same_tables(spec: FeedSpec, checked: list[_Checked]) -> None:
+    """Every node must have the same key columns for each table: their rows go to one target."""
+    first = checked[0]
+    for c in checked[1:]:
+        for a, b in zip(first.tables, c.tables):
+            if a.key != b.key:
+                raise SourceNotReady(
+                    f"table {a.qualified} has key ({', '.join(a.key)}) on source node {first.node.name} but "
+                    f"({', '.join(b.key)}) on source node {c.node.name}: their rows cannot go to one target table",
+                    "give the table the same primary key on every node")
+
+
+@contextmanager
+def _about(spec: FeedSpec, node: SourceNode) -> Iterator[None]:
+    """Work on one source node: a lost connection is ConnectionFailed naming it, and on a feed of
+    several nodes every error says which node it is about."""
+    role = node_role(node.name, spec.multi_node)
+    try:
+        with lost_connection(role):
+            yield
+    except ChangefeedError as e:
+        if spec.multi_node and f"node {node.name}" not in e.message:
+            e.message = f"source node {node.name}: {e.message}"
+        raise
+
+
+def _undo(spec: FeedSpec, created: list[tuple[_Checked, bool, bool]]) -> None:
+    """Drop the slots and publications this attempt created (best effort: a node that is gone
+    now keeps its slot, and the next run's checks find it again)."""
+    for c, publication, slot in created:
+        with suppress(psycopg.Error):
+            if slot:
+                c.conn.execute("SELECT pg_drop_replication_slot(%s)", (c.node.slot,))
+            if publication:
+                c.conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(c.node.publication)))
 
 
 @contextmanager
@@ -264,52 +335,61 @@ def _stop(query: Any, state: FeedState) -> None:
 
 @contextmanager
 def _lost_connections(prepared: Prepared) -> Iterator[None]:
-    """The runner's own work on the source and the sink: a lost connection is ConnectionFailed,
-    naming the server whose connection broke."""
+    """The runner's own work on the source nodes and the sink: a lost connection is
+    ConnectionFailed, naming the server whose connection broke."""
     try:
         yield
     except psycopg.OperationalError as e:
-        role = "source" if prepared.source_conn.broken else "sink"
+        broken = [n for n, conn in prepared.sources.items() if conn.broken]
+        role = node_role(broken[0], prepared.spec.multi_node) if broken else "sink"
         with lost_connection(role):
             raise e from None
 
 
 def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
-    """Stop (typed error, recorded) when PostgreSQL invalidated the slot or past the retention
-    budget; warn near the budget. A connection lost meanwhile is ConnectionFailed."""
+    """Stop (typed error, recorded) when PostgreSQL invalidated a node's slot or past the
+    retention budget on a node; warn near the budget. A connection lost meanwhile is
+    ConnectionFailed."""
     spec = prepared.spec
     try:
         with _lost_connections(prepared):
-            slot = src.slot_state(prepared.source_conn, spec.slot)
-            src.check_slot_usable(slot, spec.slot, prepared.ledger.checkpoint_lsn(), spec.name)
-            assert slot is not None
-            if slot.restart_lsn is None:
-                return
-            current, now_ms = src.flush_lsn(prepared.source_conn)
+            checkpoint = prepared.ledger.checkpoint() or {}
             resolved = prepared.ledger.last_resolved_ts()
-        held = retention.Holding(spec.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
-                                 None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000))
-        warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
+        for node in spec.sources:
+            conn = prepared.sources[node.name]
+            with _about(spec, node):
+                slot = src.slot_state(conn, node.slot)
+                src.check_slot_usable(slot, node.slot, checkpoint.get(node.name), spec.name)
+                assert slot is not None
+                if slot.restart_lsn is None:
+                    continue
+                current, now_ms = src.flush_lsn(conn)
+            held = retention.Holding(node.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
+                                     None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000),
+                                     node.name if spec.multi_node else "")
+            warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
+            if warning:
+                report(warning)
     except DefiniteError as e:
         prepared.state.record_failure(e)
         raise
-    if warning:
-        report(warning)
 
 
 def _check_retention_meanwhile(spec: FeedSpec, state: FeedState, fault: Retrying) -> None:
     """The retention budget while a fault lasts: nothing was delivered since it began, so the
-    checkpoint is at least that old; the WAL the slot holds is asked of the source when it is
-    not the part that failed. Past a budget the run ends (RetentionExceeded, recorded)."""
-    retained, restart = 0, 0
-    if fault.component != "source" and spec.max_retained_wal:
-        with suppress(ChangefeedError), connect(spec.source, "source") as source, lost_connection("source"):
-            slot = src.slot_state(source, spec.slot)
-            if slot is not None and slot.restart_lsn is not None:
-                restart, retained = slot.restart_lsn, max(0, src.flush_lsn(source)[0] - slot.restart_lsn)
+    checkpoint is at least that old; the WAL each node's slot holds is asked of the nodes that
+    answer. Past a budget the run ends (RetentionExceeded, recorded)."""
     try:
-        retention.check(retention.Holding(spec.slot, restart, retained, time.time() - fault.since), spec.name,
-                        spec.retention_s, spec.max_retained_wal)
+        for node in spec.sources:
+            retained, restart = 0, 0
+            if spec.max_retained_wal:
+                with suppress(ChangefeedError), connect(node.uri, "source") as conn, lost_connection("source"):
+                    slot = src.slot_state(conn, node.slot)
+                    if slot is not None and slot.restart_lsn is not None:
+                        restart, retained = slot.restart_lsn, max(0, src.flush_lsn(conn)[0] - slot.restart_lsn)
+            retention.check(retention.Holding(node.slot, restart, retained, time.time() - fault.since,
+                                              node.name if spec.multi_node else ""),
+                            spec.name, spec.retention_s, spec.max_retained_wal)
     except ChangefeedError as e:
         state.record_failure(e)
         raise
@@ -319,7 +399,7 @@ def _outbox_cleanup(prepared: Prepared, stack: ExitStack) -> OutboxCleanup | Non
     outbox = prepared.spec.outbox_spec
     if outbox is None or not outbox.ttl_s:
         return None
-    cleanup = OutboxCleanup(prepared.spec.source, outbox, prepared.state.outbox_marks)
+    cleanup = OutboxCleanup(prepared.spec.sources[0].uri, outbox, prepared.state.outbox_marks)
     stack.callback(cleanup.close)
     return cleanup
 
@@ -331,7 +411,8 @@ def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Cal
     if cleanup is None or _chunks_to_read(prepared.spec, prepared.state):
         return
     try:
-        deleted = cleanup.tick(prepared.ledger.checkpoint_lsn())
+        checkpoint = prepared.ledger.checkpoint()
+        deleted = cleanup.tick(None if checkpoint is None else checkpoint[prepared.spec.sources[0].name])
     except ChangefeedError as e:
         report(f"feed {prepared.spec.name}: outbox cleanup failed, rows kept: {e}")
         return
@@ -359,8 +440,9 @@ def _logged_end(state: FeedState) -> tuple[Offset | None, bool]:
 
 def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
     """Whether the query should read a batch's partitions in parallel tasks: the sink allows it
-    (see sinks.registry) and there are snapshot chunks to read."""
-    return sink_kind(spec.sink).parallel_reads and _chunks_to_read(spec, state)
+    (see sinks.registry) and there are snapshot chunks to read, or always on a feed of several
+    nodes (see spark.job.start_query)."""
+    return spec.multi_node or sink_kind(spec.sink).parallel_reads and _chunks_to_read(spec, state)
 
 
 def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
@@ -368,21 +450,25 @@ def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
     logged as committed), or chunks are pending after it, or requested; a fresh checkpoint has its
     initial snapshot ahead."""
     end, committed = _logged_end(state)
-    cursor = end.cursor if end else snapshot.Cursor(pending=() if spec.snapshot == "never" else spec.tables)
+    tables = () if spec.snapshot == "never" else spec.tables
+    cursor = end.cursor if end else snapshot.Cursor(pending=snapshot.entries(tables, [n.name for n in spec.sources]))
     running_chunks = end is not None and bool(end.chunks) and not committed
     return running_chunks or bool(cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
 
 
 def _release_wal(prepared: Prepared, query: Any) -> None:
-    """Advance the slot past the last batch the sink committed.
+    """Advance each node's slot past the last batch the sink committed.
 
-    Spark commits a batch to the source only when it plans the next one, so without this the slot
+    Spark commits a batch to the source only when it plans the next one, so without this the slots
     would hold one batch of WAL more than needed after an AvailableNow run or a stop.
     """
     for p in reversed(query.recentProgress):
         end = end_offset(p)
         if end:
-            src.advance(prepared.source_conn, prepared.spec.slot, end.lsn)
+            for node in prepared.spec.sources:
+                if node.name in end.lsns:
+                    with _about(prepared.spec, node):
+                        src.advance(prepared.sources[node.name], node.slot, end.lsns[node.name])
             return
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from psycopg import sql
 
-from .config import FeedSpec, FeedState
+from .config import FeedSpec, FeedState, node_role
 from .core.requests import SnapshotRequests
 from .errors import ConfigError, FeedBusy
 from .feed import prepare
@@ -49,7 +49,9 @@ def list_feeds(root: Path | str) -> list[Listed]:
         state = FeedState(root, spec_file.parent.name)
         spec = state.load()
         assert spec is not None
-        out.append(Listed(spec.name, run_state(state), spec.tables, redact(spec.source), redact(spec.sink)))
+        source = redact(spec.source) if not spec.nodes else \
+            ", ".join(f"{n.name}={redact(n.uri)}" for n in spec.sources)
+        out.append(Listed(spec.name, run_state(state), spec.tables, source, redact(spec.sink)))
     return out
 
 
@@ -63,18 +65,24 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
     if who:
         raise FeedBusy(f"feed {spec.name} is running: held by {who}", "stop it (or pause it) first, then remove it")
     gone = []
-    with connect(spec.source, "source") as source:
-        src.lock_feed(source, spec.name)  # refuses while a runner elsewhere holds the feed
-        slot = src.slot_state(source, spec.slot)
-        if slot is not None:
-            if slot.active_pid:
-                raise FeedBusy(f"replication slot {spec.slot} is in use by backend pid {slot.active_pid}",
+    with ExitStack() as stack:
+        conns = []
+        for node in spec.sources:  # every node checked before anything is dropped on any
+            conn = stack.enter_context(connect(node.uri, node_role(node.name, spec.multi_node)))
+            src.lock_feed(conn, spec.name)  # refuses while a runner elsewhere holds the feed
+            slot = src.slot_state(conn, node.slot)
+            if slot is not None and slot.active_pid:
+                raise FeedBusy(f"replication slot {node.slot} is in use by backend pid {slot.active_pid}",
                                "stop whatever reads it, then remove the feed")
-            source.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
-            gone.append(f"slot {spec.slot}")
-        if source.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (spec.publication,)).fetchone():
-            source.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(spec.publication)))
-            gone.append(f"publication {spec.publication}")
+            conns.append((node, conn, slot))
+        for node, conn, slot in conns:
+            on = f" on source node {node.name}" if spec.multi_node else ""
+            if slot is not None:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
+                gone.append(f"slot {node.slot}{on}")
+            if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
+                conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
+                gone.append(f"publication {node.publication}{on}")
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
@@ -91,12 +99,15 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
     if not new:
         raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
     grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
-    with connect(spec.source, "source") as source, ExitStack() as stack:
-        described = src.describe_tables(source, list(grown.tables))
+    with ExitStack() as stack:
+        conns = [(node, stack.enter_context(connect(node.uri, node_role(node.name, spec.multi_node))))
+                 for node in spec.sources]
+        described = [src.describe_tables(conn, list(grown.tables)) for _, conn in conns]  # on every node first
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
-        ledger.prepare(described[len(spec.tables):])  # before the publication: changes need a target
-        src.ensure_publication(source, spec.publication, described)
+        ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
+        for (node, conn), tables in zip(conns, described):
+            src.ensure_publication(conn, node.publication, tables)
     state.save(grown)
     if snapshot:
         SnapshotRequests(state.requests).add(new)

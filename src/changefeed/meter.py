@@ -98,12 +98,19 @@ class Gauges:
             self.metrics.update(**self._read(pending))
 
     def _read(self, pending: tuple[str, ...]) -> dict[str, Any]:
-        spec, source, ledger = self.prepared.spec, self.prepared.source_conn, self.prepared.ledger
-        current, now_ms = src.flush_lsn(source)
-        out: dict[str, Any] = {"slot_retained_wal_bytes": retained_bytes(src.slot_state(source, spec.slot), current)}
-        resolved = ledger.last_resolved_ts()
+        spec, ledger = self.prepared.spec, self.prepared.ledger
+        resolved, checkpoint = ledger.last_resolved_ts(), ledger.checkpoint() or {}
+        retained: list[int] = []
+        lags: list[float] = []
+        for node in spec.sources:  # a feed of several nodes: WAL held on all of them, the worst lag
+            source = self.prepared.sources[node.name]
+            current, now_ms = src.flush_lsn(source)
+            retained.append(retained_bytes(src.slot_state(source, node.slot), current) or 0)
+            if resolved is not None:
+                lags.append(checkpoint_lag_s(current, now_ms, checkpoint.get(node.name, 0), resolved))
+        out: dict[str, Any] = {"slot_retained_wal_bytes": sum(retained)}
         if resolved is not None:
-            out["checkpoint_lag_seconds"] = checkpoint_lag_s(current, now_ms, ledger.checkpoint_lsn() or 0, resolved)
+            out["checkpoint_lag_seconds"] = max(lags)
             out["resolved_lag_seconds"] = resolved_lag_s(now_ms, resolved)
         applied = ledger.snapshot_totals()
         out["snapshot"] = {t: TableSnapshot(*applied.get(t, (0, 0)), pending=t in pending)

@@ -28,6 +28,11 @@ class Holding:
     restart_lsn: int
     retained_bytes: int
     checkpoint_age_s: float | None  # None: nothing applied yet
+    node: str = ""  # the source node holding it, on a feed of several nodes
+
+    @property
+    def where(self) -> str:
+        return f"replication slot {self.slot}" + (f" on source node {self.node}" if self.node else "")
 
 
 def check(h: Holding, feed: str, retention_s: float, max_bytes: int) -> str | None:
@@ -39,7 +44,7 @@ def check(h: Holding, feed: str, retention_s: float, max_bytes: int) -> str | No
         over.append(f"its checkpoint is {h.checkpoint_age_s:,.0f}s old, more than --retention {retention_s:,.0f}s")
     if over:
         raise RetentionExceeded(
-            f"feed {feed} is past its retention budget: replication slot {h.slot}"
+            f"feed {feed} is past its retention budget: {h.where}"
             + (f" at {format_lsn(h.restart_lsn)} " if h.restart_lsn else " ") + " and ".join(over),
             "either raise the budget (run with a larger --max-retained-wal / --retention) and let it catch up, or "
             f"give the WAL back and start over: {start_over_hint(feed)}")
@@ -48,4 +53,5 @@ def check(h: Holding, feed: str, retention_s: float, max_bytes: int) -> str | No
         near.append(f"{h.retained_bytes / max_bytes:.0%} of --max-retained-wal")
     if retention_s and h.checkpoint_age_s is not None and h.checkpoint_age_s >= WARN_AT * retention_s:
         near.append(f"{h.checkpoint_age_s / retention_s:.0%} of --retention")
-    return f"warning: feed {feed} is near its retention budget: {', '.join(near)}" if near else None
+    where = f" ({h.where})" if h.node else ""
+    return f"warning: feed {feed} is near its retention budget{where}: {', '.join(near)}" if near else None

@@ -5,9 +5,9 @@ Read from the source (slot, flush position, clock) and the sink's bookkeeping; c
 from __future__ import annotations
 
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .config import FeedSpec, FeedState
+from .config import FeedSpec, FeedState, SourceNode, node_role
 from .core.hlc import physical_ms
 from .core.lsn import format_lsn
 from .postgres import source as src
@@ -32,11 +32,15 @@ class FeedStatus:
     changes_per_second_last_minute: float | None  # applied (recorded by the sink) over the last minute
     last_batch_apply_seconds: float | None  # the last batch's sink transaction, begin to progress row
     batches: int | None
-    snapshot: dict[str, dict[str, int]]  # per table: chunks and rows applied
+    snapshot: dict[str, dict[str, int]]  # per table (NODE:table on several nodes): chunks and rows applied
+    nodes: dict[str, dict[str, object]] = field(default_factory=dict)  # a feed of several nodes: per node,
+    # slot, slot_state, slot_retained_wal_bytes, checkpoint_lsn, lag_bytes (the top level sums them)
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
-               if k != "snapshot"]
+               if k not in ("snapshot", "nodes")]
+        out += [f"node {n}: " + ", ".join(f"{k.replace('_', ' ')} {'-' if v is None else v}" for k, v in d.items())
+                for n, d in self.nodes.items()]
         return out + [f"snapshot {t}: {counted(s['rows'], 'row')} in {counted(s['chunks'], 'chunk')}"
                       for t, s in self.snapshot.items()]
 
@@ -56,32 +60,69 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
                           None, None, None, None, None, None, {})
 
 
+@dataclass
+class _NodeReading:
+    slot: src.SlotState | None
+    current: int  # the node's WAL flush position
+    now_ms: int  # its clock
+    position: int | None  # where the sink's checkpoint has it
+    caught_up: bool
+
+
 def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
-    with connect(spec.source, "source") as source, closing(open_ledger(spec, feed_state)) as ledger:
-        slot = src.slot_state(source, spec.slot)
-        current, now_ms = src.flush_lsn(source)
+    with closing(open_ledger(spec, feed_state)) as ledger:
         last = ledger.last_batch()
+        checkpoint = ledger.checkpoint() or {}
         rate = ledger.recent_rate() if last else None
         snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()}
-        caught_up = False
-        if last is not None:  # a stopped feed whose slot holds no change of a captured table past the
-            # checkpoint is caught up, whatever other WAL came since (other tables, PostgreSQL's own records)
-            caught_up = current <= last.end_lsn or (not state.startswith("running") and src.captured_change_after(
-                source, spec.slot, spec.publication, last.end_lsn) is False)
-    lag_bytes = lag_s = resolved_lag = None
+    readings = {n.name: _read_node(spec, n, checkpoint.get(n.name), state) for n in spec.sources}
+    lag_bytes: int | None = None
+    lag_s = resolved_lag = None
     if last:
-        lag_bytes = 0 if caught_up else current - last.end_lsn
-        lag_s = 0.0 if caught_up else resolved_lag_s(now_ms, last.resolved_ts)
+        lag_bytes = sum(0 if r.caught_up else r.current - (r.position or 0) for r in readings.values())
+        now_ms = max(r.now_ms for r in readings.values())
+        lag_s = 0.0 if all(r.caught_up for r in readings.values()) else resolved_lag_s(now_ms, last.resolved_ts)
         resolved_lag = resolved_lag_s(now_ms, last.resolved_ts)
-    elif slot and slot.confirmed_flush:
-        lag_bytes = max(0, current - slot.confirmed_flush)
+    else:
+        behind = [r.current - r.slot.confirmed_flush for r in readings.values() if r.slot and r.slot.confirmed_flush]
+        lag_bytes = max(0, sum(behind)) if behind else None
+    nodes = {} if not spec.multi_node else {n.name: {
+        "slot": n.slot, "slot_state": _slot_text(readings[n.name].slot),
+        "slot_retained_wal_bytes": retained_bytes(readings[n.name].slot, readings[n.name].current),
+        "checkpoint_lsn": format_lsn(readings[n.name].position) if readings[n.name].position else None,
+        "lag_bytes": None if not last else 0 if readings[n.name].caught_up else
+        readings[n.name].current - (readings[n.name].position or 0)} for n in spec.sources}
+    one = readings[spec.sources[0].name]
+    retained = [retained_bytes(r.slot, r.current) for r in readings.values()]
     return FeedStatus(
-        name=spec.name, state=state, slot=spec.slot, slot_state=_slot_text(slot),
-        slot_retained_wal_bytes=retained_bytes(slot, current),
-        checkpoint_lsn=format_lsn(last.end_lsn) if last else None,
+        name=spec.name, state=state, slot=spec.slot if not spec.multi_node else f"one per node ({len(nodes)})",
+        slot_state=_slot_text(one.slot) if not spec.multi_node else _nodes_text(readings),
+        slot_retained_wal_bytes=sum(r for r in retained if r) if any(r is not None for r in retained) else None,
+        checkpoint_lsn=format_lsn(last.end_lsn) if last and not spec.multi_node else None,
         checkpoint_commit_time=last.commit_time if last else None, lag_bytes=lag_bytes, lag_seconds=lag_s,
         resolved_lag_seconds=resolved_lag, changes_per_second_last_minute=rate,
-        last_batch_apply_seconds=last.seconds if last else None, batches=last.batches if last else 0, snapshot=snapshot)
+        last_batch_apply_seconds=last.seconds if last else None, batches=last.batches if last else 0,
+        snapshot=snapshot, nodes=nodes)
+
+
+def _read_node(spec: FeedSpec, node: SourceNode, position: int | None, state: str) -> _NodeReading:
+    """A node's slot, flush position and clock, and whether the checkpoint is caught up with it: a
+    stopped feed whose slot holds no change of a captured table past the checkpoint is caught up,
+    whatever other WAL came since (other tables, PostgreSQL's own records)."""
+    role = node_role(node.name, spec.multi_node)
+    with connect(node.uri, role) as conn, lost_connection(role):
+        slot = src.slot_state(conn, node.slot)
+        current, now_ms = src.flush_lsn(conn)
+        caught_up = position is not None and (current <= position or (
+            not state.startswith("running") and src.captured_change_after(
+                conn, node.slot, node.publication, position) is False))
+    return _NodeReading(slot, current, now_ms, position, caught_up)
+
+
+def _nodes_text(readings: dict[str, _NodeReading]) -> str:
+    states = [("missing" if r.slot is None else "invalidated" if r.slot.wal_status == "lost" or r.slot.invalidation
+               else "active" if r.slot.active_pid else "inactive") for r in readings.values()]
+    return ", ".join(f"{n} {st}" for n, st in zip(readings, states))
 
 
 def counted(n: int, noun: str) -> str:

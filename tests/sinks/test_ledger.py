@@ -18,7 +18,7 @@ def batch(end: int, ts: int, changes: int, *chunks: dict[str, object]) -> BatchP
 
 def test_empty_ledger_has_recorded_nothing(tmp_path: Path) -> None:
     ledger = FileLedger(tmp_path / "delivered.jsonl")
-    assert ledger.checkpoint_lsn() is None and ledger.last_resolved_ts() is None and ledger.last_batch() is None
+    assert ledger.checkpoint() is None and ledger.last_resolved_ts() is None and ledger.last_batch() is None
     assert ledger.totals() == (0, 0) and ledger.snapshot_totals() == {} and ledger.recent_rate() == 0.0
     assert ledger.forget() is False
 
@@ -32,15 +32,15 @@ def test_replayed_batches_count_once_and_a_torn_line_is_ignored(tmp_path: Path) 
     ledger.record(1, batch(200, 20, 5), 4.0, 5.0)  # replayed after a crash before Spark recorded it
     with open(path, "a") as f:
         f.write('{"batch": 2, "progress": {"end_lsn": 3')  # torn by a crash
-    assert ledger.checkpoint_lsn() == 200 and ledger.last_resolved_ts() == 20
+    assert ledger.checkpoint() == {"n1": 200} and ledger.last_resolved_ts() == 20
     assert ledger.totals() == (2, 205)
     assert ledger.snapshot_totals() == {"public.t": (1, 200)}
     last = ledger.last_batch()
     assert last is not None and (last.end_lsn, last.batches, last.seconds) == (200, 2, 1.5)
     assert last.commit_time == "2023-11-14 22:13:20.123456+00"
     ledger.record(2, batch(300, 30, 1), 6.0, 7.0)  # the torn batch, replayed
-    assert ledger.checkpoint_lsn() == 300 and ledger.totals() == (3, 206)
-    assert ledger.forget() is True and ledger.checkpoint_lsn() is None
+    assert ledger.checkpoint() == {"n1": 300} and ledger.totals() == (3, 206)
+    assert ledger.forget() is True and ledger.checkpoint() is None
 
 
 @pytest.mark.parametrize("uri, kind", [("postgresql://u@h/db", REPLICA), ("postgres://h/db", REPLICA),

@@ -135,9 +135,11 @@ class TableShape:
 
 @dataclass(frozen=True)
 class Progress:
-    """What a `P` row says: this partition delivered every commit up to `end_lsn`, or (with
-    `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn", "task"} (the
-    Spark task attempt that read it). It is partition `part` of the batch's `parts`."""
+    """What a `P` row says: this partition delivered every commit of node `node` up to `end_lsn`,
+    or (with `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn", "task"}
+    (the Spark task attempt that read it). It is partition `part` of the batch's `parts`;
+    `positions` (a feed of several nodes) is the batch's end position on every node; `read` says
+    which task read it, and when."""
 
     end_lsn: int
     resolved_ts: int
@@ -146,6 +148,9 @@ class Progress:
     chunk: dict[str, Any] | None = None
     part: int = 0
     parts: int = 1
+    node: str = "n1"
+    positions: dict[str, int] | None = None
+    read: dict[str, Any] | None = None  # who read it: {"task" (attempt id), "pid", "began", "ended" (Unix s)}
 
     def to_meta(self) -> str:
         return json.dumps(self.__dict__)
@@ -157,14 +162,32 @@ class Progress:
 
 @dataclass(frozen=True)
 class BatchProgress:
-    """A whole micro-batch's progress, from the `P` rows of all its partitions (its WAL window and
-    its snapshot chunks): what a sink records with the batch."""
+    """A whole micro-batch's progress, from the `P` rows of all its partitions (its WAL windows and
+    its snapshot chunks): what a sink records with the batch.
+
+    `end_lsn` is the key sinks record batches by, which grows with every batch: a one-node feed's
+    end LSN; for a feed of several nodes, whose LSNs are not comparable, the batch's resolved ts
+    (which strictly grows too, see core.hlc.window_end_ts). `positions` holds each node's end
+    LSN (None: the one node's is `end_lsn`)."""
 
     end_lsn: int
     resolved_ts: int
     last_commit_time: int | None
     changes: int
     chunks: tuple[dict[str, Any], ...]
+    positions: dict[str, int] | None = None
+    reads: tuple[dict[str, Any], ...] = ()  # per input partition read: {"node", "part", **Progress.read}
+
+    @property
+    def nodes(self) -> dict[str, int]:
+        """Each node's end LSN."""
+        return dict(self.positions) if self.positions else {"n1": self.end_lsn}
+
+    @classmethod
+    def from_json(cls, p: dict[str, Any]) -> "BatchProgress":
+        """From its `__dict__` as JSON (what the file and Kafka ledgers store)."""
+        return cls(p["end_lsn"], p["resolved_ts"], p["last_commit_time"], p["changes"], tuple(p["chunks"]),
+                   p.get("positions"), tuple(p.get("reads") or ()))
 
     @classmethod
     def of(cls, parts: "list[Progress]") -> "BatchProgress":
@@ -180,5 +203,11 @@ class BatchProgress:
                                   "cancelled or killed), so nothing of it is committed",
                                   "none: the batch is read again when the query runs next; if this repeats, report it")
         times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
-        return cls(max(p.end_lsn for p in parts), max(p.resolved_ts for p in parts), max(times) if times else None,
-                   sum(p.changes for p in parts), tuple(p.chunk for p in parts if p.chunk))
+        resolved, chunks = max(p.resolved_ts for p in parts), tuple(p.chunk for p in parts if p.chunk)
+        positions = parts[0].positions
+        reads = tuple({"node": p.node, "part": p.part, **p.read} for p in sorted(parts, key=lambda p: p.part) if p.read)
+        if positions is None:
+            return cls(max(p.end_lsn for p in parts), resolved, max(times) if times else None,
+                       sum(p.changes for p in parts), chunks, None, reads)
+        return cls(resolved, resolved, max(times) if times else None, sum(p.changes for p in parts), chunks,
+                   dict(positions), reads)

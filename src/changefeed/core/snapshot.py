@@ -7,6 +7,10 @@ killed snapshot resumes from its last finished chunk.
 
 Keys are lists of the key columns' text forms; a chunk is the key range (lo, hi] of one table
 (lo None: from the table's start, hi None: to its end). Pure: the boundary query is injected.
+
+A feed of several nodes snapshots each table on each node: its cursor's tables are entries
+`NODE:schema.table` (`on_node`), table by table, node by node, so that the tables of all nodes
+are read in turn.
 """
 from __future__ import annotations
 
@@ -20,10 +24,29 @@ Key = list[str]
 Boundary = Callable[[str, Key | None, int], Key | None]
 
 
+def on_node(node: str, table: str) -> str:
+    """The snapshot entry of `table` on `node` (a feed of several nodes)."""
+    return f"{node}:{table}"
+
+
+def node_of(entry: str, default: str) -> tuple[str, str]:
+    """(node, table) of a snapshot entry; a plain table name is on node `default`."""
+    node, sep, table = entry.partition(":")
+    return (node, table) if sep and "." not in node else (default, entry)
+
+
+def entries(tables: Sequence[str], nodes: Sequence[str]) -> tuple[str, ...]:
+    """What to snapshot of `tables`: the tables themselves on a one-node feed, else each on each
+    node, table by table."""
+    if len(nodes) == 1:
+        return tuple(tables)
+    return tuple(on_node(n, t) for t in tables for n in nodes)
+
+
 @dataclass(frozen=True)
 class Chunk:
     no: int  # feed-wide sequence number: one chunk, one record on the sink
-    table: str
+    table: str  # a snapshot entry: the table, or NODE:table
     lo: Key | None
     hi: Key | None
 

@@ -19,6 +19,7 @@ reference behaviour.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -159,14 +160,16 @@ class ChangeBuilder:
     rows at once (see `feed_block`), columns that are mostly NULL (old_key, unchanged, meta) are
     kept sparse, and the per-transaction columns (lsn, seq, xid, times) are recorded once per
     transaction and expanded when taken. An open transaction's rows start at `_mark`; dropping
-    it truncates the rows back to there. The window is input partition `part` of its batch's
-    `parts` (named in its `P` row).
+    it truncates the rows back to there. The window is node `node`'s, input partition `part` of
+    its batch's `parts` (named in its `P` row, with the batch's `positions` on a feed of several
+    nodes, and `read`: which task read it, from when; the builder adds when it ended).
     """
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
-                 catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1) -> None:
+                 catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1, node: str = "n1",
+                 positions: dict[str, int] | None = None, read: dict[str, Any] | None = None) -> None:
         self.start_lsn, self.end_lsn, self.end_ts = start_lsn, end_lsn, end_ts
-        self.part, self.parts = part, parts
+        self.part, self.parts, self.node, self.positions, self.read = part, parts, node, positions, read
         self.last_ts = start_ts
         self.catalog = catalog
         self.relations: dict[int, po.Relation] = {}
@@ -437,7 +440,8 @@ class ChangeBuilder:
         self._drop_open()
         self._begin = None
         progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes,
-                               part=self.part, parts=self.parts)
+                               part=self.part, parts=self.parts, node=self.node, positions=self.positions,
+                               read=self.read and {**self.read, "ended": time.time()})
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
         self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts))

@@ -120,20 +120,49 @@ def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> RelationInfo:
     return RelationInfo(tuple(t[0] for t in types), key_idx, tuple(missing.get(n) for n in names))
 
 
-def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> None:
-    """Create the publication, or add tables it lacks."""
+def check_rights(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> None:
+    """What creating the feed's slot and publication needs of the connecting user, checked before
+    anything is created: REPLICATION (or superuser), and to publish a table not yet published, the
+    right to create in the database and ownership of the table."""
+    row = conn.execute("SELECT current_user, rolsuper, rolreplication FROM pg_roles WHERE rolname = current_user"
+                       ).fetchone()
+    assert row is not None
+    user, superuser, replication = row
+    if superuser:
+        return
+    if not replication:
+        raise SourceNotReady(f"user {user} may not read replication slots (it has no REPLICATION attribute)",
+                             f"ALTER ROLE {user} REPLICATION; or connect as a user that has it")
+    have = {(r[0], r[1]) for r in conn.execute(
+        "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
+    todo = [t for t in tables if (t.schema, t.name) not in have]
+    if todo and not have and not conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')"
+                                              ).fetchone()[0]:  # type: ignore[index]
+        raise SourceNotReady(f"user {user} may not create the publication {publication} (no CREATE on the database)",
+                             f"GRANT CREATE ON DATABASE ... TO {user}")
+    for t in todo:
+        owner = conn.execute("SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_class c WHERE c.oid = %s::regclass",
+                             (f'"{t.schema}"."{t.name}"',)).fetchone()
+        if owner and not owner[0]:
+            raise SourceNotReady(f"user {user} may not publish table {t.qualified}: it must be owner of the table",
+                                 f"ALTER TABLE {t.qualified} OWNER TO {user}; or connect as the tables' owner")
+
+
+def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> bool:
+    """Create the publication, or add tables it lacks; True if it was created."""
     exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
     idents = [sql.Identifier(t.schema, t.name) for t in tables]
     if not exists:
         conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
             sql.Identifier(publication), sql.SQL(", ").join(idents)))
-        return
+        return True
     have = {(r[0], r[1]) for r in conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
     missing = [sql.Identifier(t.schema, t.name) for t in tables if (t.schema, t.name) not in have]
     if missing:
         conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
             sql.Identifier(publication), sql.SQL(", ").join(missing)))
+    return False
 
 
 def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:

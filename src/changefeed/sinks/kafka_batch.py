@@ -47,10 +47,7 @@ class ProgressRecord:
     @classmethod
     def decode(cls, value: bytes) -> ProgressRecord:
         d = json.loads(value)
-        p = d["progress"]
-        progress = BatchProgress(p["end_lsn"], p["resolved_ts"], p["last_commit_time"], p["changes"],
-                                 tuple(p["chunks"]))
-        return cls(d["feed"], d["query"], int(d["batch"]), progress, int(d["messages"]))
+        return cls(d["feed"], d["query"], int(d["batch"]), BatchProgress.from_json(d["progress"]), int(d["messages"]))
 
 
 def committed_progress(opts: KafkaOptions, feed: str) -> ProgressRecord | None:

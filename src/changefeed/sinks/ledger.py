@@ -39,8 +39,8 @@ class Ledger(Protocol):
     def prepare(self, tables: list[Any]) -> None:
         """Create the bookkeeping and the targets of `tables` (postgres.source.SourceTable) if missing."""
 
-    def checkpoint_lsn(self) -> int | None:
-        """The end of the last batch recorded, None before the first."""
+    def checkpoint(self) -> dict[str, int] | None:
+        """Per source node: the end of the last batch recorded; None before the first."""
 
     def last_resolved_ts(self) -> int | None: ...
 
@@ -109,9 +109,7 @@ class FileLedger:
         for line in lines:
             try:
                 d = json.loads(line)
-                p = d["progress"]
-                entry = _Entry(d["batch"], BatchProgress(p["end_lsn"], p["resolved_ts"], p["last_commit_time"],
-                                                         p["changes"], tuple(p["chunks"])), d["began"], d["done"])
+                entry = _Entry(d["batch"], BatchProgress.from_json(d["progress"]), d["began"], d["done"])
             except (ValueError, KeyError, TypeError):
                 continue  # torn by a crash: that batch is delivered again
             seen.setdefault(entry.progress.end_lsn, entry)
@@ -123,9 +121,9 @@ class FileLedger:
     def prepare(self, tables: list[Any]) -> None:
         """Nothing to create: the file appears with the first batch."""
 
-    def checkpoint_lsn(self) -> int | None:
+    def checkpoint(self) -> dict[str, int] | None:
         entries = self._entries()
-        return entries[-1].progress.end_lsn if entries else None
+        return entries[-1].progress.nodes if entries else None
 
     def last_resolved_ts(self) -> int | None:
         entries = self._entries()

@@ -22,10 +22,12 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from ..core import change as ch
 from ..core.copytext import NULL
 from ..core.lsn import format_lsn
+from ..core.offsets import DEFAULT_NODE
 from .. import faults
 from ..errors import ChangefeedError, SinkError
 from .ledger import RATE_WINDOW_S, LastBatch
@@ -55,6 +57,11 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
         " began_at timestamptz DEFAULT now(), PRIMARY KEY (feed, end_lsn))")
     # began_at: now() is the batch transaction's start, so applied_at - began_at is its apply time.
     _ensure_column(conn, "progress", "began_at", "timestamptz", default="now()")
+    # positions: each node's end LSN, on a feed of several nodes (its end_lsn is then the batch's
+    # resolved ts, see core.change.BatchProgress); NULL on a one-node feed.
+    _ensure_column(conn, "progress", "positions", "jsonb")
+    # reads: which Spark task read each of the batch's input partitions, and when (core.change.BatchProgress)
+    _ensure_column(conn, "progress", "reads", "jsonb")
     # One row per snapshot chunk applied: a chunk is applied once (the key refuses a second).
     # read_task: the Spark task attempt that read the chunk.
     conn.execute(
@@ -122,10 +129,18 @@ class ReplicaLedger:
         ensure_meta(self.conn)
         ensure_tables(self.conn, tables)
 
-    def checkpoint_lsn(self) -> int | None:
+    def checkpoint(self) -> dict[str, int] | None:
+        """From the last progress row: its `positions`, or for a one-node feed (and rows written
+        before nodes existed) its end LSN as node n1's. Read through to_jsonb: a sink made before
+        the column has none until its feed runs again."""
         if not has_meta(self.conn, "progress"):
             return None
-        return applied_upto(self.conn, self.feed) or None
+        row = self.conn.execute(
+            f"SELECT end_lsn - '0/0'::pg_lsn, to_jsonb(p) -> 'positions' FROM {META_SCHEMA}.progress p "
+            "WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed,)).fetchone()
+        if row is None:
+            return None
+        return {str(k): int(v) for k, v in row[1].items()} if row[1] else {DEFAULT_NODE: int(row[0])}
 
     def last_resolved_ts(self) -> int | None:
         if not has_meta(self.conn, "progress"):
@@ -213,11 +228,17 @@ class BatchApplier:
     """Applies one batch's change rows, in stream order, in one transaction on `conn`.
 
     Use: `begin()`, `add(record_batch)` for each chunk, then `commit()`; `rollback()` on failure.
+
+    Rows are ordered by their (lsn, seq). `in_stream_order` (a batch of several nodes, put in one
+    order by core.merge): their `lsn` is their position in that order, not a WAL position, so no
+    row is skipped as applied before; the writer asks `covers` whether the whole batch was.
     """
 
-    def __init__(self, conn: psycopg.Connection[Any], feed: str, batch_id: int) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], feed: str, batch_id: int, *,
+                 in_stream_order: bool = False) -> None:
         assert conn.autocommit, "the applier opens its own transaction"
         self.conn, self.feed, self.batch_id = conn, feed, batch_id
+        self.in_stream_order = in_stream_order
         self.done = 0
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._parts: dict[ch.TableShape, _Part] = {}
@@ -258,6 +279,10 @@ class BatchApplier:
             else:
                 self._progress.append(ch.Progress.from_meta(meta))
 
+    def covers(self, progress: ch.BatchProgress) -> bool:
+        """Whether the replica recorded this batch (or a later one) before."""
+        return progress.end_lsn <= self.done
+
     def commit(self) -> Applied:
         """Record progress and commit; a batch the replica already covers commits nothing new."""
         try:
@@ -268,9 +293,10 @@ class BatchApplier:
         applied = p.end_lsn > self.done
         if applied:
             self.conn.execute(
-                f"INSERT INTO {META_SCHEMA}.progress (feed, batch_id, end_lsn, resolved_ts, commit_time, changes) "
-                "VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s)",
-                (self.feed, self.batch_id, format_lsn(p.end_lsn), p.resolved_ts, p.last_commit_time, p.changes))
+                f"INSERT INTO {META_SCHEMA}.progress (feed, batch_id, end_lsn, resolved_ts, commit_time, changes, "
+                "positions, reads) VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s, %s, %s)",
+                (self.feed, self.batch_id, format_lsn(p.end_lsn), p.resolved_ts, p.last_commit_time, p.changes,
+                 Jsonb(p.positions) if p.positions else None, Jsonb(list(p.reads)) if p.reads else None))
             if p.chunks:
                 with self.conn.cursor() as cur:
                     cur.executemany(
@@ -290,7 +316,7 @@ class BatchApplier:
     def _apply_segment(self, rows: Any) -> None:
         """Apply a run of rows with no control row among them, table by table."""
         keep = pc.is_in(rows.column("op"), value_set=_APPLIED_OPS)
-        if self.done:
+        if self.done and not self.in_stream_order:
             keep = pc.and_(keep, pc.greater_equal(rows.column("lsn"), self.done))  # applied before: skip
         rows = rows.filter(keep)
         if rows.num_rows == 0:

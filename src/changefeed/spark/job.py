@@ -60,13 +60,14 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
                 parallel_reads: bool = False) -> Any:
-    """Start the feed's query. `parallel_reads` (while snapshot chunks are pending) reads a batch's
-    input partitions, its WAL window and its chunks, as parallel tasks and shuffles them to the one
-    writer task; without it the writer task reads them itself, one after the other, and no shuffle
-    is paid for. Either way the batch is applied in one transaction (see spark.sink)."""
+    """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
+    feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
+    parallel tasks and shuffles them to the one writer task; without it the writer task reads them
+    itself, one after the other, and no shuffle is paid for. Either way the batch is applied in one
+    transaction (see spark.sink)."""
+    nodes = [[n.name, n.uri, n.slot, n.publication] for n in spec.sources]
     reader = (spark.readStream.format("changefeed")
-              .option("uri", spec.source).option("slot", spec.slot).option("publication", spec.publication)
-              .option("feed", spec.name)
+              .option("nodes", json.dumps(nodes)).option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
               .option("max_changes_per_batch", str(spec.max_changes_per_batch))
               .option("resolved_interval_s", str(spec.resolved_interval_s))
@@ -75,16 +76,17 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
               .option("requests_dir", str(state.requests)))
     changes = reader.load()
-    changes = changes.repartition(1) if parallel_reads else changes.coalesce(1)
+    # A feed of several nodes reads each node's window in a task of its own, always.
+    changes = changes.repartition(1) if parallel_reads or spec.multi_node else changes.coalesce(1)
     kind = sink_kind(spec.sink)
     writer = (changes.writeStream.format(kind.spark_format)
               .queryName(f"changefeed_{spec.name}")
-              .option("uri", spec.sink).option("feed", spec.name)
+              .option("uri", spec.sink).option("feed", spec.name).option("multi_node", str(spec.multi_node).lower())
               .option("checkpointLocation", str(state.checkpoint)))
     if kind.messages:
         outbox = spec.outbox_spec
         writer = (writer.option("format", spec.format).option("diff", str(spec.diff).lower())
-                  .option("database", conninfo_to_dict(spec.source).get("dbname") or "")
+                  .option("database", conninfo_to_dict(spec.sources[0].uri).get("dbname") or "")
                   .option("ledger", ledger_path(state))
                   .option("outbox", json.dumps(outbox.to_json()) if outbox else ""))
     if kind is KAFKA:

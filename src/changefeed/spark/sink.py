@@ -21,7 +21,7 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from ..core import change as ch
-from ..errors import SinkError, carried
+from ..errors import SinkError, UnfollowableChange, carried
 
 if TYPE_CHECKING:
     from ..sinks import postgres_replica as replica
@@ -59,8 +59,47 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
     def __init__(self, options: dict[str, str]) -> None:
         self.uri = options["uri"]
         self.feed = options["feed"]
+        self.multi_node = options.get("multi_node") == "true"
 
     def write(self, iterator: Iterator[Any]) -> AppliedMessage:
+        if self.multi_node:
+            return self._write_merged(iterator)
+        return self._write_streaming(iterator)
+
+    def _write_merged(self, iterator: Iterator[Any]) -> AppliedMessage:
+        """A batch of several nodes: read all its partitions, put their rows in one order (see
+        core.merge), then apply them. The batch is held in memory meanwhile: at most about
+        --max-bytes-per-batch of WAL per node, decoded."""
+        from ..core import merge
+        from ..postgres.connect import connect, lost_connection
+        from ..sinks import postgres_replica as replica
+
+        with carried("sink"):
+            parts = merge.split(rb for packed in iterator for rb in ch.unpack(packed))
+            progress = ch.BatchProgress.of([p.progress for p in parts])
+            with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
+                applier = replica.BatchApplier(conn, self.feed, batch_id(), in_stream_order=True)
+                applier.begin()
+                try:
+                    if not applier.covers(progress):  # a batch applied before adds nothing
+                        _refuse_truncate(parts)
+                        for rb in merge.ordered(parts).to_batches(max_chunksize=65536):
+                            applier.add(rb)
+                    for p in parts:
+                        applier.add(ch.progress_batch(p.progress))
+                except BaseException:
+                    applier.rollback()
+                    raise
+                return AppliedMessage(applier.commit())
+
+    def commit(self, messages: list[AppliedMessage | None], batchId: int) -> None:
+        """Nothing left to do: the writer task committed the batch on the replica."""
+
+    def abort(self, messages: list[AppliedMessage | None], batchId: int) -> None:
+        """Nothing to undo: a failed task rolled back; a committed one is skipped when replayed."""
+
+    def _write_streaming(self, iterator: Iterator[Any]) -> AppliedMessage:
+        """A one-node batch: applied while it is read (its rows come in commit order)."""
         from ..postgres.connect import connect, lost_connection
         from ..sinks import postgres_replica as replica
 
@@ -96,8 +135,20 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                 raise failed[0]
             return AppliedMessage(applier.commit())
 
-    def commit(self, messages: list[AppliedMessage | None], batchId: int) -> None:
-        """Nothing left to do: the writer task committed the batch on the replica."""
 
-    def abort(self, messages: list[AppliedMessage | None], batchId: int) -> None:
-        """Nothing to undo: a failed task rolled back; a committed one is skipped when replayed."""
+def _refuse_truncate(parts: list[Any]) -> None:
+    """A TRUNCATE on one node empties only that node's share of the table, which the replica's one
+    table cannot tell from the others' rows: stop before applying anything of the batch."""
+    import pyarrow.compute as pc
+
+    for part in parts:
+        for rb in part.rows:
+            ops = rb.column("op")
+            hit = pc.index(ops, "t").as_py()
+            if hit >= 0:
+                table = f"{rb.column('schema')[hit].as_py()}.{rb.column('table')[hit].as_py()}"
+                raise UnfollowableChange(
+                    f"TRUNCATE of {table} on source node {part.progress.node}: the replica holds the rows of "
+                    "every node in one table and cannot tell which were that node's, so nothing of this batch "
+                    "is applied", f"truncate {table} on every node and on the replica, then changefeed snapshot "
+                    f"--tables {table}; or delete the rows instead of TRUNCATE")

@@ -1,11 +1,13 @@
 """`changefeed` PySpark streaming source: PostgreSQL logical decoding as micro-batches.
 
-Offsets are core.offsets.Offset: the batch's upper WAL bound, its resolved commit timestamp (no
-change in a later batch gets a smaller one), the snapshot cursor after it, and the snapshot chunks
-it carries (see core.snapshot; each chunk is one more input partition). A batch holds what starts
-in [start, end) (see postgres/changes.py). The bound is a flushed position that splits no WAL record: a heartbeat's
-end, a commit's end (a change limit) or a WAL page boundary (a byte limit, found without decoding).
-The driver only plans offsets and advances the slot in `commit`; executors decode in `read`.
+Offsets are core.offsets.Offset: the batch's upper WAL bound on each node, its resolved commit
+timestamp (no change in a later batch gets a smaller one, see core.resolved), the snapshot cursor
+after it, and the snapshot chunks it carries (see core.snapshot; each chunk is one more input
+partition). On each node a batch holds what starts in [start, end) (see postgres/changes.py),
+read by an input partition (a Spark task) of its own. A bound is a flushed position that splits
+no WAL record: a heartbeat's end, a commit's end (a change limit) or a WAL page boundary (a byte
+limit, found without decoding). The driver only plans offsets and advances the slots in
+`commit`; executors decode in `read`.
 
 Spark imports this module in every Python process it starts to plan a query (a new one each
 step, one after another, at a feed's start), so the decoder and its numpy/Arrow imports are
@@ -14,6 +16,7 @@ imported by `read` alone: ~0.1 s less in each of those processes.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -24,12 +27,12 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
 from .. import faults
-from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH
+from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SourceNode, node_role
 from ..core import change as ch
 from ..core import snapshot
-from ..core.hlc import ceiling_of_ms, physical_ms, window_end_ts
 from ..core.lsn import format_lsn
 from ..core.offsets import DEFAULT_NODE, Offset
+from ..core.resolved import Frontier, resolved_ts
 from ..core.requests import SnapshotRequests
 from ..errors import carried
 from ..postgres import pgoutput as po
@@ -44,36 +47,42 @@ except ImportError:  # pragma: no cover
 
 
 class BatchPartition(InputPartition):
-    """Input partition `part` of a batch's `parts`, labelled with the batch's WAL window [start, end);
-    its `P` row names both, so that a sink can tell a whole batch from one cut short."""
+    """Input partition `part` of a batch's `parts`, labelled with the batch's offsets [start, end);
+    its `P` row names both, so that a sink can tell a whole batch from one cut short. It reads
+    node `node`; `positions` (a feed of several nodes) is the batch's end on every node."""
 
-    def __init__(self, uri: str, start: Offset, end: Offset, rows_per_batch: int) -> None:
-        self.uri, self.start, self.end, self.rows_per_batch = uri, start, end, rows_per_batch
+    def __init__(self, node: SourceNode, start: Offset, end: Offset, rows_per_batch: int, multi_node: bool) -> None:
+        self.node, self.start, self.end, self.rows_per_batch = node, start, end, rows_per_batch
+        self.positions = dict(end.lsns) if multi_node else None
         self.part, self.parts = 0, 1
+
+    @property
+    def start_lsn(self) -> int:
+        return self.start.lsns.get(self.node.name, 0)
+
+    @property
+    def end_lsn(self) -> int:
+        return self.end.lsns[self.node.name]
 
 
 class WindowPartition(BatchPartition):
-    """One node's share of a batch: what starts in WAL [start, end)."""
-
-    def __init__(self, uri: str, slot: str, publication: str, start: Offset, end: Offset,
-                 rows_per_batch: int) -> None:
-        super().__init__(uri, start, end, rows_per_batch)
-        self.slot, self.publication = slot, publication
+    """One node's share of a batch: what starts in its WAL [start, end)."""
 
 
 class ChunkPartition(BatchPartition):
-    """One snapshot chunk of a batch: existing rows of one key range."""
+    """One snapshot chunk of a batch: existing rows of one key range of a table on one node."""
 
-    def __init__(self, uri: str, chunk: snapshot.Chunk, start: Offset, end: Offset,
-                 rows_per_batch: int) -> None:
-        super().__init__(uri, start, end, rows_per_batch)
+    def __init__(self, node: SourceNode, chunk: snapshot.Chunk, start: Offset, end: Offset, rows_per_batch: int,
+                 multi_node: bool) -> None:
+        super().__init__(node, start, end, rows_per_batch, multi_node)
         self.chunk = chunk
 
 
 class ChangefeedSource(DataSource):
-    """Options: uri, slot, publication, feed, max_bytes_per_batch, max_changes_per_batch,
-    resolved_interval_s, snapshot_tables (read first on a fresh checkpoint), snapshot_chunk_rows,
-    snapshot_chunks_per_batch, requests_dir (snapshot requests, see core.requests)."""
+    """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
+    max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
+    snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (snapshot requests, see
+    core.requests)."""
 
     @classmethod
     def name(cls) -> str:
@@ -88,39 +97,50 @@ class ChangefeedSource(DataSource):
 
 class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
     def __init__(self, options: dict[str, str]) -> None:
-        self.uri = options["uri"]
-        self.slot = options["slot"]
-        self.publication = options["publication"]
-        self.feed = options.get("feed", self.slot)
+        self.nodes = {n[0]: SourceNode(*n) for n in json.loads(options["nodes"])}
+        self.multi_node = len(self.nodes) > 1
+        self.feed = options["feed"]
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
-        self.snapshot_tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
+        tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
+        self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
         self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
-        self._tables: dict[str, src.SourceTable] = {}
+        self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
-        self._conn: Any = None
+        self._conns: dict[str, Any] = {}
         self._block = 0
-        self._released = 0  # the slot is known to be at or past this LSN
-        self._available_now: tuple[int, int] | None = None  # (LSN, ts) where an AvailableNow run ends
+        self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
+        self._available_now: dict[str, Frontier] | None = None  # where an AvailableNow run ends
 
-    @property
-    def conn(self) -> Any:
-        if self._conn is None or self._conn.closed:
-            self._conn = connect(self.uri, "source")
-        return self._conn
+    def conn(self, node: str) -> Any:
+        """The driver's connection to `node` (a ConnectionFailed names the node)."""
+        conn = self._conns.get(node)
+        if conn is None or conn.closed:
+            conn = self._conns[node] = connect(self.nodes[node].uri, self._role(node))
+        return conn
+
+    def _role(self, node: str) -> str:
+        return node_role(node, self.multi_node)
+
+    def _on(self, node: str) -> Any:
+        """Work on `node`: a connection lost meanwhile is ConnectionFailed naming the node."""
+        return lost_connection(self._role(node))
 
     @carried("source")
     @lost_connection("source")
     def initialOffset(self) -> dict[str, Any]:
-        state = src.slot_state(self.conn, self.slot)
-        src.check_slot_usable(state, self.slot, None, self.feed)
-        assert state is not None and state.confirmed_flush is not None
-        return Offset({DEFAULT_NODE: state.confirmed_flush}, 0,
-                      snapshot.Cursor(pending=tuple(self.snapshot_tables))).to_json()
+        lsns = {}
+        for name, node in self.nodes.items():
+            with self._on(name):
+                state = src.slot_state(self.conn(name), node.slot)
+            src.check_slot_usable(state, node.slot, None, self.feed)
+            assert state is not None and state.confirmed_flush is not None
+            lsns[name] = state.confirmed_flush
+        return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -132,23 +152,28 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     @carried("source")
     @lost_connection("source")
     def prepareForTriggerAvailableNow(self) -> None:
-        self._available_now = self._boundary()
+        self._available_now = self._frontiers()
 
-    def _boundary(self) -> tuple[int, int]:
-        """(A fresh flushed LSN, a timestamp no commit before it exceeds)."""
-        lsn, ms = src.heartbeat(self.conn, ch.HEARTBEAT_PREFIX)
-        return lsn, ceiling_of_ms(ms)
+    def _frontiers(self) -> dict[str, Frontier]:
+        """Per node: a fresh flushed LSN and the node's clock then (see core.resolved)."""
+        out = {}
+        for name in self.nodes:
+            with self._on(name):
+                out[name] = Frontier(*src.heartbeat(self.conn(name), ch.HEARTBEAT_PREFIX))
+        return out
 
-    def _boundary_key(self, table: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
-        if table not in self._tables:
-            self._tables[table] = src.describe_tables(self.conn, [table])[0]
-        return snap_pg.chunk_boundary(self.conn, self._tables[table], after, rows)
+    def _boundary_key(self, entry: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
+        node, table = snapshot.node_of(entry, DEFAULT_NODE)
+        with self._on(node):
+            if (node, table) not in self._tables:
+                self._tables[(node, table)] = src.describe_tables(self.conn(node), [table])[0]
+            return snap_pg.chunk_boundary(self.conn(node), self._tables[(node, table)], after, rows)
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
         if self.requests is not None:
             for no, tables in self.requests.after(cursor.requests):
-                cursor = cursor.request(tables, no)
+                cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
     @carried("source")
@@ -164,34 +189,49 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         chunks, cursor = self._plan_snapshot(start)
         if chunks:
             # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
-            lsn, ts = self._boundary()
+            frontiers = self._frontiers()
         elif self._available_now is not None:
-            lsn, ts = self._available_now
+            frontiers = self._available_now
         else:
-            flushed, _ = src.flush_lsn(self.conn)
+            moved = any(self._flushed(n) > start.lsns.get(n, 0) for n in self.nodes)
             idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
-            if flushed <= start.lsn and not idle_due:
+            if not moved and not idle_due:
                 return start_json  # nothing new, and the resolved ts is fresh enough: no batch
-            # The heartbeat gives the batch a flushed end even on an idle source, so the slot (and
-            # the WAL it holds) and the resolved ts keep moving.
-            lsn, ts = self._boundary()
-        ts = window_end_ts(start.ts, physical_ms(ts))
-        if lsn <= start.lsn:  # (never with chunks: their end is a fresh heartbeat)
+            # Heartbeats give the batch a flushed end on every node, even an idle one, so the
+            # slots (and the WAL they hold) and the resolved ts keep moving.
+            frontiers = self._frontiers()
+        lsns = {n: f.lsn for n, f in frontiers.items()}
+        if all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):  # (never with chunks: fresh heartbeats)
             return start_json
-        if isinstance(limit, ReadMaxBytes) and lsn - start.lsn > limit.max_bytes:
-            self._block = self._block or src.wal_block_size(self.conn)
-            lsn = min(lsn, src.page_cut(start.lsn, limit.max_bytes, self._block))
-        elif isinstance(limit, ReadMaxRows):
-            lsn = src.lsn_after_changes(self.conn, self.slot, self.publication, start.lsn, lsn, limit.max_rows)
+        for n, lsn in lsns.items():
+            lsns[n] = max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), lsn, limit))
         self._planned_at = time.monotonic()
-        return Offset({DEFAULT_NODE: lsn}, ts, cursor, tuple(chunks)).to_json()
+        return Offset(lsns, resolved_ts(start.ts, frontiers), cursor, tuple(chunks)).to_json()
+
+    def _flushed(self, node: str) -> int:
+        with self._on(node):
+            return src.flush_lsn(self.conn(node))[0]
+
+    def _cut(self, node: str, start: int, lsn: int, limit: ReadLimit) -> int:
+        """Where node `node`'s window [start, lsn) ends under the read limit (per node)."""
+        if lsn <= start:
+            return lsn
+        with self._on(node):
+            if isinstance(limit, ReadMaxBytes) and lsn - start > limit.max_bytes:
+                self._block = self._block or src.wal_block_size(self.conn(node))
+                return min(lsn, src.page_cut(start, limit.max_bytes, self._block))
+            if isinstance(limit, ReadMaxRows):
+                n = self.nodes[node]
+                return src.lsn_after_changes(self.conn(node), n.slot, n.publication, start, lsn, limit.max_rows)
+        return lsn
 
     def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
         start, end = Offset.from_json(start_json), Offset.from_json(end_json)
-        parts: list[BatchPartition] = []
-        if end.lsn > start.lsn:
-            parts.append(WindowPartition(self.uri, self.slot, self.publication, start, end, self.rows_per_batch))
-        parts += [ChunkPartition(self.uri, c, start, end, self.rows_per_batch) for c in end.chunks]
+        parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node)
+                                       for n in sorted(end.lsns) if end.lsns[n] > start.lsns.get(n, 0)]
+        for c in end.chunks:
+            node = self.nodes[snapshot.node_of(c.table, DEFAULT_NODE)[0]]
+            parts.append(ChunkPartition(node, c, start, end, self.rows_per_batch, self.multi_node))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
         return parts
@@ -211,15 +251,17 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._release(Offset.from_json(end))
 
     def _release(self, end: Offset) -> None:
-        """Move the slot to `end`; called for every poll (see latestOffset), so the slot is asked
-        only when `end` is new."""
-        if end.lsn > self._released:
-            src.advance(self.conn, self.slot, end.lsn)
-            self._released = end.lsn
+        """Move each node's slot to its position in `end`; called for every poll (see
+        latestOffset), so a slot is asked only when its position is new."""
+        for name, lsn in end.lsns.items():
+            if lsn > self._released.get(name, 0):
+                with self._on(name):
+                    src.advance(self.conn(name), self.nodes[name].slot, lsn)
+                self._released[name] = lsn
 
     def stop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        for conn in self._conns.values():
+            conn.close()
 
 
 @functools.cache
@@ -230,30 +272,40 @@ def _push_through() -> list[Any]:
     return ch.push_through(int(os.environ.get("SPARK_BUFFER_SIZE") or 65536) + 1)
 
 
+def reader(began: float) -> dict[str, Any]:
+    """Which Spark task reads a partition (its attempt id, the Python worker's pid), from when."""
+    task = TaskContext.get()
+    return {"task": task.taskAttemptId() if task else None, "pid": os.getpid(), "began": began}
+
+
 def _read_window(partition: WindowPartition) -> Iterator[Any]:
-    """The batch's changes in its WAL window, peeked from the slot."""
+    """A node's changes in its WAL window of the batch, peeked from its slot."""
     from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
 
-    conn = connect(partition.uri, "source", autocommit=False)
+    node, began = partition.node, time.time()
+    role = node_role(node.name, partition.positions is not None)
+    conn = connect(node.uri, role, autocommit=False)
     try:
-        with lost_connection("source"):
+        with lost_connection(role):
             # The slot is at `start` already (latestOffset released it before planning); a slot
             # behind it would re-send a message that straddles `start`. Everything before `start`
             # is committed downstream, so moving the slot there is always safe.
-            start, end = partition.start, partition.end
-            src.reach(conn, end.lsn, ch.HEARTBEAT_PREFIX)
-            src.advance(conn, partition.slot, start.lsn)
+            start, end = partition.start_lsn, partition.end_lsn
+            src.reach(conn, end, ch.HEARTBEAT_PREFIX)
+            src.advance(conn, node.slot, start)
             conn.commit()
-            builder = ChangeBuilder(start.lsn, end.lsn, start.ts, end.ts, lambda rel: src.column_catalog(conn, rel),
-                                    part=partition.part, parts=partition.parts)
-            blocks = src.peek(conn, partition.slot, partition.publication, end.lsn)
+            builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,
+                                    lambda rel: src.column_catalog(conn, rel), part=partition.part,
+                                    parts=partition.parts, node=node.name, positions=partition.positions,
+                                    read=reader(began))
+            blocks = src.peek(conn, node.slot, node.publication, end)
             for rb in builder.batches(blocks, partition.rows_per_batch):
                 yield ch.pack(rb)
                 yield from _push_through()
                 faults.reach("read")
     except po.DecodeError as e:
-        e.message = (f"cannot decode the WAL of slot {partition.slot} between {format_lsn(partition.start.lsn)} "
-                     f"and {format_lsn(partition.end.lsn)}: {e.message}")
+        e.message = (f"cannot decode the WAL of slot {node.slot} between {format_lsn(partition.start_lsn)} "
+                     f"and {format_lsn(partition.end_lsn)}: {e.message}")
         raise
     finally:
         conn.close()
@@ -261,16 +313,18 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
 
 def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
-    chunk = part.chunk
-    with connect(part.uri, "source") as conn, lost_connection("source"):
+    chunk, node, began = part.chunk, part.node, time.time()
+    role = node_role(node.name, part.positions is not None)
+    table = snapshot.node_of(chunk.table, node.name)[1]
+    with connect(node.uri, role) as conn, lost_connection(role):
         found = snap_pg.ChunkRead()
-        for rb in snap_pg.read_chunk(conn, chunk.table, chunk.lo, chunk.hi, part.start.lsn, part.end.ts,
-                                     found, part.rows_per_batch):
+        for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
+                                     part.rows_per_batch):
             yield ch.pack(rb)
             yield from _push_through()
-    task = TaskContext.get()
-    done = ch.Progress(part.end.lsn, part.end.ts, None, found.rows,
+    read = {**reader(began), "ended": time.time()}
+    done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows,
                        {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
-                        "task": task.taskAttemptId() if task else None}, part.part, part.parts)
+                        "task": read["task"]}, part.part, part.parts, node.name, part.positions, read)
     yield ch.pack(ch.progress_batch(done))
     faults.reach("snapshot_chunk")

@@ -1,0 +1,87 @@
+"""One ordered stream from the partitions of a batch read from several nodes.
+
+Each node's partitions (its WAL window, its snapshot chunks) are read by Spark tasks of their
+own and reach the batch's writer one after the other, each whole and closed by its `P` row (a
+shuffle hands a reducer each map task's output as one block). The writer splits its input back
+into partitions (`split`), then `ordered` puts the rows of all nodes in one order:
+
+* a node's snapshot rows first (they hold the rows as of the window's start, and the window's
+  changes go on top of them, as on a one-node feed, see postgres/snapshot.py);
+* then the transactions of all nodes by commit timestamp (HLC), ties broken by node name, then
+  LSN; a transaction's rows (and the `R` rows describing its tables) keep their order.
+
+Within a node that is its commit order: its timestamps grow with its LSNs (core.hlc). Across
+nodes it is the order of the servers' commit clocks. Pure: Arrow only.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ..errors import IncompleteBatch
+from . import change as ch
+
+
+@dataclass(frozen=True)
+class Part:
+    """One input partition of a batch: its progress and its rows (without the `P` row)."""
+
+    progress: ch.Progress
+    rows: list[Any]  # record batches
+
+
+def split(batches: Iterable[Any]) -> list[Part]:
+    """The batch's partitions from its record batches as they arrived (each partition's rows
+    consecutive, its `P` row last). Rows after the last `P` row mean the input was cut short."""
+    parts: list[Part] = []
+    pending: list[Any] = []
+    for rb in batches:
+        ops = rb.column("op")
+        progress = pc.indices_nonzero(pc.equal(ops, ch.PROGRESS)).to_pylist()
+        start = 0
+        for i in progress:
+            if i > start:
+                pending.append(rb.slice(start, i - start))
+            parts.append(Part(ch.Progress.from_meta(rb.column("meta")[i].as_py()), pending))
+            pending, start = [], i + 1
+        if start < rb.num_rows:
+            pending.append(rb.slice(start))
+    if any(rb.num_rows for rb in pending):
+        raise IncompleteBatch("the batch's input ended inside a partition: it was cut short, so nothing of it is "
+                              "committed", "none: the batch is read again when the query runs next")
+    return parts
+
+
+def ordered(parts: list[Part]) -> Any:
+    """All data and `R` rows of `parts` as one table in the feed's order (see the module doc).
+
+    Its `lsn` column holds each row's position in that order and `seq` is 0: a sink that orders
+    rows by (lsn, seq), as the replica's merge does, orders them so."""
+    tables, keys, nodes = [], [], []
+    for part in parts:
+        rows = [rb for rb in part.rows if rb.num_rows]
+        if not rows:
+            continue
+        t = pa.Table.from_batches(rows)
+        snapshot = part.progress.chunk is not None
+        tables.append(t)
+        # snapshot rows sort before every transaction: their group timestamp is -1
+        keys.append(np.full(t.num_rows, -1, np.int64) if snapshot else
+                    t.column("commit_ts").to_numpy(zero_copy_only=False).astype(np.int64))
+        nodes.append(np.full(t.num_rows, part.progress.node, dtype=object))
+    if not tables:
+        return pa.Table.from_batches([], schema=ch.arrow_schema())
+    table = pa.concat_tables(tables)
+    n = table.num_rows
+    sort = pa.table({"ts": np.concatenate(keys), "node": pa.array(np.concatenate(nodes), pa.string()),
+                     "lsn": table.column("lsn"), "pos": np.arange(n, dtype=np.int64)})
+    order = pc.sort_indices(sort, sort_keys=[("ts", "ascending"), ("node", "ascending"), ("lsn", "ascending"),
+                                             ("pos", "ascending")])
+    out = table.take(order)
+    out = out.set_column(out.schema.get_field_index("lsn"), "lsn", pa.array(np.arange(n, dtype=np.int64)))
+    return out.set_column(out.schema.get_field_index("seq"), "seq", pa.array(np.zeros(n, np.int32)))

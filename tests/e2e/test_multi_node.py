@@ -1,0 +1,170 @@
+"""One feed over several source nodes: checked first, created on all or none, read in parallel, one replica.
+
+The nodes here are databases of the shared source server (each with its own slot): what differs
+between servers (their clocks, their failures) is tested with servers of their own elsewhere.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import Dbs, drop_slots, fingerprint, writing
+
+from changefeed.config import FeedSpec, FeedState
+from changefeed.errors import ConnectionFailed, SourceNotReady
+from changefeed.faults import InjectedFault
+from changefeed.feed import run
+from changefeed.local_postgres import LocalPostgres
+from changefeed.status import status
+
+pytestmark = pytest.mark.timeout(900)
+NODES = ("n1", "n2", "n3")
+ACCOUNTS, BALANCE = 300, 1_000
+SCHEMA = ("CREATE TABLE accounts (id bigint PRIMARY KEY, node text NOT NULL, balance bigint NOT NULL);"
+          "CREATE TABLE events (node text, id bigint, note text, PRIMARY KEY (node, id))")
+TABLES = ("public.accounts", "public.events")
+
+
+@pytest.fixture
+def nodes(dbs: Dbs, servers: tuple[LocalPostgres, LocalPostgres]) -> Iterator[dict[str, str]]:
+    """Node name -> URI: the test's source database is n1, n2 and n3 are two more on the server."""
+    source = servers[0]
+    uris = {"n1": dbs.source}
+    for n in NODES[1:]:
+        with psycopg.connect(source.uri(), autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {dbs.name}_{n}")
+        uris[n] = source.uri(f"{dbs.name}_{n}")
+    yield uris
+    for n in NODES[1:]:
+        drop_slots(source.uri(), f"{dbs.name}_{n}")
+
+
+def bank(uri: str, node: int) -> None:
+    """Accounts with node-disjoint ids (node * 1,000,000 + i), each with BALANCE."""
+    with psycopg.connect(uri, autocommit=True) as c:
+        c.execute(SCHEMA)
+        c.execute("INSERT INTO accounts SELECT %s * 1000000 + i, %s, %s FROM generate_series(1, %s) i",
+                  (node, f"n{node}", BALANCE, ACCOUNTS))
+
+
+def transfers(node: int) -> object:
+    """A `writing` worker: transfers between two accounts of node `node`, each logged as an event."""
+    def write(uri: str, stop: threading.Event, written: list[int]) -> None:
+        rng = random.Random(node)
+        with psycopg.connect(uri, autocommit=True) as c:
+            while not stop.is_set() or written[0] < 300:
+                a, b = (node * 1_000_000 + rng.randrange(1, ACCOUNTS + 1) for _ in range(2))
+                amount = rng.randrange(1, 50)
+                with c.transaction():
+                    c.execute("UPDATE accounts SET balance = balance - %s WHERE id = %s", (amount, a))
+                    c.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (amount, b))
+                    c.execute("INSERT INTO events VALUES (%s, %s, 'transfer')", (f"n{node}", written[0]))
+                written[0] += 1
+    return write
+
+
+def union(uris: dict[str, str], table: str) -> list[tuple[object, ...]]:
+    rows: list[tuple[object, ...]] = []
+    for uri in uris.values():
+        with psycopg.connect(uri) as c:
+            rows += c.execute(f"SELECT * FROM {table}").fetchall()
+    return sorted(rows, key=repr)
+
+
+def spec_of(dbs: Dbs, uris: dict[str, str], **options: object) -> FeedSpec:
+    return FeedSpec(dbs.name, "", dbs.sink, TABLES, nodes=tuple(uris.items()), **options).validate()  # type: ignore[arg-type]
+
+
+def run_once(spec: FeedSpec, tmp_path: Path) -> None:
+    run(spec, FeedState(tmp_path / "state", spec.name), available_now=True, master="local[2]", handle_signals=False,
+        report=lambda s: None)
+
+
+def slots(uri: str) -> list[str]:
+    with psycopg.connect(uri) as c:
+        return [r[0] for r in c.execute("SELECT slot_name FROM pg_replication_slots "
+                                        "WHERE database = current_database() ORDER BY 1")]
+
+
+def test_three_nodes_make_one_replica_read_by_parallel_tasks(dbs: Dbs, nodes: dict[str, str], tmp_path: Path,
+                                                            spark: object) -> None:
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+    spec = spec_of(dbs, nodes, snapshot_chunk_rows=100)
+    run_once(spec, tmp_path)  # the existing rows of every node, by snapshot
+    assert union(nodes, "accounts") == sorted(psycopg.connect(dbs.sink).execute("SELECT * FROM accounts"), key=repr)
+    for node, uri in nodes.items():
+        expected = f"changefeed_{dbs.name}" + ("" if node == "n1" else f"_{node}")
+        assert slots(uri) == [expected]
+
+    written = {n: [0] for n in nodes}
+    with writing(transfers(1), nodes["n1"], written["n1"]), writing(transfers(2), nodes["n2"], written["n2"]), \
+            writing(transfers(3), nodes["n3"], written["n3"]):
+        pass  # each writes at least 300 transfers
+    run_once(spec, tmp_path)
+    for table in TABLES:
+        assert union(nodes, table) == sorted(psycopg.connect(dbs.sink).execute(f"SELECT * FROM {table}"), key=repr)
+    with psycopg.connect(dbs.sink) as d:
+        total = d.execute("SELECT sum(balance), count(*) FROM accounts").fetchone()
+        events = d.execute("SELECT node, count(*), count(DISTINCT id) FROM events GROUP BY 1 ORDER BY 1").fetchall()
+        reads = d.execute("SELECT batch_id, reads, positions FROM changefeed.progress WHERE feed = %s "
+                          "ORDER BY batch_id", (dbs.name,)).fetchall()
+    assert total == (3 * ACCOUNTS * BALANCE, 3 * ACCOUNTS)
+    assert events == [(n, written[n][0], written[n][0]) for n in NODES]  # each exactly once
+    # every batch moved every node; its windows were read by one task per node, some at the same time
+    assert all(set(positions) == set(NODES) for _, _, positions in reads)
+    windows = [[r for r in batch_reads if "no" not in r and r.get("node")] for _, batch_reads, _ in reads]
+    assert any(sorted(r["node"] for r in w) == list(NODES) and len({r["task"] for r in w}) == 3 for w in windows)
+    overlapping = [w for w in windows if any(a["node"] != b["node"] and a["began"] < b["ended"] and b["began"] < a["ended"]
+                                             for a in w for b in w)]
+    assert overlapping, reads
+    shown = status(spec, FeedState(tmp_path / "state", spec.name))
+    assert set(shown.nodes) == set(NODES) and all(n["lag_bytes"] == 0 for n in shown.nodes.values()), shown
+    assert fingerprint(dbs.sink, "accounts")[0] == 3 * ACCOUNTS
+
+
+def test_a_node_that_cannot_be_read_is_named_and_nothing_is_created_anywhere(
+        dbs: Dbs, nodes: dict[str, str], tmp_path: Path) -> None:
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+    down = {**nodes, "n2": "postgresql://postgres:x@127.0.0.1:9/nowhere"}
+    with pytest.raises(ConnectionFailed, match="source node n2"):
+        run_once(spec_of(dbs, down), tmp_path)
+    with psycopg.connect(nodes["n3"], autocommit=True) as c:
+        c.execute("DROP TABLE events")
+    with pytest.raises(SourceNotReady, match="source node n3: table public.events does not exist"):
+        run_once(spec_of(dbs, nodes), tmp_path)
+    assert all(slots(uri) == [] for uri in nodes.values())
+
+
+def test_missing_rights_on_one_node_are_found_before_anything_is_created(dbs: Dbs, nodes: dict[str, str],
+                                                                         tmp_path: Path) -> None:
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+    # on n3 the feed's user may read the tables and create slots, but not publish tables it does not own
+    with psycopg.connect(nodes["n3"], autocommit=True) as c:
+        c.execute(f"CREATE ROLE weak_{dbs.name} LOGIN REPLICATION PASSWORD 'weak'")
+        c.execute(f"GRANT SELECT ON accounts, events TO weak_{dbs.name}")
+        c.execute(f"GRANT CREATE ON DATABASE {dbs.name}_n3 TO weak_{dbs.name}")
+    weak = nodes["n3"].replace("postgres:changefeed@", f"weak_{dbs.name}:weak@")
+    with pytest.raises(SourceNotReady, match="source node n3: user weak_.* must be owner of the table"):
+        run_once(spec_of(dbs, {**nodes, "n3": weak}), tmp_path)
+    assert all(slots(uri) == [] for uri in nodes.values())
+
+
+def test_creation_failing_on_one_node_removes_what_the_others_got(dbs: Dbs, nodes: dict[str, str], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+    monkeypatch.setenv("CHANGEFEED_FAIL_AT", "node_created:2")  # after n2's slot, before n3's
+    monkeypatch.setenv("CHANGEFEED_FAULT_DIR", str(tmp_path))
+    with pytest.raises(InjectedFault):
+        run_once(spec_of(dbs, nodes), tmp_path)
+    for uri in nodes.values():
+        assert slots(uri) == []
+        with psycopg.connect(uri) as c:
+            assert c.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
