@@ -6,7 +6,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from .core.offsets import DEFAULT_NODE
+from .core.nodes import DEFAULT_NODE, classic
 from .core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from .errors import ConfigError
 
@@ -76,7 +76,8 @@ class FeedSpec:
 
     @property
     def multi_node(self) -> bool:
-        return len(self.sources) > 1
+        """Whether the feed is not the classic one-node feed (see core.nodes)."""
+        return not classic(n.name for n in self.sources)
 
     @property
     def outbox_spec(self) -> OutboxSpec | None:
@@ -160,7 +161,8 @@ class FeedSpec:
             from .sinks.registry import REPLICA, sink_kind
 
             if sink_kind(self.sink) is not REPLICA:
-                raise ConfigError("a feed of several nodes delivers to a PostgreSQL replica (this version)",
+                raise ConfigError("a feed with named nodes (--source NAME=URI) delivers to a PostgreSQL replica "
+                                  "(this version)",
                                   "use a postgresql:// --sink, or one feed per node for Kafka or a webhook")
 
     def _validate_outbox(self) -> None:

@@ -168,3 +168,18 @@ def test_creation_failing_on_one_node_removes_what_the_others_got(dbs: Dbs, node
         assert slots(uri) == []
         with psycopg.connect(uri) as c:
             assert c.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
+
+
+def test_one_node_with_a_name_of_its_own(dbs: Dbs, tmp_path: Path, spark: object) -> None:
+    bank(dbs.source, 1)
+    spec = spec_of(dbs, {"main": dbs.source})
+    run_once(spec, tmp_path)
+    written = [0]
+    with writing(transfers(1), dbs.source, written):
+        pass
+    run_once(spec, tmp_path)
+    for table in TABLES:
+        assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table)
+    assert slots(dbs.source) == [f"changefeed_{dbs.name}_main"]
+    shown = status(spec, FeedState(tmp_path / "state", spec.name))
+    assert list(shown.nodes) == ["main"] and shown.nodes["main"]["lag_bytes"] == 0, shown

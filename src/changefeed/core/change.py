@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import IncompleteBatch
+from .nodes import DEFAULT_NODE
 
 FIELDS: tuple[tuple[str, str], ...] = (
     ("op", "string"), ("schema", "string"), ("table", "string"), ("lsn", "bigint"), ("seq", "int"),
@@ -148,7 +149,7 @@ class Progress:
     chunk: dict[str, Any] | None = None
     part: int = 0
     parts: int = 1
-    node: str = "n1"
+    node: str = DEFAULT_NODE
     positions: dict[str, int] | None = None
     read: dict[str, Any] | None = None  # who read it: {"task" (attempt id), "pid", "began", "ended" (Unix s)}
 
@@ -181,7 +182,7 @@ class BatchProgress:
     @property
     def nodes(self) -> dict[str, int]:
         """Each node's end LSN."""
-        return dict(self.positions) if self.positions else {"n1": self.end_lsn}
+        return dict(self.positions) if self.positions else {DEFAULT_NODE: self.end_lsn}
 
     @classmethod
     def from_json(cls, p: dict[str, Any]) -> "BatchProgress":

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import DefiniteError
+from .nodes import DEFAULT_NODE
 from .snapshot import Chunk, Cursor
 
-DEFAULT_NODE = "n1"
 VERSION = 2  # the newest shape this code writes (a one-node offset is still written as version 1)
 
 

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .nodes import classic
+
 Key = list[str]
 # (table, exclusive lower key or None, rows) -> the key closing a chunk of that many rows, or
 # None when fewer rows remain (the chunk runs to the table's end)
@@ -38,7 +40,7 @@ def node_of(entry: str, default: str) -> tuple[str, str]:
 def entries(tables: Sequence[str], nodes: Sequence[str]) -> tuple[str, ...]:
     """What to snapshot of `tables`: the tables themselves on a one-node feed, else each on each
     node, table by table."""
-    if len(nodes) == 1:
+    if classic(nodes):
         return tuple(tables)
     return tuple(on_node(n, t) for t in tables for n in nodes)
 

@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 from ..core import change as ch
 from ..core.copytext import NULL
 from ..core.lsn import format_lsn
-from ..core.offsets import DEFAULT_NODE
+from ..core.nodes import DEFAULT_NODE
 from .. import faults
 from ..errors import ChangefeedError, SinkError
 from .ledger import RATE_WINDOW_S, LastBatch

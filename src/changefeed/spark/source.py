@@ -31,7 +31,8 @@ from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SourceNode, n
 from ..core import change as ch
 from ..core import snapshot
 from ..core.lsn import format_lsn
-from ..core.offsets import DEFAULT_NODE, Offset
+from ..core.nodes import DEFAULT_NODE, classic
+from ..core.offsets import Offset
 from ..core.resolved import Frontier, resolved_ts
 from ..core.requests import SnapshotRequests
 from ..errors import carried
@@ -98,7 +99,7 @@ class ChangefeedSource(DataSource):
 class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
     def __init__(self, options: dict[str, str]) -> None:
         self.nodes = {n[0]: SourceNode(*n) for n in json.loads(options["nodes"])}
-        self.multi_node = len(self.nodes) > 1
+        self.multi_node = not classic(self.nodes)  # as FeedSpec.multi_node
         self.feed = options["feed"]
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
