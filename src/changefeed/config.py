@@ -74,6 +74,10 @@ class FeedSpec:
         return tuple(SourceNode(n, uri, *(2 * (self.slot if n == DEFAULT_NODE else f"{self.slot}_{n}",)))
                      for n, uri in pairs)
 
+    def role(self, node: str) -> str:
+        """How messages name source node `node` of this feed (see node_role)."""
+        return node_role(node, self.multi_node)
+
     @property
     def multi_node(self) -> bool:
         """Whether the feed is not the classic one-node feed (see core.nodes)."""

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from . import errors, faults, retention
-from .config import FeedSpec, FeedState, SourceNode, node_role
+from .config import FeedSpec, FeedState, SourceNode
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.offsets import Offset
@@ -103,7 +103,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
 
 def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Callable[[str], None]) -> _Checked:
     """Connect to `node`, check it (wal_level, tables and keys, outbox), take the feed's lock there."""
-    role = node_role(node.name, spec.multi_node)
+    role = spec.role(node.name)
     with told_if_slow(f"the {role} {_endpoint(node.uri)} to answer", report), _about(spec, node):
         conn = stack.enter_context(connect(node.uri, role))
     with _about(spec, node):
@@ -134,7 +134,7 @@ def _check_same_tables(spec: FeedSpec, checked: list[_Checked]) -> None:
 def _about(spec: FeedSpec, node: SourceNode) -> Iterator[None]:
     """Work on one source node: a lost connection is ConnectionFailed naming it, and on a feed of
     several nodes every error says which node it is about."""
-    role = node_role(node.name, spec.multi_node)
+    role = spec.role(node.name)
     try:
         with lost_connection(role):
             yield
@@ -341,7 +341,7 @@ def _lost_connections(prepared: Prepared) -> Iterator[None]:
         yield
     except psycopg.OperationalError as e:
         broken = [n for n, conn in prepared.sources.items() if conn.broken]
-        role = node_role(broken[0], prepared.spec.multi_node) if broken else "sink"
+        role = prepared.spec.role(broken[0]) if broken else "sink"
         with lost_connection(role):
             raise e from None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from psycopg import sql
 
-from .config import FeedSpec, FeedState, node_role
+from .config import FeedSpec, FeedState
 from .core.requests import SnapshotRequests
 from .errors import ConfigError, FeedBusy
 from .feed import prepare
@@ -68,7 +68,7 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
     with ExitStack() as stack:
         conns = []
         for node in spec.sources:  # every node checked before anything is dropped on any
-            conn = stack.enter_context(connect(node.uri, node_role(node.name, spec.multi_node)))
+            conn = stack.enter_context(connect(node.uri, spec.role(node.name)))
             src.lock_feed(conn, spec.name)  # refuses while a runner elsewhere holds the feed
             slot = src.slot_state(conn, node.slot)
             if slot is not None and slot.active_pid:
@@ -100,7 +100,7 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
     grown = FeedSpec(**{**spec.__dict__, "tables": spec.tables + new}).validate()
     with ExitStack() as stack:
-        conns = [(node, stack.enter_context(connect(node.uri, node_role(node.name, spec.multi_node))))
+        conns = [(node, stack.enter_context(connect(node.uri, spec.role(node.name))))
                  for node in spec.sources]
         described = [src.describe_tables(conn, list(grown.tables)) for _, conn in conns]  # on every node first
         ledger = open_ledger(spec, state)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from .config import FeedSpec, FeedState, SourceNode, node_role
+from .config import FeedSpec, FeedState, SourceNode
 from .core.hlc import physical_ms
 from .core.lsn import format_lsn
 from .postgres import source as src
@@ -68,6 +68,11 @@ class _NodeReading:
     position: int | None  # where the sink's checkpoint has it
     caught_up: bool
 
+    @property
+    def lag_bytes(self) -> int:
+        """WAL past the checkpoint that may hold changes; 0 when caught up."""
+        return 0 if self.caught_up else self.current - (self.position or 0)
+
 
 def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
     with closing(open_ledger(spec, feed_state)) as ledger:
@@ -79,7 +84,7 @@ def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
     lag_bytes: int | None = None
     lag_s = resolved_lag = None
     if last:
-        lag_bytes = sum(0 if r.caught_up else r.current - (r.position or 0) for r in readings.values())
+        lag_bytes = sum(r.lag_bytes for r in readings.values())
         now_ms = max(r.now_ms for r in readings.values())
         lag_s = 0.0 if all(r.caught_up for r in readings.values()) else resolved_lag_s(now_ms, last.resolved_ts)
         resolved_lag = resolved_lag_s(now_ms, last.resolved_ts)
@@ -90,8 +95,7 @@ def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
         "slot": n.slot, "slot_state": _slot_text(readings[n.name].slot),
         "slot_retained_wal_bytes": retained_bytes(readings[n.name].slot, readings[n.name].current),
         "checkpoint_lsn": format_lsn(readings[n.name].position) if readings[n.name].position else None,
-        "lag_bytes": None if not last else 0 if readings[n.name].caught_up else
-        readings[n.name].current - (readings[n.name].position or 0)} for n in spec.sources}
+        "lag_bytes": readings[n.name].lag_bytes if last else None} for n in spec.sources}
     one = readings[spec.sources[0].name]
     retained = [retained_bytes(r.slot, r.current) for r in readings.values()]
     return FeedStatus(
@@ -109,7 +113,7 @@ def _read_node(spec: FeedSpec, node: SourceNode, position: int | None, state: st
     """A node's slot, flush position and clock, and whether the checkpoint is caught up with it: a
     stopped feed whose slot holds no change of a captured table past the checkpoint is caught up,
     whatever other WAL came since (other tables, PostgreSQL's own records)."""
-    role = node_role(node.name, spec.multi_node)
+    role = spec.role(node.name)
     with connect(node.uri, role) as conn, lost_connection(role):
         slot = src.slot_state(conn, node.slot)
         current, now_ms = src.flush_lsn(conn)
