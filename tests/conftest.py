@@ -29,7 +29,8 @@ _counter = itertools.count()
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPostgres, LocalPostgres]]:
     root = tmp_path_factory.mktemp("pg")
     slots = {"max_replication_slots": "64"}  # every test's feed has one while it runs (dbs drops them after)
-    source = LocalPostgres.start(root / "source", settings=slots)
+    # the source can prepare transactions: feeds of several nodes decode them (core.distributed)
+    source = LocalPostgres.start(root / "source", settings={**slots, "max_prepared_transactions": "64"})
     sink = LocalPostgres.start(root / "sink", settings=slots)
     yield source, sink
     source.stop("immediate")

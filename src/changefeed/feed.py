@@ -18,6 +18,7 @@ from psycopg import sql
 
 from . import errors, faults, retention
 from .config import FeedSpec, FeedState, SourceNode
+from .core import distributed as dist
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.offsets import Offset
@@ -26,6 +27,7 @@ from .errors import (ChangefeedError, ConfigError, DefiniteError, FeedBusy, Quer
                      TransientError)
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import source as src
+from .postgres import twophase
 from .postgres.connect import connect, lost_connection
 from .postgres.outbox import OutboxCleanup, check_outbox_table
 from .retry import Retry, Retrying, write_note
@@ -89,7 +91,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
                 publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
                 created.append((c, publication, False))
                 if c.slot is None:
-                    src.create_slot(c.conn, c.node.slot)
+                    src.create_slot(c.conn, c.node.slot, two_phase=spec.multi_node)
                     created[-1] = (c, publication, True)
                 faults.reach("node_created")
         with lost_connection("sink"):
@@ -114,6 +116,8 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
         slot = src.slot_state(conn, node.slot)
         if slot is None:
             src.check_rights(conn, node.publication, tables)
+            if spec.multi_node:
+                twophase.check(conn)
         src.lock_feed(conn, spec.name)
         return _Checked(node, conn, tables, slot)
 
@@ -468,7 +472,12 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
             for node in prepared.spec.sources:
                 if node.name in end.lsns:
                     with _about(prepared.spec, node):
-                        src.advance(prepared.sources[node.name], node.slot, end.lsns[node.name])
+                        conn, lsn = prepared.sources[node.name], end.release(node.name)
+                        if node.name in end.holds:  # a two-phase slot: past every part decided by `end`
+                            at = end.lsns[node.name]
+                            events = twophase.events(conn, node.slot, node.publication, at)
+                            lsn = dist.hold(dist.NodeWindow(lsn, at, at, at, events))
+                        src.advance(conn, node.slot, lsn)
             return
 
 

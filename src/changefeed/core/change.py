@@ -140,7 +140,8 @@ class Progress:
     or (with `chunk`) the snapshot chunk it names: {"no", "table", "rows", "read_lsn", "task"}
     (the Spark task attempt that read it). It is partition `part` of the batch's `parts`;
     `positions` (a feed of several nodes) is the batch's end position on every node; `read` says
-    which task read it, and when."""
+    which task read it, and when; `gids` the distributed (prepared) transactions whose parts on
+    the node it delivered, `held` those it left for a later batch."""
 
     end_lsn: int
     resolved_ts: int
@@ -152,6 +153,8 @@ class Progress:
     node: str = DEFAULT_NODE
     positions: dict[str, int] | None = None
     read: dict[str, Any] | None = None  # who read it: {"task" (attempt id), "pid", "began", "ended" (Unix s)}
+    gids: dict[str, int] | None = None  # prepared transactions it delivered: gid -> xid
+    held: list[str] | None = None  # gids of prepared transactions it saw undecided (read again next batch)
 
     def to_meta(self) -> str:
         return json.dumps(self.__dict__)
@@ -177,7 +180,8 @@ class BatchProgress:
     changes: int
     chunks: tuple[dict[str, Any], ...]
     positions: dict[str, int] | None = None
-    reads: tuple[dict[str, Any], ...] = ()  # per input partition read: {"node", "part", **Progress.read}
+    reads: tuple[dict[str, Any], ...] = ()  # per input partition read: {"node", "part", **Progress.read,
+    #                                         "gids" and "held" where it has them}
 
     @property
     def nodes(self) -> dict[str, int]:
@@ -206,7 +210,8 @@ class BatchProgress:
         times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
         resolved, chunks = max(p.resolved_ts for p in parts), tuple(p.chunk for p in parts if p.chunk)
         positions = parts[0].positions
-        reads = tuple({"node": p.node, "part": p.part, **p.read} for p in sorted(parts, key=lambda p: p.part) if p.read)
+        reads = tuple({"node": p.node, "part": p.part, **p.read, **({"gids": p.gids} if p.gids else {}),
+                       **({"held": p.held} if p.held else {})} for p in sorted(parts, key=lambda p: p.part) if p.read)
         if positions is None:
             return cls(max(p.end_lsn for p in parts), resolved, max(times) if times else None,
                        sum(p.changes for p in parts), chunks, None, reads)

@@ -11,7 +11,12 @@ into partitions (`split`), then `ordered` puts the rows of all nodes in one orde
   LSN; a transaction's rows (and the `R` rows describing its tables) keep their order.
 
 Within a node that is its commit order: its timestamps grow with its LSNs (core.hlc). Across
-nodes it is the order of the servers' commit clocks. Pure: Arrow only.
+nodes it is the order of the servers' commit clocks.
+
+The parts of one distributed transaction (core.distributed: always all in one batch) keep their
+places in their nodes' orders, which is what each key's order needs (a key lives on one node),
+but carry one commit timestamp and commit time: the latest of their parts', when the last part
+committed. Pure: Arrow only.
 """
 from __future__ import annotations
 
@@ -63,16 +68,17 @@ def ordered(parts: list[Part]) -> Any:
     Its `lsn` column holds each row's position in that order and `seq` is 0: a sink that orders
     rows by (lsn, seq), as the replica's merge does, orders them so."""
     tables, keys, nodes = [], [], []
+    labels = _latest(parts)
     for part in parts:
         rows = [rb for rb in part.rows if rb.num_rows]
         if not rows:
             continue
         t = pa.Table.from_batches(rows)
         snapshot = part.progress.chunk is not None
-        tables.append(t)
         # snapshot rows sort before every transaction: their group timestamp is -1
         keys.append(np.full(t.num_rows, -1, np.int64) if snapshot else
                     t.column("commit_ts").to_numpy(zero_copy_only=False).astype(np.int64))
+        tables.append(_label(t, part.progress.gids, labels) if part.progress.gids else t)
         nodes.append(np.full(t.num_rows, part.progress.node, dtype=object))
     if not tables:
         return pa.Table.from_batches([], schema=ch.arrow_schema())
@@ -85,3 +91,38 @@ def ordered(parts: list[Part]) -> Any:
     out = table.take(order)
     out = out.set_column(out.schema.get_field_index("lsn"), "lsn", pa.array(np.arange(n, dtype=np.int64)))
     return out.set_column(out.schema.get_field_index("seq"), "seq", pa.array(np.zeros(n, np.int32)))
+
+
+def _latest(parts: list[Part]) -> dict[str, tuple[int, int]]:
+    """gid -> (latest commit ts, latest commit time) over its parts in `parts`."""
+    out: dict[str, tuple[int, int]] = {}
+    for part in parts:
+        gid_of = {x: g for g, x in (part.progress.gids or {}).items()}
+        for rb in part.rows if gid_of else ():
+            xids, inverse = np.unique(rb.column("xid").to_numpy(zero_copy_only=False), return_inverse=True)
+            latest = []
+            for name in ("commit_ts", "commit_time"):
+                most = np.zeros(len(xids), np.int64)
+                np.maximum.at(most, inverse, pc.fill_null(rb.column(name), 0).to_numpy(zero_copy_only=False))
+                latest.append(most)
+            for i, x in enumerate(xids.tolist()):
+                if x in gid_of:
+                    old = out.get(gid_of[x], (0, 0))
+                    out[gid_of[x]] = (max(int(latest[0][i]), old[0]), max(int(latest[1][i]), old[1]))
+    return out
+
+
+def _label(t: Any, gids: dict[str, int], labels: dict[str, tuple[int, int]]) -> Any:
+    """`t` (one part's rows) with its distributed transactions' commit ts and time set to theirs."""
+    xid = t.column("xid").to_numpy(zero_copy_only=False)
+    mask = np.zeros(t.num_rows, bool)
+    ts, at = np.zeros(t.num_rows, np.int64), np.zeros(t.num_rows, np.int64)
+    for g, x in gids.items():
+        if g in labels:
+            m = xid == x
+            mask |= m
+            ts[m], at[m] = labels[g]
+    for name, values in (("commit_ts", ts), ("commit_time", at)):
+        t = t.set_column(t.schema.get_field_index(name), name,
+                         pc.if_else(pa.array(mask), pa.array(values), t.column(name).combine_chunks()))
+    return t

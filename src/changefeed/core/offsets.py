@@ -6,7 +6,10 @@ one); the snapshot cursor after it; and the snapshot chunks it carries. Spark st
 JSON and tells "new data" from "none" by comparing them, so a one-node feed's JSON keeps the
 shape every checkpoint written before nodes existed holds (version 1: `lsn`, `ts`, `snap`,
 `chunks`), and reading and writing it again gives the same JSON. A feed of several nodes writes
-version 2: `v`, `nodes` (name -> LSN) in place of `lsn`.
+version 2: `v`, `nodes` (name -> LSN) in place of `lsn`, and `holds` for nodes read with
+two-phase decoding: where that node's slot stays while the batch is read (at or before its
+start, see core.distributed), which is also as far as the slot may move once the batch is
+committed (a later PREPARE may still wait for its outcome).
 """
 from __future__ import annotations
 
@@ -36,6 +39,11 @@ class Offset:
     ts: int = 0  # resolved commit timestamp (HLC)
     cursor: Cursor = field(default_factory=Cursor)
     chunks: tuple[Chunk, ...] = ()
+    holds: Mapping[str, int] = field(default_factory=dict)  # node -> where its slot stays (two-phase nodes)
+
+    def release(self, node: str) -> int:
+        """How far node `node`'s slot may move once the batch up to here is committed downstream."""
+        return self.holds.get(node, self.lsns[node])
 
     @property
     def lsn(self) -> int:
@@ -57,6 +65,8 @@ class Offset:
                    "snap": self.cursor.to_json()}
         if self.chunks:
             out["chunks"] = [c.to_json() for c in self.chunks]
+        if self.holds:
+            out["holds"] = dict(sorted(self.holds.items()))
         return out
 
     @classmethod
@@ -70,7 +80,8 @@ class Offset:
                                   f"{VERSION})")
             lsns = {DEFAULT_NODE: int(d["lsn"])} if version == 1 else {str(k): int(v) for k, v in d["nodes"].items()}
             return cls(lsns, int(d.get("ts", 0)), Cursor.from_offset(d),
-                       tuple(Chunk.from_json(c) for c in d.get("chunks", ())))
+                       tuple(Chunk.from_json(c) for c in d.get("chunks", ())),
+                       {str(k): int(v) for k, v in (d.get("holds") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, OffsetError):
                 raise

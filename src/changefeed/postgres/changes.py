@@ -54,6 +54,7 @@ def _final_tuple(data: bytes, pos: int, what: str) -> tuple[bytes, list[int] | N
 
 
 _I, _U, _D, _B, _C = b"IUDBC"
+_TWO_PHASE = frozenset(b"bPKr")
 _INSERT, _UPDATE, _DELETE, _TRUNCATE, _MESSAGE = b"cudtm"  # row ops, as the byte of their letter
 _RELATION, _PROGRESS = ord(ch.RELATION), ord(ch.PROGRESS)
 _OP_OF_KIND = np.zeros(256, np.uint8)  # a plain change's message kind -> its row op
@@ -117,10 +118,11 @@ class _Rows:
         self._chunks.append(chunk)
         self._in_chunks += len(chunk)
 
-    def truncate(self, n: int) -> None:
-        """Keep the first `n` rows."""
-        self._chunks = self._cut(n)[0]
+    def truncate(self, n: int) -> _Chunk:
+        """Keep the first `n` rows; returns the others."""
+        self._chunks, tail = self._cut(n)
         self._in_chunks = sum(map(len, self._chunks))
+        return _Chunk.concat(tail)
 
     def split(self, n: int) -> _Chunk:
         """The first `n` rows, which are forgotten here."""
@@ -153,6 +155,17 @@ class _Rows:
             self._op, self._table, self._after, self._before = [], [], [], []
 
 
+@dataclass
+class _Held:
+    """A prepared transaction's rows, kept aside until its COMMIT PREPARED (see ChangeBuilder)."""
+
+    rows: _Chunk
+    sparse: dict[str, dict[int, Any]]  # as ChangeBuilder._sparse, indexes from the part's first row
+    relation_rows: int
+    xid: int
+    prepare_lsn: int
+
+
 class ChangeBuilder:
     """Feed pgoutput messages in server order; take Arrow record batches of change rows.
 
@@ -163,6 +176,12 @@ class ChangeBuilder:
     it truncates the rows back to there. The window is node `node`'s, input partition `part` of
     its batch's `parts` (named in its `P` row, with the batch's `positions` on a feed of several
     nodes, and `read`: which task read it, from when; the builder adds when it ended).
+
+    A prepared transaction (a slot with two-phase decoding, see postgres/twophase.py) arrives at
+    its PREPARE, its outcome later: its rows are kept aside and delivered as a transaction at its
+    COMMIT PREPARED when that starts in the window (nothing at a ROLLBACK PREPARED). A part whose
+    outcome is not in the window stays undelivered (`held`); the planner keeps the slot at or
+    before its PREPARE, so the next window reads it again.
     """
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
@@ -189,6 +208,8 @@ class ChangeBuilder:
         self._closed = 0  # rows of closed transactions (the first rows)
         self._mark = 0
         self._open_relation_rows = 0  # R rows from `_mark` on: not changes
+        self._held: dict[str, _Held] = {}  # prepared, outcome not seen yet: by gid
+        self.gids: dict[str, int] = {}  # prepared transactions delivered: gid -> xid
 
     # -- input ---------------------------------------------------------------------------
     def feed_block(self, messages: list[bytes]) -> None:
@@ -221,6 +242,8 @@ class ChangeBuilder:
             self._open(po.decode(data))  # type: ignore[arg-type]
         elif kind == _C:
             self._commit(po.decode(data))  # type: ignore[arg-type]
+        elif kind in _TWO_PHASE:
+            self._two_phase(po.decode(data))  # type: ignore[arg-type]
         else:
             msg = po.decode(data)
             kind_ = type(msg)
@@ -388,14 +411,58 @@ class ChangeBuilder:
             if begin.final_lsn >= self.end_lsn:
                 self.done = True
         else:
-            ts = next_commit_ts(self.last_ts, msg.commit_time_us)
-            # A server clock that stepped back may put a commit past the window's resolved ts: stay inside.
-            self.last_ts = ts if ts <= self.end_ts else self.last_ts + 1
-            self.last_commit_time = msg.commit_time_us
-            self._close(begin.final_lsn, begin.xid, self.last_ts, msg.commit_time_us)
+            self._close(begin.final_lsn, begin.xid, self._stamp(msg.commit_time_us), msg.commit_time_us)
+        self._flush_deferred()
+
+    def _stamp(self, commit_time_us: int) -> int:
+        """The commit timestamp of the window's next transaction."""
+        ts = next_commit_ts(self.last_ts, commit_time_us)
+        # A server clock that stepped back may put a commit past the window's resolved ts: stay inside.
+        self.last_ts = ts if ts <= self.end_ts else self.last_ts + 1
+        self.last_commit_time = commit_time_us
+        return self.last_ts
+
+    def _flush_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for m in deferred:
             self._message(m)
+
+    def _two_phase(self, msg: po.TwoPhase) -> None:
+        if isinstance(msg, po.BeginPrepare):
+            self._open(po.Begin(msg.prepare_lsn, msg.prepare_time_us, msg.xid))
+        elif isinstance(msg, po.Prepare):
+            if self._begin is None:
+                raise po.DecodeError(f"Prepare of {msg.gid!r} without Begin Prepare")
+            self._begin = None
+            mark = self._mark
+            rows = self._rows.truncate(mark)
+            sparse = {name: {i - mark: v for i, v in d.items() if i >= mark} for name, d in self._sparse.items()}
+            for name, d in self._sparse.items():
+                self._sparse[name] = {i: v for i, v in d.items() if i < mark}
+            if self._open_relation_rows:
+                self._described.clear()  # its R rows went aside with it: describe again
+            self._held[msg.gid] = _Held(rows, sparse, self._open_relation_rows, msg.xid, msg.prepare_lsn)
+            self._set_mark()
+            self._flush_deferred()
+        else:
+            held = self._held.pop(msg.gid, None)
+            start = msg.commit_lsn if isinstance(msg, po.CommitPrepared) else msg.end_lsn - 1
+            if start >= self.end_lsn:
+                self.done = True
+            elif isinstance(msg, po.CommitPrepared) and start >= self.start_lsn and held is not None:
+                self._deliver(held, msg)
+            # Before the window: delivered (or rolled back) by an earlier one.
+
+    def _deliver(self, held: _Held, msg: po.CommitPrepared) -> None:
+        """A prepared transaction's rows as a transaction committed at `msg`."""
+        self._set_mark()
+        at = len(self._rows)
+        self._rows.extend(held.rows)
+        for name, d in held.sparse.items():
+            self._sparse[name].update({at + i: v for i, v in d.items()})
+        self._open_relation_rows = held.relation_rows
+        self.gids[msg.gid] = held.xid
+        self._close(msg.commit_lsn, held.xid, self._stamp(msg.commit_time_us), msg.commit_time_us)
 
     def _drop_open(self) -> None:
         """Forget the open transaction's rows (back to `_mark`)."""
@@ -414,6 +481,11 @@ class ChangeBuilder:
             self._closed += n
         self.changes += n - self._open_relation_rows
         self._set_mark()
+
+    @property
+    def held(self) -> list[str]:
+        """gids of prepared parts whose outcome the window does not hold."""
+        return sorted(self._held)
 
     # -- output --------------------------------------------------------------------------
     def pending(self) -> int:
@@ -441,7 +513,8 @@ class ChangeBuilder:
         self._begin = None
         progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes,
                                part=self.part, parts=self.parts, node=self.node, positions=self.positions,
-                               read=self.read and {**self.read, "ended": time.time()})
+                               read=self.read and {**self.read, "ended": time.time()},
+                               gids=self.gids or None, held=self.held or None)
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
         self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts))

@@ -3,7 +3,9 @@
 Bytes of one pgoutput message in, one message object out; no sockets, no state. Tuple values stay
 as the server sent them: `bytes` in PostgreSQL text form, `None` for NULL, and `UNCHANGED` for a
 TOASTed value the update did not touch (the server does not resend it; the replica keeps its own).
-Message layouts: PostgreSQL docs, "Logical Replication Message Formats".
+Message layouts: PostgreSQL docs, "Logical Replication Message Formats"; a slot created with
+`two_phase` adds the prepared-transaction messages of protocol version 3 (b, P, K, r), which the
+server sends for such a slot whatever protocol version is asked for.
 """
 from __future__ import annotations
 
@@ -143,7 +145,48 @@ class Message:
     content: bytes
 
 
-PgOutputMessage = Union[Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message]
+@dataclass(frozen=True, slots=True)
+class BeginPrepare:
+    """A prepared transaction's changes follow (two-phase decoding, protocol version 3)."""
+
+    prepare_lsn: int  # where its PREPARE TRANSACTION record starts
+    end_lsn: int  # where that record ends
+    prepare_time_us: int
+    xid: int
+    gid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """The end of a prepared transaction's changes: prepared, not committed yet."""
+
+    prepare_lsn: int
+    end_lsn: int
+    prepare_time_us: int
+    xid: int
+    gid: str
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPrepared:
+    commit_lsn: int  # where the COMMIT PREPARED record starts
+    end_lsn: int
+    commit_time_us: int
+    xid: int
+    gid: str
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackPrepared:
+    prepare_end_lsn: int
+    end_lsn: int  # where the ROLLBACK PREPARED record ends
+    rollback_time_us: int
+    xid: int
+    gid: str
+
+
+TwoPhase = Union[BeginPrepare, Prepare, CommitPrepared, RollbackPrepared]
+PgOutputMessage = Union[Begin, Commit, Origin, Relation, Type, Insert, Update, Delete, Truncate, Message, TwoPhase]
 
 
 def _cstring(buf: bytes, pos: int) -> tuple[str, int]:
@@ -327,7 +370,34 @@ def _message(b: bytes) -> Message:
     return Message(bool(flags & 1), lsn, prefix, content)
 
 
+def _prepare_like(b: bytes, pos: int) -> tuple[int, int, int, int, str]:
+    """(first LSN, second LSN, time, xid, gid) at `pos`: the layout 'b', 'P' and 'K' share."""
+    gid, _ = _cstring(b, pos + 28)
+    return (_U64.unpack_from(b, pos)[0], _U64.unpack_from(b, pos + 8)[0], _pg_time(_I64.unpack_from(b, pos + 16)[0]),
+            _U32.unpack_from(b, pos + 24)[0], gid)
+
+
+def _begin_prepare(b: bytes) -> BeginPrepare:
+    return BeginPrepare(*_prepare_like(b, 1))
+
+
+def _prepare(b: bytes) -> Prepare:
+    return Prepare(*_prepare_like(b, 2))  # after the flags byte
+
+
+def _commit_prepared(b: bytes) -> CommitPrepared:
+    return CommitPrepared(*_prepare_like(b, 2))
+
+
+def _rollback_prepared(b: bytes) -> RollbackPrepared:
+    # flags, prepare end LSN, rollback end LSN, prepare time, rollback time, xid, gid
+    gid, _ = _cstring(b, 38)
+    return RollbackPrepared(_U64.unpack_from(b, 2)[0], _U64.unpack_from(b, 10)[0],
+                            _pg_time(_I64.unpack_from(b, 26)[0]), _U32.unpack_from(b, 34)[0], gid)
+
+
 _DECODERS = {
     ord("B"): _begin, ord("C"): _commit, ord("O"): _origin, ord("R"): _relation, ord("Y"): _type,
     ord("I"): _insert, ord("U"): _update, ord("D"): _delete, ord("T"): _truncate, ord("M"): _message,
+    ord("b"): _begin_prepare, ord("P"): _prepare, ord("K"): _commit_prepared, ord("r"): _rollback_prepared,
 }

@@ -55,6 +55,7 @@ class SlotState:
     active_pid: int | None
     wal_status: str | None
     invalidation: str | None
+    two_phase: bool = False  # decodes prepared transactions at their PREPARE (see postgres/twophase.py)
 
 
 def split_table(qualified: str) -> tuple[str, str]:
@@ -168,17 +169,18 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
 def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
     row = conn.execute(
         "SELECT slot_name, plugin, confirmed_flush_lsn::text, restart_lsn::text, active_pid, wal_status, "
-        "to_jsonb(s) ->> 'invalidation_reason' FROM pg_replication_slots s WHERE slot_name = %s",
+        "to_jsonb(s) ->> 'invalidation_reason', coalesce((to_jsonb(s) ->> 'two_phase')::bool, false) FROM pg_replication_slots s WHERE slot_name = %s",
         (slot,)).fetchone()
     if row is None:
         return None
     lsn = lambda v: None if v is None else parse_lsn(v)  # noqa: E731
-    return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6])
+    return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6], row[7])
 
 
-def create_slot(conn: psycopg.Connection[Any], slot: str) -> int:
+def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False) -> int:
     """Create the pgoutput slot; returns the LSN from which it will deliver commits."""
-    row = conn.execute("SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
+    args = ", false, true" if two_phase else ""  # (temporary, two_phase): PostgreSQL 14+
+    row = conn.execute(f"SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput'{args})",
                        (slot,)).fetchone()
     return parse_lsn(row[0])  # type: ignore[index]
 

@@ -7,7 +7,9 @@ partition). On each node a batch holds what starts in [start, end) (see postgres
 read by an input partition (a Spark task) of its own. A bound is a flushed position that splits
 no WAL record: a heartbeat's end, a commit's end (a change limit) or a WAL page boundary (a byte
 limit, found without decoding). The driver only plans offsets and advances the slots in
-`commit`; executors decode in `read`.
+`commit`; executors decode in `read`. On nodes with two-phase slots the planner also scans the
+prepared transactions' events and lets core.distributed hold and cut windows so that a
+distributed transaction is delivered whole, in one batch.
 
 Spark imports this module in every Python process it starts to plan a query (a new one each
 step, one after another, at a feed's start), so the decoder and its numpy/Arrow imports are
@@ -29,6 +31,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from .. import faults
 from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SourceNode, node_role
 from ..core import change as ch
+from ..core import distributed as dist
 from ..core import snapshot
 from ..core.lsn import format_lsn
 from ..core.nodes import DEFAULT_NODE, classic
@@ -39,6 +42,7 @@ from ..errors import carried
 from ..postgres import pgoutput as po
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
+from ..postgres import twophase
 from ..postgres.connect import connect, lost_connection
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
@@ -54,6 +58,7 @@ class BatchPartition(InputPartition):
 
     def __init__(self, node: SourceNode, start: Offset, end: Offset, rows_per_batch: int, multi_node: bool) -> None:
         self.node, self.start, self.end, self.rows_per_batch = node, start, end, rows_per_batch
+        self.hold = end.holds.get(node.name)  # where its two-phase slot reads from (<= start)
         self.positions = dict(end.lsns) if multi_node else None
         self.part, self.parts = 0, 1
 
@@ -115,7 +120,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._conns: dict[str, Any] = {}
         self._block = 0
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
-        self._available_now: dict[str, Frontier] | None = None  # where an AvailableNow run ends
+        self._available_now: tuple[dict[str, int], dict[str, Frontier]] | None = None  # an AvailableNow run's end
+        self._two_phase: dict[str, tuple[int, bool, bool]] = {}  # node -> (its connection's id, slot, scanned)
 
     def conn(self, node: str) -> Any:
         """The driver's connection to `node` (a ConnectionFailed names the node)."""
@@ -141,7 +147,24 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             src.check_slot_usable(state, node.slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[name] = state.confirmed_flush
-        return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
+        holds = {n: lsn for n, lsn in lsns.items() if self._slot_two_phase(n)}
+        return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries), holds=holds).to_json()
+
+    def _slot_two_phase(self, node: str) -> bool:
+        return self._two_phase_of(node)[0]
+
+    def _two_phase_of(self, node: str) -> tuple[bool, bool]:
+        """(Whether node `node`'s slot decodes two-phase, whether the node can prepare transactions
+        at all, so that its WAL must be scanned); read again on each new connection, as a restart
+        may have changed max_prepared_transactions."""
+        conn = self.conn(node)
+        known = self._two_phase.get(node)
+        if known is None or known[0] != id(conn):
+            with self._on(node):
+                state = src.slot_state(conn, self.nodes[node].slot)
+                slot = bool(state and state.two_phase)
+                known = self._two_phase[node] = (id(conn), slot, slot and twophase.capable(conn))
+        return known[1], known[2]
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -153,7 +176,12 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     @carried("source")
     @lost_connection("source")
     def prepareForTriggerAvailableNow(self) -> None:
-        self._available_now = self._frontiers()
+        self._available_now = self._readings()
+
+    def _readings(self) -> tuple[dict[str, int], dict[str, Frontier]]:
+        """Per node: its flushed LSN, then (once every node was read) a fresh frontier."""
+        certain = {n: self._flushed(n) for n in self.nodes}
+        return certain, self._frontiers()
 
     def _frontiers(self) -> dict[str, Frontier]:
         """Per node: a fresh flushed LSN and the node's clock then (see core.resolved)."""
@@ -190,11 +218,12 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         chunks, cursor = self._plan_snapshot(start)
         if chunks:
             # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
-            frontiers = self._frontiers()
+            certain, frontiers = self._readings()
         elif self._available_now is not None:
-            frontiers = self._available_now
+            certain, frontiers = self._available_now
         else:
-            moved = any(self._flushed(n) > start.lsns.get(n, 0) for n in self.nodes)
+            certain = {n: self._flushed(n) for n in self.nodes}
+            moved = any(certain[n] > start.lsns.get(n, 0) for n in self.nodes)
             idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
             if not moved and not idle_due:
                 return start_json  # nothing new, and the resolved ts is fresh enough: no batch
@@ -206,8 +235,33 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return start_json
         for n, lsn in lsns.items():
             lsns[n] = max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), lsn, limit))
+        holds = self._distributed(start, lsns, certain, frontiers)
+        if not chunks and all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):
+            return start_json  # every new commit waits for a distributed transaction's other parts
         self._planned_at = time.monotonic()
-        return Offset(lsns, resolved_ts(start.ts, frontiers), cursor, tuple(chunks)).to_json()
+        return Offset(lsns, resolved_ts(start.ts, frontiers), cursor, tuple(chunks), holds).to_json()
+
+    def _distributed(self, start: Offset, lsns: dict[str, int], certain: dict[str, int],
+                     frontiers: dict[str, Frontier]) -> dict[str, int]:
+        """Hold and cut the windows of two-phase nodes (see core.distributed); returns the holds.
+        Moves `lsns` and `frontiers` of a node whose window was cut."""
+        windows, holds = {}, {}
+        for n in self.nodes:
+            slot, scanned = self._two_phase_of(n)
+            if not slot:
+                continue
+            holds[n] = start.lsns.get(n, 0)
+            if scanned:
+                at, node = start.release(n), self.nodes[n]
+                with self._on(n):
+                    upto = max(lsns[n], frontiers[n].lsn)  # past a window cut by a read limit
+                    events = twophase.events(self.conn(n), node.slot, node.publication, upto) if upto > at else ()
+                windows[n] = dist.NodeWindow(at, start.lsns.get(n, 0), lsns[n], certain[n], events)
+        for n, d in dist.decide(windows).items():
+            holds[n], lsns[n] = d.hold, d.end
+            if d.cut_time_us is not None:  # the window now ends before a commit at that time
+                frontiers[n] = Frontier(d.end, min(frontiers[n].clock_ms, d.cut_time_us // 1000 - 1))
+        return holds
 
     def _flushed(self, node: str) -> int:
         with self._on(node):
@@ -252,9 +306,10 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._release(Offset.from_json(end))
 
     def _release(self, end: Offset) -> None:
-        """Move each node's slot to its position in `end`; called for every poll (see
+        """Move each node's slot as far as `end` allows; called for every poll (see
         latestOffset), so a slot is asked only when its position is new."""
-        for name, lsn in end.lsns.items():
+        for name in end.lsns:
+            lsn = end.release(name)
             if lsn > self._released.get(name, 0):
                 with self._on(name):
                     src.advance(self.conn(name), self.nodes[name].slot, lsn)
@@ -290,10 +345,11 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
         with lost_connection(role):
             # The slot is at `start` already (latestOffset released it before planning); a slot
             # behind it would re-send a message that straddles `start`. Everything before `start`
-            # is committed downstream, so moving the slot there is always safe.
+            # is committed downstream, so moving the slot there is always safe. A two-phase slot
+            # stays at its hold instead: the prepared parts after it are read again.
             start, end = partition.start_lsn, partition.end_lsn
             src.reach(conn, end, ch.HEARTBEAT_PREFIX)
-            src.advance(conn, node.slot, start)
+            src.advance(conn, node.slot, start if partition.hold is None else partition.hold)
             conn.commit()
             builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,
                                     lambda rel: src.column_catalog(conn, rel), part=partition.part,
@@ -304,6 +360,8 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                 yield ch.pack(rb)
                 yield from _push_through()
                 faults.reach("read")
+            if builder.held:
+                faults.reach("held")  # crash tests: a prepared part waits for its outcome
     except po.DecodeError as e:
         e.message = (f"cannot decode the WAL of slot {node.slot} between {format_lsn(partition.start_lsn)} "
                      f"and {format_lsn(partition.end_lsn)}: {e.message}")

@@ -1,0 +1,224 @@
+"""Distributed transactions (two-phase commit over several source nodes) reach the replica whole.
+
+Node n1 is the test's database on the shared source server, n2 one on a server of this module's
+own: a gid names one prepared transaction per server, so the parts of one distributed
+transaction must be on different servers, as they are in production.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from conftest import Dbs, changefeed_cli, drop_slots, start_changefeed, wait_for
+
+from changefeed.config import FeedSpec, FeedState
+from changefeed.errors import SourceNotReady
+from changefeed.feed import run
+from changefeed.local_postgres import LocalPostgres
+
+pytestmark = pytest.mark.timeout(900)
+ACCOUNTS, BALANCE = 50, 1_000
+TOTAL = 2 * ACCOUNTS * BALANCE
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    server = LocalPostgres.start(tmp_path_factory.mktemp("pg") / "second", settings={"max_prepared_transactions": "16"})
+    yield server
+    server.stop("immediate")
+
+
+@pytest.fixture
+def nodes(dbs: Dbs, second: LocalPostgres) -> Iterator[dict[str, str]]:
+    """Two nodes on two servers, each with accounts of its own (ids node * 1000 + i)."""
+    with psycopg.connect(second.uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {dbs.name}_n2")
+    uris = {"n1": dbs.source, "n2": second.uri(f"{dbs.name}_n2")}
+    for i, uri in enumerate(uris.values(), 1):
+        with psycopg.connect(uri, autocommit=True) as c:
+            c.execute("CREATE TABLE accounts (id bigint PRIMARY KEY, balance bigint NOT NULL)")
+            c.execute("INSERT INTO accounts SELECT %s * 1000 + g, %s FROM generate_series(1, %s) g",
+                      (i, BALANCE, ACCOUNTS))
+    yield uris
+    for uri in uris.values():
+        with psycopg.connect(uri, autocommit=True) as c:
+            for (gid,) in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"):
+                c.execute(f"ROLLBACK PREPARED '{gid}'")
+    drop_slots(second.uri(), f"{dbs.name}_n2")
+
+
+def prepare(uri: str, gid: str, account: int, amount: int) -> None:
+    with psycopg.connect(uri, autocommit=True) as c:
+        c.execute("BEGIN")
+        c.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (amount, account))
+        c.execute(f"PREPARE TRANSACTION '{gid}'")
+
+
+def decide(uri: str, gid: str, how: str = "COMMIT") -> None:
+    with psycopg.connect(uri, autocommit=True) as c:
+        c.execute(f"{how} PREPARED '{gid}'")
+
+
+def balances(uri: str) -> dict[int, int]:
+    with psycopg.connect(uri) as c:
+        return dict(c.execute("SELECT id, balance FROM accounts").fetchall())  # type: ignore[arg-type]
+
+
+def union(nodes: dict[str, str]) -> dict[int, int]:
+    return {k: v for uri in nodes.values() for k, v in balances(uri).items()}
+
+
+def run_once(dbs: Dbs, nodes: dict[str, str], tmp_path: Path, **options: object) -> None:
+    spec = FeedSpec(dbs.name, "", dbs.sink, ("public.accounts",), nodes=tuple(nodes.items()),
+                    **options).validate()  # type: ignore[arg-type]
+    run(spec, FeedState(tmp_path / "state", spec.name), available_now=True, master="local[2]",
+        handle_signals=False, report=lambda s: None)
+
+
+def test_parts_wait_for_each_other_and_a_rollback_delivers_nothing(dbs: Dbs, nodes: dict[str, str], tmp_path: Path,
+                                                                   spark: object) -> None:
+    run_once(dbs, nodes, tmp_path)
+    with psycopg.connect(nodes["n1"]) as c:
+        assert c.execute("SELECT two_phase FROM pg_replication_slots WHERE database = current_database()"
+                         ).fetchone() == (True,)
+    # t1 moves 10 from n1 to n2; it is committed on n1 only, and n1 goes on with a local change after it
+    prepare(nodes["n1"], "t1", 1001, -10)
+    prepare(nodes["n2"], "t1", 2001, 10)
+    prepare(nodes["n1"], "t2", 1002, -7)  # t2 is rolled back on both
+    prepare(nodes["n2"], "t2", 2002, 7)
+    decide(nodes["n1"], "t2", "ROLLBACK")
+    decide(nodes["n2"], "t2", "ROLLBACK")
+    decide(nodes["n1"], "t1")
+    with psycopg.connect(nodes["n1"], autocommit=True) as c:
+        c.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1003")
+        c.execute("UPDATE accounts SET balance = balance + 1 WHERE id = 1004")
+    run_once(dbs, nodes, tmp_path)
+    replica = balances(dbs.sink)
+    assert sum(replica.values()) == TOTAL
+    # n1 waits before t1's commit: neither t1's part nor what n1 committed after it is applied
+    assert (replica[1001], replica[2001], replica[1003]) == (BALANCE, BALANCE, BALANCE)
+    assert (replica[1002], replica[2002]) == (BALANCE, BALANCE)
+
+    decide(nodes["n2"], "t1")
+    run_once(dbs, nodes, tmp_path)
+    replica = balances(dbs.sink)
+    assert replica == union(nodes) and sum(replica.values()) == TOTAL
+    assert (replica[1001], replica[2001], replica[1003]) == (BALANCE - 10, BALANCE + 10, BALANCE - 1)
+    with psycopg.connect(dbs.sink) as d:
+        reads = [r for (batch,) in d.execute("SELECT reads FROM changefeed.progress WHERE feed = %s ORDER BY batch_id",
+                                             (dbs.name,)) for r in batch]
+    assert reads  # every batch recorded who read it
+
+
+def test_a_pending_prepared_transaction_is_named_before_anything_is_created(dbs: Dbs, nodes: dict[str, str],
+                                                                           tmp_path: Path) -> None:
+    prepare(nodes["n2"], "stuck", 2001, 1)
+    with pytest.raises(SourceNotReady, match="source node n2: 1 prepared transaction.*'stuck'"):
+        run_once(dbs, nodes, tmp_path)
+    for uri in nodes.values():
+        with psycopg.connect(uri) as c:
+            assert c.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+                             ).fetchone() == (0,)
+
+
+def transfers(nodes: dict[str, str], stop: threading.Event, done: list[int]) -> None:
+    """Money moves between the nodes by two-phase commit (some rolled back, some decided slowly),
+    and within each node by local transactions, until `stop`."""
+    rng = random.Random(7)
+    conns = {n: psycopg.connect(uri, autocommit=True) for n, uri in nodes.items()}
+    try:
+        while not stop.is_set() or done[0] < 200:
+            done[0] += 1
+            if rng.random() < 0.5:
+                n = rng.choice(list(nodes))
+                a, b = rng.sample(range(1, ACCOUNTS + 1), 2)
+                base = 1000 if n == "n1" else 2000
+                with conns[n].transaction():
+                    conns[n].execute("UPDATE accounts SET balance = balance - 3 WHERE id = %s", (base + a,))
+                    conns[n].execute("UPDATE accounts SET balance = balance + 3 WHERE id = %s", (base + b,))
+                continue
+            gid, amount = f"x{done[0]}", rng.randrange(1, 20)
+            src, dst = rng.sample(["n1", "n2"], 2)
+            for n, delta in ((src, -amount), (dst, amount)):
+                c = conns[n]
+                c.execute("BEGIN")
+                account = (1000 if n == "n1" else 2000) + rng.randrange(1, ACCOUNTS + 1)
+                c.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (delta, account))
+                c.execute(f"PREPARE TRANSACTION '{gid}'")
+            how = "ROLLBACK" if rng.random() < 0.1 else "COMMIT"
+            for n in rng.sample(["n1", "n2"], 2):
+                conns[n].execute(f"{how} PREPARED '{gid}'")
+                time.sleep(rng.choice((0, 0, 0.01, 0.3)))  # sometimes a part waits across batches
+    finally:
+        for c in conns.values():
+            c.close()
+
+
+def sampling(uri: str, stop: threading.Event, samples: list[int]) -> None:
+    """Read the replica's total again and again (once it has the accounts)."""
+    with psycopg.connect(uri, autocommit=True) as c:
+        while not stop.is_set():
+            try:
+                row = c.execute("SELECT count(*), sum(balance) FROM accounts").fetchone()
+            except psycopg.errors.UndefinedTable:  # before the feed's first batch
+                row = None
+            if row and row[0] == 2 * ACCOUNTS:
+                samples.append(int(row[1]))
+            time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_sigkill_while_parts_are_held_keeps_every_sample_whole(dbs: Dbs, nodes: dict[str, str], tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    base = ["run", "--name", dbs.name, "--state", state, "--source", f"n1={nodes['n1']}",
+            "--source", f"n2={nodes['n2']}", "--sink", dbs.sink, "--tables", "public.accounts",
+            "--max-changes-per-batch", "40", "--master", "local[2]"]
+    first = changefeed_cli(*base, "--available-now")  # the feed exists (and has its snapshot) before the load
+    assert first.returncode == 0, first.stderr[-3000:]
+    stop, sampler_stop = threading.Event(), threading.Event()
+    done, samples = [0], []
+    writer = threading.Thread(target=transfers, args=(nodes, stop, done))
+    sampler = threading.Thread(target=sampling, args=(dbs.sink, sampler_stop, samples))
+    writer.start()
+    sampler.start()
+    try:
+        for i, env in enumerate(({"CHANGEFEED_KILL_AT": "held:2"}, {"CHANGEFEED_KILL_AT": "after_sink_commit:3"}, {})):
+            fault_dir = tmp_path / f"faults{i}"
+            fault_dir.mkdir()
+            log = tmp_path / f"run{i}.log"
+            p = start_changefeed(*base, log=log, env={**env, "CHANGEFEED_FAULT_DIR": str(fault_dir)})
+            if env:
+                assert p.wait(timeout=300) == -signal.SIGKILL, log.read_text()[-3000:]
+                assert (fault_dir / f".fault-{env['CHANGEFEED_KILL_AT'].split(':')[0]}").exists()
+            else:
+                time.sleep(8)
+                stop.set()
+                writer.join()
+                expected = union(nodes)
+                wait_for("the replica to catch up", lambda: balances(dbs.sink) == expected, log, timeout=240)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    finally:
+        stop.set()
+        writer.join()
+        sampler_stop.set()
+        sampler.join()
+    assert balances(dbs.sink) == union(nodes)
+    with psycopg.connect(dbs.sink) as d:
+        batches = d.execute("SELECT batch_id, positions, reads FROM changefeed.progress WHERE feed = %s "
+                            "ORDER BY batch_id", (dbs.name,)).fetchall()
+    batches_of: dict[str, set[int]] = {}  # gid -> the batches that delivered a part of it
+    for batch_id, _, reads in batches:
+        for r in reads:
+            for gid in r.get("gids") or ():
+                batches_of.setdefault(gid, set()).add(batch_id)
+    assert len(batches_of) > 50 and all(len(b) == 1 for b in batches_of.values()), batches_of
+    assert any(r.get("held") for _, _, reads in batches for r in reads)  # parts did wait for their partners
+    assert len(samples) > 20 and set(samples) == {TOTAL}, sorted(set(samples))  # never half a transfer
