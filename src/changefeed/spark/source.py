@@ -147,11 +147,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             src.check_slot_usable(state, node.slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[name] = state.confirmed_flush
-        holds = {n: lsn for n, lsn in lsns.items() if self._slot_two_phase(n)}
+        holds = {n: lsn for n, lsn in lsns.items() if self._two_phase_of(n)[0]}
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries), holds=holds).to_json()
-
-    def _slot_two_phase(self, node: str) -> bool:
-        return self._two_phase_of(node)[0]
 
     def _two_phase_of(self, node: str) -> tuple[bool, bool]:
         """(Whether node `node`'s slot decodes two-phase, whether the node can prepare transactions
@@ -235,6 +232,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return start_json
         for n, lsn in lsns.items():
             lsns[n] = max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), lsn, limit))
+        frontiers = dict(frontiers)  # (an AvailableNow run plans all its batches from the same ones)
         holds = self._distributed(start, lsns, certain, frontiers)
         if not chunks and all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):
             return start_json  # every new commit waits for a distributed transaction's other parts
