@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from changefeed.errors import ConfigError
-from changefeed.metrics import STATES, FeedMetrics, MetricsServer, TableSnapshot, escape_label, format_value, \
-    render, serve
+from changefeed.metrics import STATES, FeedMetrics, MetricsServer, NodeValues, TableSnapshot, escape_label, \
+    format_value, render, serve
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -153,3 +153,15 @@ def test_an_invalid_port_or_host_is_a_config_error(host: str, port: int) -> None
     with pytest.raises(ConfigError) as e:
         serve(FeedMetrics("orders"), host, port)
     assert f"{host}:{port}" in e.value.message
+
+
+def test_a_feed_of_several_nodes_reports_each_node() -> None:
+    m = FeedMetrics("orders")
+    assert "changefeed_node_" not in render(m)  # a one-node feed has none
+    m.update(nodes={"east": NodeValues(1000, 24, 1.5, 4096, True, 2), "west": NodeValues(900, 0, 0.0, 0, False, 0)})
+    text = render(m)
+    assert value(text, "changefeed_node_lag_bytes", node="east") == 24
+    assert value(text, "changefeed_node_checkpoint_lag_seconds", node="east") == 1.5
+    assert value(text, "changefeed_node_slot_active", node="west") == 0
+    assert value(text, "changefeed_node_prepared_transactions", node="east") == 2
+    assert value(text, "changefeed_node_checkpoint_lsn", node="west") == 900

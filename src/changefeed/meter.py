@@ -12,9 +12,10 @@ import psycopg
 from .config import FeedState
 from .core.hlc import physical_ms
 from .core.offsets import Offset
-from .metrics import FeedMetrics, TableSnapshot
+from .metrics import FeedMetrics, NodeValues, TableSnapshot
 from .metrics import serve as serve_metrics
 from .postgres import source as src
+from .postgres import twophase
 from .retry import read_note
 from .status import checkpoint_lag_s, counted, resolved_lag_s, retained_bytes
 
@@ -102,13 +103,21 @@ class Gauges:
         resolved, checkpoint = ledger.last_resolved_ts(), ledger.checkpoint() or {}
         retained: list[int] = []
         lags: list[float] = []
+        nodes = {}
         for node in spec.sources:  # a feed of several nodes: WAL held on all of them, the worst lag
             source = self.prepared.sources[node.name]
             current, now_ms = src.flush_lsn(source)
-            retained.append(retained_bytes(src.slot_state(source, node.slot), current) or 0)
+            slot = src.slot_state(source, node.slot)
+            retained.append(retained_bytes(slot, current) or 0)
+            position = checkpoint.get(node.name, 0)
+            lag = checkpoint_lag_s(current, now_ms, position, resolved) if resolved is not None else 0.0
             if resolved is not None:
-                lags.append(checkpoint_lag_s(current, now_ms, checkpoint.get(node.name, 0), resolved))
-        out: dict[str, Any] = {"slot_retained_wal_bytes": sum(retained)}
+                lags.append(lag)
+            if spec.multi_node:
+                nodes[node.name] = NodeValues(position, max(0, current - position) if position else 0, lag,
+                                              retained[-1], bool(slot and slot.active_pid),
+                                              len(twophase.waiting(source)))
+        out: dict[str, Any] = {"slot_retained_wal_bytes": sum(retained), "nodes": nodes}
         if resolved is not None:
             out["checkpoint_lag_seconds"] = max(lags)
             out["resolved_lag_seconds"] = resolved_lag_s(now_ms, resolved)

@@ -29,6 +29,18 @@ class TableSnapshot:
 
 
 @dataclass(frozen=True)
+class NodeValues:
+    """One source node of a feed of several nodes."""
+
+    checkpoint_lsn: int = 0
+    lag_bytes: int = 0
+    checkpoint_lag_seconds: float = 0.0
+    slot_retained_wal_bytes: int = 0
+    slot_active: bool = False
+    prepared_transactions: int = 0  # prepared there, not decided yet (their parts wait, see core.distributed)
+
+
+@dataclass(frozen=True)
 class Values:
     """The latest gauge values; None where nothing was measured yet (the sample is left out)."""
 
@@ -43,6 +55,7 @@ class Values:
     changes_total: int = 0
     batches_total: int = 0
     snapshot: Mapping[str, TableSnapshot] = field(default_factory=dict)
+    nodes: Mapping[str, NodeValues] = field(default_factory=dict)  # a feed of several nodes: per node
 
 
 class FeedMetrics:
@@ -55,8 +68,9 @@ class FeedMetrics:
 
     def update(self, **changed: Any) -> None:
         """Replace the given fields (names of `Values`), keep the others."""
-        if "snapshot" in changed:
-            changed["snapshot"] = dict(changed["snapshot"])  # the caller's dict may change later
+        for name in ("snapshot", "nodes"):
+            if name in changed:
+                changed[name] = dict(changed[name])  # the caller's dict may change later
         with self._lock:
             self._values = replace(self._values, **changed)
 
@@ -87,6 +101,17 @@ _TABLES = (
     ("changefeed_snapshot_chunks", "Snapshot chunks of the table applied to the replica.", "chunks"),
     ("changefeed_snapshot_pending", "1 while the table's existing rows are still being read, else 0.", "pending"),
 )
+_NODES = (
+    ("changefeed_node_checkpoint_lsn", "The node's WAL position the replica has applied up to.", "checkpoint_lsn"),
+    ("changefeed_node_lag_bytes", "The node's WAL past that position (0 when caught up).", "lag_bytes"),
+    ("changefeed_node_checkpoint_lag_seconds", "The node's checkpoint lag (0 when the replica has applied all its "
+     "WAL, else the age of the last applied resolved timestamp).", "checkpoint_lag_seconds"),
+    ("changefeed_node_slot_retained_wal_bytes", "WAL the node keeps for the feed's slot there.",
+     "slot_retained_wal_bytes"),
+    ("changefeed_node_slot_active", "1 while a reader holds the node's slot, else 0.", "slot_active"),
+    ("changefeed_node_prepared_transactions", "Transactions prepared on the node and not decided yet.",
+     "prepared_transactions"),
+)
 
 
 def render(metrics: FeedMetrics) -> str:
@@ -112,6 +137,9 @@ def _lines(feed: str, v: Values) -> Iterator[str]:
     tables = sorted(v.snapshot.items())
     for name, text, attr in _TABLES:
         yield from _family(name, "gauge", text, [({"feed": feed, "table": t}, int(getattr(s, attr))) for t, s in tables])
+    nodes = sorted(v.nodes.items())
+    for name, text, attr in _NODES if nodes else ():
+        yield from _family(name, "gauge", text, [({"feed": feed, "node": n}, float(getattr(s, attr))) for n, s in nodes])
 
 
 def _family(name: str, kind: str, text: str, samples: list[tuple[dict[str, str], float]]) -> Iterator[str]:

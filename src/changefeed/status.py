@@ -11,6 +11,7 @@ from .config import FeedSpec, FeedState, SourceNode
 from .core.hlc import physical_ms
 from .core.lsn import format_lsn
 from .postgres import source as src
+from .postgres import twophase
 from .errors import ConnectionFailed
 from .postgres.connect import connect, lost_connection
 from .runner_lock import run_state
@@ -34,7 +35,8 @@ class FeedStatus:
     batches: int | None
     snapshot: dict[str, dict[str, int]]  # per table (NODE:table on several nodes): chunks and rows applied
     nodes: dict[str, dict[str, object]] = field(default_factory=dict)  # a feed of several nodes: per node,
-    # slot, slot_state, slot_retained_wal_bytes, checkpoint_lsn, lag_bytes (the top level sums them)
+    # slot, slot_state, slot_retained_wal_bytes, checkpoint_lsn, lag_bytes (the top level sums them), and
+    # prepared_transactions (undecided ones: their distributed transactions wait)
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
@@ -67,6 +69,7 @@ class _NodeReading:
     now_ms: int  # its clock
     position: int | None  # where the sink's checkpoint has it
     caught_up: bool
+    waiting: list[tuple[str, float]]  # prepared transactions not decided yet: (gid, seconds since PREPARE)
 
     @property
     def lag_bytes(self) -> int:
@@ -95,7 +98,8 @@ def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
         "slot": n.slot, "slot_state": _slot_text(readings[n.name].slot),
         "slot_retained_wal_bytes": retained_bytes(readings[n.name].slot, readings[n.name].current),
         "checkpoint_lsn": format_lsn(readings[n.name].position) if readings[n.name].position else None,
-        "lag_bytes": readings[n.name].lag_bytes if last else None} for n in spec.sources}
+        "lag_bytes": readings[n.name].lag_bytes if last else None,
+        "prepared_transactions": _waiting_text(readings[n.name].waiting)} for n in spec.sources}
     one = readings[spec.sources[0].name]
     retained = [retained_bytes(r.slot, r.current) for r in readings.values()]
     return FeedStatus(
@@ -120,7 +124,17 @@ def _read_node(spec: FeedSpec, node: SourceNode, position: int | None, state: st
         caught_up = position is not None and (current <= position or (
             not state.startswith("running") and src.captured_change_after(
                 conn, node.slot, node.publication, position) is False))
-    return _NodeReading(slot, current, now_ms, position, caught_up)
+        waiting = twophase.waiting(conn) if spec.multi_node else []
+    return _NodeReading(slot, current, now_ms, position, caught_up, waiting)
+
+
+def _waiting_text(waiting: list[tuple[str, float]]) -> str:
+    """`none`, or how many prepared transactions wait for their outcome and the oldest: a part of a
+    distributed transaction holds its node's slot, and its committed partners wait, until then."""
+    if not waiting:
+        return "none"
+    gid, age = waiting[0]
+    return f"{len(waiting)}, oldest {gid!r} prepared {age:.0f}s ago"
 
 
 def _nodes_text(readings: dict[str, _NodeReading]) -> str:

@@ -43,7 +43,7 @@ class Offset:
 
     def release(self, node: str) -> int:
         """How far node `node`'s slot may move once the batch up to here is committed downstream."""
-        return self.holds.get(node, self.lsns[node])
+        return self.holds.get(node, self.lsns.get(node, 0))
 
     @property
     def lsn(self) -> int:

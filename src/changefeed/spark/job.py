@@ -11,7 +11,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ..config import FeedSpec, FeedState
 from ..sinks.registry import KAFKA, ledger_path, sink_kind
-from . import jvm_archive, spark_log
+from . import jvm_archive, shipping, spark_log
 from .spark_home import use_linked_home
 
 
@@ -24,7 +24,8 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     everything the JVM starts (Spark's Python workers, their tracebacks): the console keeps
     changefeed's own lines, and a failure is reported once, as its typed error."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if not shipping.needs_shipping(master):  # on a cluster the workers must reach the driver: Spark's choice
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     use_linked_home()
     if java_options is None:
@@ -51,6 +52,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
         SparkContext(conf=conf, gateway=spark_log.launch_gateway(conf, log))
     spark = SparkSession.builder.config(conf=conf).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "ERROR"))
+    shipping.ship(spark, master)  # before the data sources are registered: they take the includes along
     spark.dataSource.register(ChangefeedSource)
     spark.dataSource.register(PostgresReplicaSink)
     spark.dataSource.register(WebhookSink)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pyspark import TaskContext
@@ -199,6 +201,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         cursor = start.cursor
         if self.requests is not None:
             for no, tables in self.requests.after(cursor.requests):
+                if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables):
+                    break  # a node added since this query started: its next query takes the request in
                 cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
@@ -208,7 +212,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         # Spark plans a batch only once the previous one is committed downstream, so `start` is
         # safe to release now (Spark's own `commit(start)` comes later): the cut below then
         # decodes only the new window.
-        start = Offset.from_json(start_json)
+        start = self._joined(Offset.from_json(start_json))
         self._release(start)
         if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
             limit = self.getDefaultReadLimit()
@@ -238,6 +242,22 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return start_json  # every new commit waits for a distributed transaction's other parts
         self._planned_at = time.monotonic()
         return Offset(lsns, resolved_ts(start.ts, frontiers), cursor, tuple(chunks), holds).to_json()
+
+    def _joined(self, start: Offset) -> Offset:
+        """`start` with a node added to the feed since (see lifecycle.add_node) at its slot's position."""
+        new = [n for n in self.nodes if n not in start.lsns]
+        if not new:
+            return start
+        lsns, holds = dict(start.lsns), dict(start.holds)
+        for n in new:
+            with self._on(n):
+                state = src.slot_state(self.conn(n), self.nodes[n].slot)
+            src.check_slot_usable(state, self.nodes[n].slot, None, self.feed)
+            assert state is not None and state.confirmed_flush is not None
+            lsns[n] = state.confirmed_flush
+            if self._two_phase_of(n)[0]:
+                holds[n] = state.confirmed_flush
+        return replace(start, lsns=lsns, holds=holds)
 
     def _distributed(self, start: Offset, lsns: dict[str, int], certain: dict[str, int],
                      frontiers: dict[str, Frontier]) -> dict[str, int]:
@@ -280,11 +300,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
         start, end = Offset.from_json(start_json), Offset.from_json(end_json)
+        # (a batch planned before a node was removed from the feed is replayed without that node)
         parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node)
-                                       for n in sorted(end.lsns) if end.lsns[n] > start.lsns.get(n, 0)]
+                                       for n in sorted(end.lsns) if end.lsns[n] > start.lsns.get(n, 0)
+                                       and n in self.nodes]
         for c in end.chunks:
-            node = self.nodes[snapshot.node_of(c.table, DEFAULT_NODE)[0]]
-            parts.append(ChunkPartition(node, c, start, end, self.rows_per_batch, self.multi_node))
+            node = snapshot.node_of(c.table, DEFAULT_NODE)[0]
+            if node in self.nodes:
+                parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
         return parts
@@ -306,7 +329,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def _release(self, end: Offset) -> None:
         """Move each node's slot as far as `end` allows; called for every poll (see
         latestOffset), so a slot is asked only when its position is new."""
-        for name in end.lsns:
+        for name in end.lsns.keys() & self.nodes.keys():
             lsn = end.release(name)
             if lsn > self._released.get(name, 0):
                 with self._on(name):
@@ -327,9 +350,11 @@ def _push_through() -> list[Any]:
 
 
 def reader(began: float) -> dict[str, Any]:
-    """Which Spark task reads a partition (its attempt id, the Python worker's pid), from when."""
+    """Which Spark task reads a partition (its attempt id; the Python worker's host, pid and
+    working directory, which on a cluster is its executor's own), from when."""
     task = TaskContext.get()
-    return {"task": task.taskAttemptId() if task else None, "pid": os.getpid(), "began": began}
+    return {"task": task.taskAttemptId() if task else None, "host": socket.gethostname(), "pid": os.getpid(),
+            "cwd": os.getcwd(), "began": began}
 
 
 def _read_window(partition: WindowPartition) -> Iterator[Any]:
