@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_size, parse_sources, parse_tables
+from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_node, parse_size, parse_sources, parse_tables
 from .core.envelope import FORMATS
 from .errors import ChangefeedError, ConfigError
 
@@ -144,12 +144,25 @@ def _stored(args: argparse.Namespace) -> tuple[FeedSpec, FeedState]:
 
 
 def cmd_alter(args: argparse.Namespace) -> int:
-    from .lifecycle import add_tables
+    from .lifecycle import add_node, add_tables, remove_node
 
     spec, state = _stored(args)
-    grown = add_tables(spec, state, parse_tables(args.add_tables), snapshot=not args.no_snapshot)
-    print(f"feed {spec.name} now captures {', '.join(grown.tables)}"
-          + ("" if args.no_snapshot else "; the new tables' existing rows follow (snapshot requested)"))
+    if sum(map(bool, (args.add_tables, args.add_node, args.remove_node))) != 1:
+        raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node", "run one alter per change")
+    if args.add_tables:
+        grown = add_tables(spec, state, parse_tables(args.add_tables), snapshot=not args.no_snapshot)
+        print(f"feed {spec.name} now captures {', '.join(grown.tables)}"
+              + ("" if args.no_snapshot else "; the new tables' existing rows follow (snapshot requested)"))
+    elif args.add_node:
+        name, uri = parse_node(args.add_node, len(spec.sources) + 1)
+        grown = add_node(spec, state, name, uri)
+        print(f"feed {spec.name} now reads nodes {', '.join(n.name for n in grown.sources)}; node {name}'s "
+              "existing rows follow, then its changes (a running feed restarts its query to read it)")
+    else:
+        shrunk, gone = remove_node(spec, state, args.remove_node)
+        print(f"feed {spec.name} now reads nodes {', '.join(n.name for n in shrunk.sources)}; dropped "
+              f"{', '.join(gone) or 'nothing (node ' + args.remove_node + ' had no slot or publication)'}; "
+              "its rows stay on the replica")
     return 0
 
 
@@ -287,10 +300,13 @@ def parser() -> argparse.ArgumentParser:
     _running_args(resume)
     resume.set_defaults(func=cmd_resume)
 
-    alter = sub.add_parser("alter", help="add tables to a feed, running or not; their existing rows follow")
+    alter = sub.add_parser("alter", help="add tables or source nodes to a feed, running or not (their existing "
+                           "rows follow), or remove a node from a stopped one")
     alter.add_argument("--name", required=True)
     alter.add_argument("--state", default=DEFAULT_STATE)
-    alter.add_argument("--add-tables", required=True, help="comma-separated schema.table list")
+    alter.add_argument("--add-tables", help="comma-separated schema.table list")
+    alter.add_argument("--add-node", help="NAME=URI of one more source node (a feed of named nodes)")
+    alter.add_argument("--remove-node", help="NAME of a node to stop reading: its slot and publication are dropped")
     alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
     alter.set_defaults(func=cmd_alter)
 

@@ -161,13 +161,9 @@ class FeedSpec:
                 shown = twice[0] if what == "name" else "a URI"
                 raise ConfigError(f"two nodes have the same {what} ({shown})", "name each node once, each with "
                                   "its own server or database")
-        if self.multi_node:
-            from .sinks.registry import REPLICA, sink_kind
-
-            if sink_kind(self.sink) is not REPLICA:
-                raise ConfigError("a feed with named nodes (--source NAME=URI) delivers to a PostgreSQL replica "
-                                  "(this version)",
-                                  "use a postgresql:// --sink, or one feed per node for Kafka or a webhook")
+        if self.multi_node and self.outbox:
+            raise ConfigError("a feed with named nodes (--source NAME=URI) has no --outbox (this version)",
+                              "run one feed per node for its outbox events")
 
     def _validate_outbox(self) -> None:
         from .sinks.registry import sink_kind
@@ -206,14 +202,17 @@ class FeedSpec:
 def parse_sources(given: list[str]) -> tuple[str, tuple[tuple[str, str], ...]]:
     """`--source` values (`URI` or `NAME=URI`, in order) -> FeedSpec's (source, nodes): one
     unnamed or n1 URI is a plain `source`; unnamed nodes are n1, n2, ... by position."""
-    pairs = []
-    for i, text in enumerate(given, 1):
-        name, sep, uri = text.partition("=")
-        named = bool(sep) and "://" not in name and "/" not in name
-        pairs.append((name.strip(), uri.strip()) if named else (f"n{i}", text.strip()))
+    pairs = [parse_node(text, i) for i, text in enumerate(given, 1)]
     if len(pairs) == 1 and pairs[0][0] == DEFAULT_NODE:
         return pairs[0][1], ()
     return "", tuple(pairs)
+
+
+def parse_node(text: str, position: int) -> tuple[str, str]:
+    """One `--source` value -> (name, URI); unnamed, the node at `position` (1-based) is n<position>."""
+    name, sep, uri = text.partition("=")
+    named = bool(sep) and "://" not in name and "/" not in name
+    return (name.strip(), uri.strip()) if named else (f"n{position}", text.strip())
 
 
 def parse_tables(text: str) -> tuple[str, ...]:

@@ -122,6 +122,28 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
         return _Checked(node, conn, tables, slot)
 
 
+def add_source(spec: FeedSpec, node: SourceNode, report: Callable[[str], None] = print) -> None:
+    """Check node `node` of `spec` (the grown feed) as `attach` checks every node, its tables'
+    keys against the feed's first node, then create its publication and slot (both dropped again
+    if the slot fails). Works while the feed runs: its runner holds the other nodes."""
+    with ExitStack() as stack:
+        checked = _check_node(spec, node, stack, report)
+        first = spec.sources[0]
+        with _about(spec, first):
+            conn = stack.enter_context(connect(first.uri, spec.role(first.name)))
+            _check_same_tables(spec, [_Checked(first, conn, src.describe_tables(conn, list(spec.tables)), None),
+                                      checked])
+        created = [(checked, False, False)]
+        try:
+            with _about(spec, node):
+                created[0] = (checked, src.ensure_publication(checked.conn, node.publication, checked.tables), False)
+                if checked.slot is None:
+                    src.create_slot(checked.conn, node.slot, two_phase=True)
+        except Exception:
+            _undo(spec, created)
+            raise
+
+
 def _check_same_tables(spec: FeedSpec, checked: list[_Checked]) -> None:
     """Every node must have the same key columns for each table: their rows go to one target."""
     first = checked[0]
@@ -241,6 +263,11 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 _run_query(prepared, spark, meter, metrics, stop, retry, attempt, report,
                            available_now=available_now, report_every_s=report_every_s)
                 break
+            except NodesChanged as e:
+                spec, prepared, fault = e.spec, None, None
+                attempt.close()
+                report(f"feed {spec.name}: its nodes are now {', '.join(n.name for n in spec.sources)}: "
+                       "restarting the query to read them")
             except TransientError as e:
                 prepared, fault = None, e
             except ChangefeedError as e:
@@ -249,6 +276,14 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
+
+
+class NodesChanged(Exception):
+    """The feed's stored nodes differ from the running query's: start again with `spec`."""
+
+    def __init__(self, spec: FeedSpec) -> None:
+        super().__init__(f"nodes changed to {[n.name for n in spec.sources]}")
+        self.spec = spec
 
 
 def _wait_out(fault: TransientError, retry: Retry, spec: FeedSpec, state: FeedState, attempt: ExitStack,
@@ -305,6 +340,9 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                 if state.paused:
                     report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
+                stored = state.load()
+                if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
+                    raise NodesChanged(stored)
                 if query.isActive and parallel != _parallel_reads(spec, state):
                     parallel = not parallel
                     report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read them "

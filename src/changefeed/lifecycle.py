@@ -16,9 +16,10 @@ from pathlib import Path
 from psycopg import sql
 
 from .config import FeedSpec, FeedState
+from .core import snapshot
 from .core.requests import SnapshotRequests
 from .errors import ConfigError, FeedBusy
-from .feed import prepare
+from .feed import add_source, prepare
 from .postgres import source as src
 from .postgres.connect import connect, redact
 from .runner_lock import holder, run_state
@@ -112,6 +113,52 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
     if snapshot:
         SnapshotRequests(state.requests).add(new)
     return grown
+
+
+def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
+    """Add source node `name` at `uri` to a feed of several nodes, running or not: check it, create
+    its publication and slot, store it, and ask for its existing rows (a running feed restarts
+    its query to read the node; see feed.run)."""
+    if not spec.multi_node:
+        raise ConfigError(f"feed {spec.name} reads one unnamed source: it cannot take more nodes",
+                          "create the feed with named nodes (--source NAME=URI ...), which may be one")
+    grown = FeedSpec(**{**spec.__dict__, "nodes": spec.nodes + ((name, uri),)}).validate()
+    node = next(n for n in grown.sources if n.name == name)
+    add_source(grown, node)
+    state.save(grown)
+    if spec.snapshot != "never":
+        SnapshotRequests(state.requests).add([snapshot.on_node(name, t) for t in spec.tables])
+    return grown
+
+
+def remove_node(spec: FeedSpec, state: FeedState, name: str) -> tuple[FeedSpec, list[str]]:
+    """Take node `name` out of a stopped feed and drop its slot and publication there; its rows
+    on the replica stay. Returns the feed and what went."""
+    if name not in [n.name for n in spec.sources]:
+        raise ConfigError(f"feed {spec.name} has no node {name}",
+                          f"its nodes: {', '.join(n.name for n in spec.sources)}")
+    if len(spec.sources) == 1:
+        raise ConfigError(f"node {name} is the feed's only node", "remove the feed instead (changefeed remove)")
+    who = holder(state)
+    if who:
+        raise FeedBusy(f"feed {spec.name} is running: held by {who}", "stop it (or pause it) first")
+    shrunk = FeedSpec(**{**spec.__dict__, "nodes": tuple(p for p in spec.nodes if p[0] != name)}).validate()
+    node = next(n for n in spec.sources if n.name == name)
+    gone = []
+    with connect(node.uri, spec.role(name)) as conn:
+        src.lock_feed(conn, spec.name)
+        slot = src.slot_state(conn, node.slot)
+        if slot is not None and slot.active_pid:
+            raise FeedBusy(f"replication slot {node.slot} is in use by backend pid {slot.active_pid}",
+                           "stop whatever reads it first")
+        state.save(shrunk)  # before anything is dropped: a crash leaves a slot behind, never a node without one
+        if slot is not None:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
+            gone.append(f"slot {node.slot}")
+        if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
+            conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
+            gone.append(f"publication {node.publication}")
+    return shrunk, gone
 
 
 def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) -> int:

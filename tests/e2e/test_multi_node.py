@@ -6,13 +6,23 @@ between servers (their clocks, their failures) is tested with servers of their o
 from __future__ import annotations
 
 import random
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Dbs, drop_slots, fingerprint, writing
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    drop_slots,
+    fingerprint,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 from changefeed.config import FeedSpec, FeedState
 from changefeed.errors import ConnectionFailed, SourceNotReady
@@ -183,3 +193,50 @@ def test_one_node_with_a_name_of_its_own(dbs: Dbs, tmp_path: Path, spark: object
     assert slots(dbs.source) == [f"changefeed_{dbs.name}_main"]
     shown = status(spec, FeedState(tmp_path / "state", spec.name))
     assert list(shown.nodes) == ["main"] and shown.nodes["main"]["lag_bytes"] == 0, shown
+
+
+def test_a_node_added_to_a_running_feed_and_removed_from_a_stopped_one(dbs: Dbs, nodes: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+    state = str(tmp_path / "state")
+    first_two = [a for n in ("n1", "n2") for a in ("--source", f"{n}={nodes[n]}")]
+    log = tmp_path / "run.log"
+    p = start_changefeed("run", "--name", dbs.name, "--state", state, *first_two, "--sink", dbs.sink,
+                         "--tables", ",".join(TABLES), "--master", "local[2]", log=log)
+    try:
+        def replica(table: str) -> list[tuple[object, ...]]:
+            with psycopg.connect(dbs.sink) as c:
+                if not c.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()[0]:  # type: ignore[index]
+                    return []  # before the feed's first batch
+                return sorted(c.execute(f"SELECT * FROM {table}"), key=repr)
+
+        two = {n: nodes[n] for n in ("n1", "n2")}
+        wait_for("the first two nodes' rows", lambda: replica("public.accounts") == union(two, "public.accounts"), log)
+        added = changefeed_cli("alter", "--name", dbs.name, "--state", state, "--add-node", f"n3={nodes['n3']}")
+        assert added.returncode == 0, added.stderr
+        assert "now reads nodes n1, n2, n3" in added.stdout
+        written = [0]
+        with writing(transfers(3), nodes["n3"], written):
+            pass
+        wait_for("node n3's rows and changes", lambda: all(replica(t) == union(nodes, t) for t in TABLES), log)
+        assert "restarting the query to read them" in log.read_text()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert_no_traceback(log.read_text())
+    assert slots(nodes["n3"]) == [f"changefeed_{dbs.name}_n3"]
+
+    busy = changefeed_cli("alter", "--name", dbs.name, "--state", state, "--remove-node", "n9")
+    assert busy.returncode != 0 and "has no node n9" in busy.stderr
+    removed = changefeed_cli("alter", "--name", dbs.name, "--state", state, "--remove-node", "n3")
+    assert removed.returncode == 0, removed.stderr
+    assert slots(nodes["n3"]) == [] and "slot changefeed_" in removed.stdout
+    with psycopg.connect(nodes["n3"], autocommit=True) as c:
+        c.execute("INSERT INTO events VALUES ('n3', -1, 'after removal')")
+    with psycopg.connect(nodes["n1"], autocommit=True) as c:
+        c.execute("INSERT INTO events VALUES ('n1', -1, 'after removal')")
+    again = changefeed_cli("run", "--name", dbs.name, "--state", state, "--available-now", "--master", "local[2]")
+    assert again.returncode == 0, again.stderr[-3000:]
+    with psycopg.connect(dbs.sink) as c:
+        assert c.execute("SELECT node FROM events WHERE id = -1").fetchall() == [("n1",)]

@@ -39,10 +39,10 @@ def node_of(entry: str, default: str) -> tuple[str, str]:
 
 def entries(tables: Sequence[str], nodes: Sequence[str]) -> tuple[str, ...]:
     """What to snapshot of `tables`: the tables themselves on a one-node feed, else each on each
-    node, table by table."""
+    node, table by table (an entry that names its node already, `NODE:table`, stays as it is)."""
     if classic(nodes):
         return tuple(tables)
-    return tuple(on_node(n, t) for t in tables for n in nodes)
+    return tuple(e for t in tables for e in ([t] if node_of(t, "")[0] else [on_node(n, t) for n in nodes]))
 
 
 @dataclass(frozen=True)
