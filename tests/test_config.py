@@ -99,8 +99,15 @@ def test_nodes_round_trip_through_feed_json(tmp_path: Path) -> None:
     ((("n1", A), ("n2", A)), "postgresql://r/db", "same URI"),
     ((("N-1", A),), "postgresql://r/db", "node name 'N-1'"),
     ((("n1", A), ("n2", "mysql://x")), "postgresql://r/db", "--source n2 must be a postgresql"),
-    ((("n1", A), ("n2", B)), "kafka://k:9092", "PostgreSQL replica"),
 ])
 def test_bad_nodes_are_refused(nodes: tuple[tuple[str, str], ...], sink: str, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         FeedSpec("f", "", sink, ("public.t",), nodes=nodes).validate()
+
+
+def test_nodes_deliver_to_every_sink_but_have_no_outbox() -> None:
+    nodes = (("n1", A), ("n2", B))
+    for sink in ("kafka://k:9092", "webhook-https://h/p", "postgresql://r/db"):
+        assert FeedSpec("f", "", sink, ("public.t",), nodes=nodes).validate().multi_node
+    with pytest.raises(ConfigError, match="no --outbox"):
+        FeedSpec("f", "", KAFKA, ("public.t",), nodes=nodes, outbox="public.outbox").validate()

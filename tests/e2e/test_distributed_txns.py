@@ -6,21 +6,32 @@ transaction must be on different servers, as they are in production.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, drop_slots, start_changefeed, wait_for
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    drop_slots,
+    start_changefeed,
+    wait_for,
+)
 
 from changefeed.config import FeedSpec, FeedState
 from changefeed.errors import SourceNotReady
 from changefeed.feed import run
+from changefeed.local_kafka import LocalKafka, committed, read_partition
 from changefeed.local_postgres import LocalPostgres
 
 pytestmark = pytest.mark.timeout(900)
@@ -75,8 +86,8 @@ def union(nodes: dict[str, str]) -> dict[int, int]:
     return {k: v for uri in nodes.values() for k, v in balances(uri).items()}
 
 
-def run_once(dbs: Dbs, nodes: dict[str, str], tmp_path: Path, **options: object) -> None:
-    spec = FeedSpec(dbs.name, "", dbs.sink, ("public.accounts",), nodes=tuple(nodes.items()),
+def run_once(dbs: Dbs, nodes: dict[str, str], tmp_path: Path, sink: str | None = None, **options: object) -> None:
+    spec = FeedSpec(dbs.name, "", sink or dbs.sink, ("public.accounts",), nodes=tuple(nodes.items()),
                     **options).validate()  # type: ignore[arg-type]
     run(spec, FeedState(tmp_path / "state", spec.name), available_now=True, master="local[2]",
         handle_signals=False, report=lambda s: None)
@@ -115,6 +126,33 @@ def test_parts_wait_for_each_other_and_a_rollback_delivers_nothing(dbs: Dbs, nod
         reads = [r for (batch,) in d.execute("SELECT reads FROM changefeed.progress WHERE feed = %s ORDER BY batch_id",
                                              (dbs.name,)) for r in batch]
     assert reads  # every batch recorded who read it
+
+
+def test_kafka_gets_a_distributed_transaction_in_one_batch_with_one_commit_ts(
+        dbs: Dbs, nodes: dict[str, str], tmp_path: Path, kafka: LocalKafka, spark: object) -> None:
+    prefix = f"k{uuid.uuid4().hex[:8]}."
+    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic=progress-{prefix}&topic_partitions=1"
+    run_once(dbs, nodes, tmp_path, sink)  # the snapshot
+
+    def changes() -> list[dict[str, Any]]:
+        return [json.loads(r.value) for r in committed(read_partition(kafka.bootstrap, f"{prefix}public.accounts",
+                                                                      timeout=60))
+                if r.value and json.loads(r.value).get("op") != "r"]
+
+    prepare(nodes["n1"], "k1", 1001, -5)
+    prepare(nodes["n2"], "k1", 2001, 5)
+    prepare(nodes["n1"], "k2", 1002, -5)
+    prepare(nodes["n2"], "k2", 2002, 5)
+    decide(nodes["n1"], "k2", "ROLLBACK")
+    decide(nodes["n2"], "k2", "ROLLBACK")
+    decide(nodes["n1"], "k1")
+    run_once(dbs, nodes, tmp_path, sink)
+    assert changes() == []  # k1 waits for its part on n2; k2 sends nothing
+    decide(nodes["n2"], "k1")
+    run_once(dbs, nodes, tmp_path, sink)
+    got = changes()
+    assert sorted((c["after"]["id"], c["after"]["balance"]) for c in got) == [(1001, BALANCE - 5), (2001, BALANCE + 5)]
+    assert len({c["updated"] for c in got}) == 1  # one commit timestamp for the whole transaction
 
 
 def test_a_pending_prepared_transaction_is_named_before_anything_is_created(dbs: Dbs, nodes: dict[str, str],
@@ -222,3 +260,63 @@ def test_sigkill_while_parts_are_held_keeps_every_sample_whole(dbs: Dbs, nodes: 
     assert len(batches_of) > 50 and all(len(b) == 1 for b in batches_of.values()), batches_of
     assert any(r.get("held") for _, _, reads in batches for r in reads)  # parts did wait for their partners
     assert len(samples) > 20 and set(samples) == {TOTAL}, sorted(set(samples))  # never half a transfer
+
+
+def local_transfers(nodes: dict[str, str], stop: threading.Event, done: list[int]) -> None:
+    """Transfers within each node, riding out a node that is down (its transfers wait)."""
+    rng = random.Random(11)
+    while not stop.is_set():
+        n = rng.choice(list(nodes))
+        base = 1000 if n == "n1" else 2000
+        a, b = rng.sample(range(1, ACCOUNTS + 1), 2)
+        try:
+            with psycopg.connect(nodes[n], autocommit=True, connect_timeout=2) as c, c.transaction():
+                c.execute("UPDATE accounts SET balance = balance - 2 WHERE id = %s", (base + a,))
+                c.execute("UPDATE accounts SET balance = balance + 2 WHERE id = %s", (base + b,))
+            done[0] += 1
+        except psycopg.OperationalError:
+            time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_node_down_for_20_s_stalls_the_feed_which_then_catches_up(dbs: Dbs, nodes: dict[str, str],
+                                                                    second: LocalPostgres, tmp_path: Path) -> None:
+    state = str(tmp_path / "state")
+    base = ["--name", dbs.name, "--state", state]
+    log = tmp_path / "run.log"
+    p = start_changefeed("run", *base, "--source", f"n1={nodes['n1']}", "--source", f"n2={nodes['n2']}",
+                         "--sink", dbs.sink, "--tables", "public.accounts", "--master", "local[2]",
+                         "--retry-max-backoff", "2s", log=log)
+    stop, done = threading.Event(), [0]
+    writer = threading.Thread(target=local_transfers, args=(nodes, stop, done))
+    try:
+        wait_for("the snapshot", lambda: _has_accounts(dbs.sink) and len(balances(dbs.sink)) == 2 * ACCOUNTS, log)
+        writer.start()
+        time.sleep(3)
+        second.stop("immediate")
+        time.sleep(10)
+        shown = changefeed_cli("status", *base)
+        assert "source node n2" in shown.stdout + shown.stderr, shown.stdout + shown.stderr
+        time.sleep(10)
+        assert p.poll() is None, log.read_text()[-3000:]  # it waits, it does not give up or skip the node
+        LocalPostgres.start(second.datadir, port=second.port, settings={"max_prepared_transactions": "16"})
+        time.sleep(3)
+        stop.set()
+        writer.join()
+        expected = union(nodes)
+        wait_for("the replica to catch up", lambda: balances(dbs.sink) == expected, log, timeout=240)
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=120)
+    text = log.read_text()
+    assert "source node n2" in text and "carrying on" in text, text[-3000:]
+    assert_no_traceback(text)
+    assert sum(balances(dbs.sink).values()) == TOTAL and done[0] > 50
+
+
+def _has_accounts(uri: str) -> bool:
+    with psycopg.connect(uri) as c:
+        return c.execute("SELECT to_regclass('public.accounts') IS NOT NULL").fetchone()[0]  # type: ignore[index]

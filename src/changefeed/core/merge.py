@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import IncompleteBatch
+from ..errors import IncompleteBatch, UnfollowableChange
 from . import change as ch
 
 
@@ -62,11 +62,12 @@ def split(batches: Iterable[Any]) -> list[Part]:
     return parts
 
 
-def ordered(parts: list[Part]) -> Any:
+def ordered(parts: list[Part], renumber: bool = True) -> Any:
     """All data and `R` rows of `parts` as one table in the feed's order (see the module doc).
 
-    Its `lsn` column holds each row's position in that order and `seq` is 0: a sink that orders
-    rows by (lsn, seq), as the replica's merge does, orders them so."""
+    With `renumber`, its `lsn` column holds each row's position in that order and `seq` is 0: a
+    sink that orders rows by (lsn, seq), as the replica's merge does, orders them so. Without it,
+    rows keep their nodes' LSNs (what a message sink shows its consumers)."""
     tables, keys, nodes = [], [], []
     labels = _latest(parts)
     for part in parts:
@@ -89,6 +90,8 @@ def ordered(parts: list[Part]) -> Any:
     order = pc.sort_indices(sort, sort_keys=[("ts", "ascending"), ("node", "ascending"), ("lsn", "ascending"),
                                              ("pos", "ascending")])
     out = table.take(order)
+    if not renumber:
+        return out
     out = out.set_column(out.schema.get_field_index("lsn"), "lsn", pa.array(np.arange(n, dtype=np.int64)))
     return out.set_column(out.schema.get_field_index("seq"), "seq", pa.array(np.zeros(n, np.int32)))
 
@@ -126,3 +129,18 @@ def _label(t: Any, gids: dict[str, int], labels: dict[str, tuple[int, int]]) -> 
         t = t.set_column(t.schema.get_field_index(name), name,
                          pc.if_else(pa.array(mask), pa.array(values), t.column(name).combine_chunks()))
     return t
+
+
+def refuse_truncate(parts: list[Part]) -> None:
+    """A TRUNCATE on one node empties only that node's share of the table, which one target table
+    (or one topic) cannot tell from the others' rows: stop before delivering anything of the batch."""
+    for part in parts:
+        for rb in part.rows:
+            hit = pc.index(rb.column("op"), "t").as_py()
+            if hit >= 0:
+                table = f"{rb.column('schema')[hit].as_py()}.{rb.column('table')[hit].as_py()}"
+                raise UnfollowableChange(
+                    f"TRUNCATE of {table} on source node {part.progress.node}: the sink holds the rows of every "
+                    "node of the table together and cannot tell which were that node's, so nothing of this batch "
+                    "is delivered", f"truncate {table} on every node and on the sink, then changefeed snapshot "
+                    f"--tables {table}; or delete the rows instead of TRUNCATE")

@@ -14,7 +14,6 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource
 
 from .. import faults
-from ..core import change as ch
 from ..core.envelope import resolved
 from ..errors import SinkError, carried
 from ..sinks.kafka import KafkaOptions
@@ -58,12 +57,11 @@ class KafkaStreamWriter(MessageWriter):
         if done is not None:  # committed before a crash: Spark replays it, Kafka has it
             return Delivered(done.progress, began, time.time())
         try:
-            for packed in iterator:
-                for rb in ch.unpack(packed):
-                    for message in stream.messages(rb):
-                        out.send(message.topic, message.record)
-                        if out.sent % 1000 == 0:
-                            faults.reach("sink_write")  # crash tests: in the middle of a transaction
+            for rb in self.batches(iterator):
+                for message in stream.messages(rb):
+                    out.send(message.topic, message.record)
+                    if out.sent % 1000 == 0:
+                        faults.reach("sink_write")  # crash tests: in the middle of a transaction
             progress = stream.progress()
             if opts.emit_resolved:
                 out.resolved([t for t in o["topics"].split(",") if t], resolved(progress.resolved_ts))

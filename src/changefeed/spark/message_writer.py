@@ -6,6 +6,9 @@ and only after that does Spark record the batch as done and the source release i
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 
 from ..core import change as ch
@@ -25,6 +28,22 @@ class MessageWriter(DataSourceStreamArrowWriter):
 
     def __init__(self, options: dict[str, str]) -> None:
         self.options = options
+
+    def batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The batch's record batches in the feed's order: as they come on a one-node feed; on a
+        feed of several nodes all read first and put in one order (core.merge: a distributed
+        transaction's parts in this one batch, with one commit timestamp), their `P` rows last."""
+        unpacked = (rb for packed in iterator for rb in ch.unpack(packed))
+        if self.options.get("multi_node") != "true":
+            yield from unpacked
+            return
+        from ..core import merge
+
+        parts = merge.split(unpacked)
+        merge.refuse_truncate(parts)
+        yield from merge.ordered(parts, renumber=False).to_batches(max_chunksize=65536)
+        for p in parts:
+            yield ch.progress_batch(p.progress)
 
     def formatter(self) -> Formatter:
         o = self.options

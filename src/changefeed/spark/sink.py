@@ -21,7 +21,7 @@ from pyspark import TaskContext
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
 from ..core import change as ch
-from ..errors import SinkError, UnfollowableChange, carried
+from ..errors import SinkError, carried
 
 if TYPE_CHECKING:
     from ..sinks import postgres_replica as replica
@@ -82,7 +82,7 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                 applier.begin()
                 try:
                     if not applier.covers(progress):  # a batch applied before adds nothing
-                        _refuse_truncate(parts)
+                        merge.refuse_truncate(parts)
                         for rb in merge.ordered(parts).to_batches(max_chunksize=65536):
                             applier.add(rb)
                     for p in parts:
@@ -134,21 +134,3 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                 applier.rollback()
                 raise failed[0]
             return AppliedMessage(applier.commit())
-
-
-def _refuse_truncate(parts: list[Any]) -> None:
-    """A TRUNCATE on one node empties only that node's share of the table, which the replica's one
-    table cannot tell from the others' rows: stop before applying anything of the batch."""
-    import pyarrow.compute as pc
-
-    for part in parts:
-        for rb in part.rows:
-            ops = rb.column("op")
-            hit = pc.index(ops, "t").as_py()
-            if hit >= 0:
-                table = f"{rb.column('schema')[hit].as_py()}.{rb.column('table')[hit].as_py()}"
-                raise UnfollowableChange(
-                    f"TRUNCATE of {table} on source node {part.progress.node}: the replica holds the rows of "
-                    "every node in one table and cannot tell which were that node's, so nothing of this batch "
-                    "is applied", f"truncate {table} on every node and on the replica, then changefeed snapshot "
-                    f"--tables {table}; or delete the rows instead of TRUNCATE")

@@ -14,7 +14,6 @@ from typing import Any
 
 from pyspark.sql.datasource import DataSource
 
-from ..core import change as ch
 from ..core.outbox import OutboxEvent
 from ..errors import carried
 from ..sinks.messages import MessageStream, outbox_spec
@@ -46,12 +45,11 @@ class WebhookStreamWriter(MessageWriter):
         client = WebhookClient(opts)
         try:
             out = WebhookBatch(client, opts, o["feed"], batch_id())
-            for packed in iterator:
-                for rb in ch.unpack(packed):
-                    for message in stream.messages(rb):
-                        if message.record.value is None:
-                            continue  # a tombstone is for Kafka's log compaction
-                        (out.add_text if text and not message.event else out.add)(message.record.value)
+            for rb in self.batches(iterator):
+                for message in stream.messages(rb):
+                    if message.record.value is None:
+                        continue  # a tombstone is for Kafka's log compaction
+                    (out.add_text if text and not message.event else out.add)(message.record.value)
             out.flush()
             progress = stream.progress()
             if opts.emit_resolved:
