@@ -362,7 +362,7 @@ def bench_args(ap: argparse.ArgumentParser, kept: str, feed_arg_example: str) ->
 
 
 def bench_setup(ap: argparse.ArgumentParser, workdir: str | None, keep: bool, prefix: str,
-                servers: tuple[str, ...]) -> tuple[Path, bool, list[LocalPostgres]]:
+                servers: tuple[str, ...], settings: dict[str, str] | None = None) -> tuple[Path, bool, list[LocalPostgres]]:
     """The work directory (--workdir, else a temp dir removed at exit unless --keep) with a logs
     folder, fresh PostgreSQL servers named `servers` in it, and the clean-up at exit (feed
     processes, servers, work directory). Returns (work, removed at exit, servers)."""
@@ -394,7 +394,7 @@ def bench_setup(ap: argparse.ArgumentParser, workdir: str | None, keep: bool, pr
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log(f"work directory {work}{' (removed at exit)' if remove_work else ''}")
     for name in servers:
-        started.append(LocalPostgres.start(work / name))
+        started.append(LocalPostgres.start(work / name, settings=settings))
     log(", ".join(f"{n} on port {s.port}" for n, s in zip(servers, started)))
     return work, remove_work, list(started)
 

@@ -86,14 +86,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     # -- nothing was created up to here --
     created: list[tuple[_Checked, bool, bool]] = []  # (node, publication created, slot created)
     try:
-        for c in checked:
-            with _about(spec, c.node):
-                publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
-                created.append((c, publication, False))
-                if c.slot is None:
-                    src.create_slot(c.conn, c.node.slot, two_phase=spec.multi_node)
-                    created[-1] = (c, publication, True)
-                faults.reach("node_created")
+        _create(spec, checked, created)
         with lost_connection("sink"):
             ledger.prepare(checked[0].tables)
     except Exception:
@@ -133,15 +126,24 @@ def add_source(spec: FeedSpec, node: SourceNode, report: Callable[[str], None] =
             conn = stack.enter_context(connect(first.uri, spec.role(first.name)))
             _check_same_tables(spec, [_Checked(first, conn, src.describe_tables(conn, list(spec.tables)), None),
                                       checked])
-        created = [(checked, False, False)]
+        created: list[tuple[_Checked, bool, bool]] = []
         try:
-            with _about(spec, node):
-                created[0] = (checked, src.ensure_publication(checked.conn, node.publication, checked.tables), False)
-                if checked.slot is None:
-                    src.create_slot(checked.conn, node.slot, two_phase=True)
+            _create(spec, [checked], created)
         except Exception:
             _undo(spec, created)
             raise
+
+
+def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checked, bool, bool]]) -> None:
+    """Create what is missing on each checked node, noting in `created` what was (for _undo)."""
+    for c in checked:
+        with _about(spec, c.node):
+            publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
+            created.append((c, publication, False))
+            if c.slot is None:
+                src.create_slot(c.conn, c.node.slot, two_phase=spec.multi_node)
+                created[-1] = (c, publication, True)
+            faults.reach("node_created")
 
 
 def _check_same_tables(spec: FeedSpec, checked: list[_Checked]) -> None:

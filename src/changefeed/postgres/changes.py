@@ -34,6 +34,7 @@ from ..core.hlc import next_commit_ts
 from . import pgoutput as po
 from . import tuple_block as tb
 from .pgoutput import RelationInfo
+from .rows import Chunk, Rows
 
 
 Catalog = Callable[[po.Relation], RelationInfo]
@@ -63,103 +64,11 @@ _NO_TABLE = 0  # table id of rows that have none (messages, progress)
 _SHORT_RUN = 12  # fewer plain changes in a row cost less one by one than as arrays
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    """Consecutive rows, column by column: op byte, table id, after and before lines."""
-
-    op: np.ndarray  # uint8
-    table: np.ndarray  # int32
-    after: pa.Array  # binary
-    before: pa.Array  # binary
-
-    def __len__(self) -> int:
-        return len(self.op)
-
-    def slice(self, lo: int, hi: int) -> _Chunk:
-        return _Chunk(self.op[lo:hi], self.table[lo:hi], self.after.slice(lo, hi - lo), self.before.slice(lo, hi - lo))
-
-    @staticmethod
-    def concat(chunks: list[_Chunk]) -> _Chunk:
-        if len(chunks) == 1:
-            return chunks[0]
-        if not chunks:
-            return _Chunk(np.zeros(0, np.uint8), np.zeros(0, np.int32), pa.array([], pa.binary()),
-                          pa.array([], pa.binary()))
-        return _Chunk(np.concatenate([c.op for c in chunks]), np.concatenate([c.table for c in chunks]),
-                      pa.concat_arrays([c.after for c in chunks]), pa.concat_arrays([c.before for c in chunks]))
-
-
-class _Rows:
-    """The builder's rows not taken yet: chunks from vectorised runs, and rows of the per-message
-    path gathered in lists until a chunk follows them (they are few: R rows, messages, the odd
-    change). Arrow arrays are concatenated once per record batch, not built row by row."""
-
-    def __init__(self) -> None:
-        self._chunks: list[_Chunk] = []
-        self._in_chunks = 0
-        self._op: list[int] = []
-        self._table: list[int] = []
-        self._after: list[bytes | None] = []
-        self._before: list[bytes | None] = []
-
-    def __len__(self) -> int:
-        return self._in_chunks + len(self._op)
-
-    def append(self, op: int, table: int, after: bytes | None, before: bytes | None) -> int:
-        """Add one row; returns its index."""
-        self._op.append(op)
-        self._table.append(table)
-        self._after.append(after)
-        self._before.append(before)
-        return len(self) - 1
-
-    def extend(self, chunk: _Chunk) -> None:
-        self._seal()
-        self._chunks.append(chunk)
-        self._in_chunks += len(chunk)
-
-    def truncate(self, n: int) -> _Chunk:
-        """Keep the first `n` rows; returns the others."""
-        self._chunks, tail = self._cut(n)
-        self._in_chunks = sum(map(len, self._chunks))
-        return _Chunk.concat(tail)
-
-    def split(self, n: int) -> _Chunk:
-        """The first `n` rows, which are forgotten here."""
-        head, self._chunks = self._cut(n)
-        self._in_chunks = sum(map(len, self._chunks))
-        return _Chunk.concat(head)
-
-    def _cut(self, n: int) -> tuple[list[_Chunk], list[_Chunk]]:
-        """All rows as chunks: (the first `n`, the rest)."""
-        self._seal()
-        head: list[_Chunk] = []
-        tail: list[_Chunk] = []
-        seen = 0
-        for c in self._chunks:
-            if seen >= n:
-                tail.append(c)
-            elif seen + len(c) <= n:
-                head.append(c)
-            else:
-                head.append(c.slice(0, n - seen))
-                tail.append(c.slice(n - seen, len(c)))
-            seen += len(c)
-        return head, tail
-
-    def _seal(self) -> None:
-        if self._op:
-            self._chunks.append(_Chunk(np.array(self._op, np.uint8), np.array(self._table, np.int32),
-                                       pa.array(self._after, pa.binary()), pa.array(self._before, pa.binary())))
-            self._in_chunks += len(self._op)
-            self._op, self._table, self._after, self._before = [], [], [], []
-
-
 @dataclass
 class _Held:
     """A prepared transaction's rows, kept aside until its COMMIT PREPARED (see ChangeBuilder)."""
 
-    rows: _Chunk
+    rows: Chunk
     sparse: dict[str, dict[int, Any]]  # as ChangeBuilder._sparse, indexes from the part's first row
     relation_rows: int
     xid: int
@@ -202,7 +111,7 @@ class ChangeBuilder:
         self.last_commit_time: int | None = None
         self.changes = 0
         self.done = False  # a transaction past the window's end was seen: nothing more can belong
-        self._rows = _Rows()
+        self._rows = Rows()
         self._sparse: dict[str, dict[int, Any]] = {"old_key": {}, "unchanged": {}, "meta": {}}
         self._txns: list[tuple[int, int, int, int | None, int]] = []  # closed: rows, lsn, xid, commit_time, ts
         self._closed = 0  # rows of closed transactions (the first rows)
@@ -358,7 +267,7 @@ class ChangeBuilder:
         else:
             mask = pa.array(deletes)
             after, before = pc.if_else(mask, none, lines), pc.if_else(mask, lines, none)
-        self._rows.extend(_Chunk(op, table, after, before))
+        self._rows.extend(Chunk(op, table, after, before))
 
     def info(self, oid: int) -> RelationInfo:
         if oid not in self._info:
