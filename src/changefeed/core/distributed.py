@@ -29,7 +29,7 @@ before that commit until it is decided: the feed waits rather than deliver half 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 PREPARE, COMMIT, ROLLBACK = "prepare", "commit", "rollback"
@@ -115,11 +115,3 @@ def _complete(prepared_on: set[str], known: Mapping[str, Event], windows: Mappin
     """Every node it was prepared on has its outcome, one of them at or below `certain`."""
     return prepared_on <= set(known) and any(e.end <= windows[n].certain for n, e in known.items())
 
-
-def parts_of(delivered: Iterable[tuple[str, Mapping[str, int]]]) -> dict[str, list[tuple[str, int]]]:
-    """gid -> its delivered parts as (node, xid), from each partition's (node, gids)."""
-    out: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for node, gids in delivered:
-        for gid, xid in gids.items():
-            out[gid].append((node, xid))
-    return dict(out)

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,15 +284,21 @@ def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
     """pgoutput messages of the records that start before `upto` (a record or page boundary), in
     commit order, from the slot's position on; in blocks of up to `fetch`, as fetched (the
     builder works on a block at once)."""
+    with slot_errors(slot), conn.transaction(), conn.cursor(name="changefeed_peek", binary=True) as cur:
+        cur.itersize = fetch
+        cur.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
+            "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
+            (slot, format_lsn(upto), publication))
+        while rows := cur.fetchmany(fetch):
+            yield [data for (data,) in rows]
+
+
+@contextmanager
+def slot_errors(slot: str) -> Iterator[None]:
+    """Decoding from `slot`: a slot in use is transient, a slot gone or invalidated is SlotLost."""
     try:
-        with conn.transaction(), conn.cursor(name="changefeed_peek", binary=True) as cur:
-            cur.itersize = fetch
-            cur.execute(
-                "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
-                "'proto_version', '1', 'publication_names', %s, 'messages', 'true')",
-                (slot, format_lsn(upto), publication))
-            while rows := cur.fetchmany(fetch):
-                yield [data for (data,) in rows]
+        yield
     except psycopg.errors.ObjectInUse as e:
         raise TransientError(f"replication slot {slot} is in use: {e}", "wait for the other reader to finish") from None
     except psycopg.errors.UndefinedObject as e:

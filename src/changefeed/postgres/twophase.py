@@ -19,6 +19,7 @@ from ..core import distributed as dist
 from ..core.lsn import format_lsn
 from ..errors import SourceNotReady
 from . import pgoutput as po
+from .source import slot_errors
 
 MIN_VERSION = 150000
 
@@ -54,10 +55,11 @@ def waiting(conn: psycopg.Connection[Any]) -> list[tuple[str, float]]:
 
 def events(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int) -> tuple[dist.Event, ...]:
     """The two-phase events from the slot's position up to `upto` (a record boundary), in WAL order."""
-    rows = conn.execute(
-        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, 'proto_version', '1', "
-        "'publication_names', %s) WHERE get_byte(data, 0) IN (98, 75, 114)",  # b, K, r
-        (slot, format_lsn(upto), publication)).fetchall()
+    with slot_errors(slot):
+        rows = conn.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, 'proto_version', '1', "
+            "'publication_names', %s) WHERE get_byte(data, 0) IN (98, 75, 114)",  # b, K, r
+            (slot, format_lsn(upto), publication)).fetchall()
     out = []
     for (data,) in rows:
         msg = po.decode(bytes(data))
