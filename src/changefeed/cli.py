@@ -53,6 +53,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "outbox": _qualified(args.outbox) if args.outbox else None, "outbox_columns": args.outbox_columns,
         "outbox_topic": args.outbox_topic,
         "outbox_ttl_s": _option("outbox-ttl", parse_duration, args.outbox_ttl),
+        "outbox_snapshot_events": args.outbox_snapshot_events or None,
     }.items() if v is not None}
     outbox = given.get("outbox") or (stored.outbox if stored else "")
     if outbox and "tables" in given and outbox not in given["tables"]:
@@ -247,6 +248,9 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                             "topic_prefix goes in front)")
     cmd.add_argument("--outbox-ttl", help="delete outbox rows older than this, e.g. 1h, once the feed's checkpoint "
                                           "is past them (default 0: never)")
+    cmd.add_argument("--outbox-snapshot-events", action="store_true",
+                     help="also send the rows a snapshot reads from the outbox as events (default: only inserts; "
+                          "every re-snapshot then sends them again)")
 
 
 def _running_args(cmd: argparse.ArgumentParser) -> None:

@@ -65,6 +65,7 @@ class FeedSpec:
     outbox_columns: str = ""  # role=column,... (core.outbox.parse_columns); "" = the default names
     outbox_topic: str = DEFAULT_TOPIC
     outbox_ttl_s: float = 0.0  # delete outbox rows this old once delivered; 0 = never
+    outbox_snapshot_events: bool = False  # a snapshot's reads of the outbox are events too (core.outbox)
     nodes: tuple[tuple[str, str], ...] = ()  # (name, URI) of each node; () = one node, n1, at `source`
 
     @property
@@ -87,7 +88,8 @@ class FeedSpec:
     def outbox_spec(self) -> OutboxSpec | None:
         if not self.outbox:
             return None
-        return OutboxSpec(self.outbox, parse_columns(self.outbox_columns), self.outbox_topic, self.outbox_ttl_s)
+        return OutboxSpec(self.outbox, parse_columns(self.outbox_columns), self.outbox_topic, self.outbox_ttl_s,
+                          self.outbox_snapshot_events)
 
     @property
     def slot(self) -> str:

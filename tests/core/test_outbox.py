@@ -37,9 +37,12 @@ def test_an_insert_is_an_event_keyed_by_its_aggregate() -> None:
                        "payload": {"total": 12.5, "items": [1, 2]}}
 
 
-def test_snapshot_reads_are_events_updates_deletes_and_other_tables_are_not() -> None:
+def test_only_inserts_are_events_snapshot_reads_when_asked() -> None:
     router = OutboxRouter(OutboxSpec("app.outbox"))
-    assert router.route(change("r", ROW)) is not None
+    assert router.route(change("r", ROW)) is None  # a row the outbox held already: not sent again
+    assert OutboxRouter(OutboxSpec("app.outbox", snapshot_events=True)).route(change("r", ROW)) is not None
+    assert OutboxSpec.from_json(OutboxSpec("app.outbox", snapshot_events=True).to_json()).snapshot_events
+    assert not OutboxSpec.from_json({"table": "app.outbox"}).snapshot_events  # what older feeds stored
     for op in ("u", "d", "t"):
         assert router.route(change(op, ROW)) is None
     other = TableShape("app", "orders", SHAPE.columns, SHAPE.types, ("id",), "d")

@@ -69,14 +69,15 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
         c.execute("CREATE TABLE outbox (id text PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,"
                   " event_type text NOT NULL, payload jsonb)")
         c.execute("INSERT INTO outbox SELECT 'old' || g, 'order', 'o' || g, 'Placed', '{\"old\": true}'"
-                  " FROM generate_series(1, 5) g")  # before the feed: snapshot reads, events all the same
+                  " FROM generate_series(1, 5) g")  # before the feed: events too (--outbox-snapshot-events)
     prefix, progress_topic = f"k{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
     sink = (f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}"
             "&topic_partitions=3&resolved=true")  # default timeouts
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", sink, "--tables", "public.ledger,public.accounts",
-                           "--outbox", "public.outbox", "--outbox-ttl", "2s", "--available-now")  # the snapshot, before any change races it
+                           "--outbox", "public.outbox", "--outbox-ttl", "2s", "--outbox-snapshot-events",
+                           "--available-now")  # the snapshot, before any change races it; its rows are events too
     assert first.returncode == 0, first.stderr[-3000:]
 
     written = [0]
@@ -151,3 +152,39 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
     status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", state, "--json").stdout)
     assert parse_lsn(status["checkpoint_lsn"]) == records[-1]["progress"]["end_lsn"], status
     assert status["batches"] == len(batches), status  # the ledger file agrees with the progress topic
+
+
+def test_an_outbox_snapshot_sends_no_row_it_held_and_racing_inserts_once(dbs: Dbs, tmp_path: Path,
+                                                                        kafka: LocalKafka) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE outbox (id text PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,"
+                  " event_type text NOT NULL, payload jsonb)")
+        c.execute("INSERT INTO outbox SELECT 'old' || g, 'order', 'o' || (g % 7), 'Placed', '{}'"
+                  " FROM generate_series(1, 3000) g")
+    prefix = f"k{uuid.uuid4().hex[:8]}."
+    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic=progress-{prefix}&topic_partitions=1"
+    base = ["run", "--name", dbs.name, "--state", str(tmp_path / "state")]
+
+    def inserting(uri: str, stop: threading.Event, written: list[int]) -> None:
+        with psycopg.connect(uri, autocommit=True) as c:
+            while not stop.is_set():
+                written[0] += 1
+                c.execute("INSERT INTO outbox VALUES (%s, 'order', %s, 'Placed', '{}')",
+                          (f"new{written[0]}", f"o{written[0] % 7}"))
+                time.sleep(0.002)
+
+    written = [0]
+    with writing(inserting, dbs.source, written):  # inserts race the snapshot's chunk reads
+        first = changefeed_cli(*base, "--source", dbs.source, "--sink", sink, "--tables", "public.outbox",
+                               "--outbox", "public.outbox", "--snapshot-chunk-rows", "300",
+                               "--snapshot-chunks-per-batch", "1", "--available-now")
+        assert first.returncode == 0, first.stderr[-3000:]
+    again = changefeed_cli("snapshot", "--name", dbs.name, "--state", str(tmp_path / "state"),
+                           "--tables", "public.outbox")
+    assert again.returncode == 0, again.stderr
+    final = changefeed_cli(*base, "--available-now")  # the rest of the inserts, and a re-snapshot
+    assert final.returncode == 0, final.stderr[-3000:]
+    ids = [dict(r.headers)["id"].decode() for r in
+           committed(read_partition(kafka.bootstrap, f"{prefix}outbox.event.order", 0, timeout=60))]
+    assert written[0] > 100 and len(ids) == len(set(ids)), f"{len(ids)} events, {len(set(ids))} distinct"
+    assert set(ids) == {f"new{n}" for n in range(1, written[0] + 1)}  # every insert once, no row it held

@@ -6,7 +6,10 @@ type (the `topic` template), keyed by the aggregate id (so one aggregate's event
 on one partition), the payload as is (the jsonb's text: the application's bytes, not re-encoded),
 and the event id, type and aggregate type in headers, so consumers can de-duplicate by id.
 
-Only inserts (and snapshot reads of rows already there) are events. The application may delete
+Only inserts are events: rows already there when a snapshot reads the table are not (they were
+written before the feed, or were delivered already; `snapshot_events` sends them too). An insert
+that races a snapshot is delivered by the stream, which holds every insert after the slot's
+start: exactly once, whether the snapshot's read saw the row or not. The application may delete
 the row in the same transaction (the insert still reaches the WAL and the feed) or leave it for
 the cleanup job (postgres.outbox); updates, deletes and truncates of the outbox emit nothing.
 Pure: no I/O.
@@ -66,19 +69,22 @@ class OutboxSpec:
     columns: tuple[tuple[str, str], ...] = tuple((r, r) for r in ROLES)
     topic: str = DEFAULT_TOPIC
     ttl_s: float = 0.0  # 0: the feed never deletes outbox rows
+    snapshot_events: bool = False  # rows a snapshot reads are events too (re-sent by every re-snapshot)
 
     def column(self, role: str) -> str:
         return dict(self.columns)[role]
 
     def to_json(self) -> dict[str, object]:
-        return {"table": self.table, "columns": dict(self.columns), "topic": self.topic, "ttl_s": self.ttl_s}
+        return {"table": self.table, "columns": dict(self.columns), "topic": self.topic, "ttl_s": self.ttl_s,
+                "snapshot_events": self.snapshot_events}
 
     @classmethod
     def from_json(cls, d: Mapping[str, object]) -> OutboxSpec:
         columns = d.get("columns") or {}
         assert isinstance(columns, Mapping)
         return cls(str(d["table"]), tuple((r, str(columns.get(r, r))) for r in ROLES),
-                   str(d.get("topic", DEFAULT_TOPIC)), float(d.get("ttl_s", 0.0)))  # type: ignore[arg-type]
+                   str(d.get("topic", DEFAULT_TOPIC)), float(d.get("ttl_s", 0.0)),  # type: ignore[arg-type]
+                   bool(d.get("snapshot_events", False)))
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,11 @@ class OutboxRouter:
         return schema == self.schema and table == self.table
 
     def route(self, change: Change) -> OutboxEvent | None:
-        """The event of an insert or snapshot read of the outbox table; None for anything else."""
+        """The event of an insert of the outbox table (or of a snapshot read, with `snapshot_events`);
+        None for anything else."""
         if change.op not in EVENT_OPS or change.shape is None or not self.owns(change.shape.schema, change.shape.table):
+            return None
+        if change.op == "r" and not self.spec.snapshot_events:
             return None
         if self._columns != change.shape.columns:  # the table's shape changed (or first use)
             self._columns = change.shape.columns
