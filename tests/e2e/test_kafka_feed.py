@@ -173,11 +173,13 @@ def test_an_outbox_snapshot_sends_no_row_it_held_and_racing_inserts_once(dbs: Db
                           (f"new{written[0]}", f"o{written[0] % 7}"))
                 time.sleep(0.002)
 
+    created = changefeed_cli("create", *base[1:], "--source", dbs.source, "--sink", sink, "--tables", "public.outbox",
+                             "--outbox", "public.outbox", "--snapshot-chunk-rows", "300",
+                             "--snapshot-chunks-per-batch", "1")
+    assert created.returncode == 0, created.stderr[-3000:]  # the slot: every insert from here on is an event
     written = [0]
     with writing(inserting, dbs.source, written):  # inserts race the snapshot's chunk reads
-        first = changefeed_cli(*base, "--source", dbs.source, "--sink", sink, "--tables", "public.outbox",
-                               "--outbox", "public.outbox", "--snapshot-chunk-rows", "300",
-                               "--snapshot-chunks-per-batch", "1", "--available-now")
+        first = changefeed_cli(*base, "--available-now")
         assert first.returncode == 0, first.stderr[-3000:]
     again = changefeed_cli("snapshot", "--name", dbs.name, "--state", str(tmp_path / "state"),
                            "--tables", "public.outbox")
