@@ -12,10 +12,11 @@ import shutil
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from psycopg import sql
 
-from .config import FeedSpec, FeedState
+from .config import FeedSpec, FeedState, SourceNode
 from .core import snapshot
 from .core.requests import SnapshotRequests
 from .errors import ConfigError, FeedBusy
@@ -67,23 +68,10 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
         raise FeedBusy(f"feed {spec.name} is running: held by {who}", "stop it (or pause it) first, then remove it")
     gone = []
     with ExitStack() as stack:
-        conns = []
-        for node in spec.sources:  # every node checked before anything is dropped on any
-            conn = stack.enter_context(connect(node.uri, spec.role(node.name)))
-            src.lock_feed(conn, spec.name)  # refuses while a runner elsewhere holds the feed
-            slot = src.slot_state(conn, node.slot)
-            if slot is not None and slot.active_pid:
-                raise FeedBusy(f"replication slot {node.slot} is in use by backend pid {slot.active_pid}",
-                               "stop whatever reads it, then remove the feed")
-            conns.append((node, conn, slot))
-        for node, conn, slot in conns:
-            on = f" on source node {node.name}" if spec.multi_node else ""
-            if slot is not None:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
-                gone.append(f"slot {node.slot}{on}")
-            if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
-                conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
-                gone.append(f"publication {node.publication}{on}")
+        # every node checked before anything is dropped on any
+        held = [(node, _held_for_removal(spec, node, stack)) for node in spec.sources]
+        for node, (conn, slot) in held:
+            gone += _drop(conn, node, slot, f" on source node {node.name}" if spec.multi_node else "")
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
@@ -144,21 +132,34 @@ def remove_node(spec: FeedSpec, state: FeedState, name: str) -> tuple[FeedSpec, 
         raise FeedBusy(f"feed {spec.name} is running: held by {who}", "stop it (or pause it) first")
     shrunk = FeedSpec(**{**spec.__dict__, "nodes": tuple(p for p in spec.nodes if p[0] != name)}).validate()
     node = next(n for n in spec.sources if n.name == name)
-    gone = []
-    with connect(node.uri, spec.role(name)) as conn:
-        src.lock_feed(conn, spec.name)
-        slot = src.slot_state(conn, node.slot)
-        if slot is not None and slot.active_pid:
-            raise FeedBusy(f"replication slot {node.slot} is in use by backend pid {slot.active_pid}",
-                           "stop whatever reads it first")
+    with ExitStack() as stack:
+        conn, slot = _held_for_removal(spec, node, stack)
         state.save(shrunk)  # before anything is dropped: a crash leaves a slot behind, never a node without one
-        if slot is not None:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
-            gone.append(f"slot {node.slot}")
-        if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
-            conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
-            gone.append(f"publication {node.publication}")
-    return shrunk, gone
+        return shrunk, _drop(conn, node, slot)
+
+
+def _held_for_removal(spec: FeedSpec, node: SourceNode, stack: ExitStack) -> tuple[Any, src.SlotState | None]:
+    """A connection to `node` holding the feed's lock there (refused while a runner elsewhere holds
+    it), and the feed's slot there, which must not be in use."""
+    conn = stack.enter_context(connect(node.uri, spec.role(node.name)))
+    src.lock_feed(conn, spec.name)
+    slot = src.slot_state(conn, node.slot)
+    if slot is not None and slot.active_pid:
+        raise FeedBusy(f"replication slot {node.slot} is in use by backend pid {slot.active_pid}",
+                       "stop whatever reads it first")
+    return conn, slot
+
+
+def _drop(conn: Any, node: SourceNode, slot: src.SlotState | None, on: str = "") -> list[str]:
+    """Drop the feed's slot and publication on `node`; what went."""
+    gone = []
+    if slot is not None:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
+        gone.append(f"slot {node.slot}{on}")
+    if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
+        conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
+        gone.append(f"publication {node.publication}{on}")
+    return gone
 
 
 def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) -> int:
