@@ -1,4 +1,4 @@
-"""feed._chunks_to_read: whether the runner reads snapshot chunks (in parallel tasks), decided from
+"""feed.chunks_to_read: whether the runner reads snapshot chunks (in parallel tasks), decided from
 the Spark checkpoint's offset and commit logs as they lie on disk."""
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def _end(pending: tuple[str, ...], chunks: bool) -> dict[str, object]:
 
 def test_fresh_checkpoint_has_its_snapshot_ahead(tmp_path: Path) -> None:
     state = FeedState(tmp_path, "f")
-    assert feed._chunks_to_read(SPEC, state)
-    assert not feed._chunks_to_read(FeedSpec(**{**SPEC.__dict__, "snapshot": "never"}), state)
+    assert feed.chunks_to_read(SPEC, state)
+    assert not feed.chunks_to_read(FeedSpec(**{**SPEC.__dict__, "snapshot": "never"}), state)
 
 
 def test_a_batch_of_chunks_counts_until_it_is_committed(tmp_path: Path) -> None:
@@ -39,10 +39,10 @@ def test_a_batch_of_chunks_counts_until_it_is_committed(tmp_path: Path) -> None:
     committed, a restarted feed (or the running one) drops the shuffle instead of restarting for nothing."""
     state = FeedState(tmp_path, "f")
     _log(state, 0, _end((), chunks=True), committed=False)
-    assert feed._chunks_to_read(SPEC, state)
+    assert feed.chunks_to_read(SPEC, state)
     _log(state, 0, _end((), chunks=True), committed=True)
-    assert not feed._chunks_to_read(SPEC, state)
+    assert not feed.chunks_to_read(SPEC, state)
     _log(state, 1, _end(("public.t",), chunks=True), committed=True)  # more tables pending after it
-    assert feed._chunks_to_read(SPEC, state)
+    assert feed.chunks_to_read(SPEC, state)
     _log(state, 2, _end((), chunks=False), committed=False)
-    assert not feed._chunks_to_read(SPEC, state)
+    assert not feed.chunks_to_read(SPEC, state)

@@ -1,4 +1,4 @@
-"""Command line: `changefeed run | create | list | pause | resume | remove | alter | snapshot | status | demo`
+"""Command line: `changefeed run | create | list | pause | resume | remove | alter | snapshot | verify | status | demo`
 (also `python -m changefeed`)."""
 from __future__ import annotations
 
@@ -176,6 +176,25 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when source and sink are equal, 1 when they differ, 2 when verifying failed."""
+    from .verify import verify
+
+    try:
+        spec, state = _stored(args)
+        if args.workers < 1 or args.chunk_rows < 1:
+            raise ConfigError("--workers and --chunk-rows take a number >= 1", "e.g. --workers 4 --chunk-rows 1000")
+        found = verify(spec, state, tables=parse_tables(args.tables) if args.tables else (), repair=args.repair,
+                       workers=args.workers, chunk_rows=args.chunk_rows,
+                       wait_s=_option("wait", parse_duration, args.wait),
+                       report=lambda line: print(line, file=sys.stderr))
+    except ChangefeedError as e:
+        print(f"changefeed: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(found.to_json(), indent=2) if args.json else "\n".join(found.lines()))
+    return 0 if found.equal else 1
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .status import status
 
@@ -319,6 +338,22 @@ def parser() -> argparse.ArgumentParser:
     snap.add_argument("--state", default=DEFAULT_STATE)
     snap.add_argument("--tables", required=True, help="comma-separated schema.table list (tables of the feed)")
     snap.set_defaults(func=cmd_snapshot)
+
+    ver = sub.add_parser("verify", help="compare a running feed's source and replica at one consistent point; "
+                                        "exit 0 equal, 1 different, 2 error")
+    ver.add_argument("--name", required=True)
+    ver.add_argument("--state", default=DEFAULT_STATE)
+    ver.add_argument("--tables", help="comma-separated schema.table list (default: all the feed's tables)")
+    ver.add_argument("--repair", action="store_true",
+                     help="then write the source's rows of the keys that differ into the replica, at a new "
+                          "consistent point while the feed waits there")
+    ver.add_argument("--workers", type=int, default=2,
+                     help="sessions per server reading block ranges of a table in parallel (default 2)")
+    ver.add_argument("--chunk-rows", type=int, default=1000,
+                     help="about this many rows per compared chunk (default 1000)")
+    ver.add_argument("--wait", default="2m", help="how long the feed may take to reach the point (default 2m)")
+    ver.add_argument("--json", action="store_true", help="machine-readable output")
+    ver.set_defaults(func=cmd_verify)
 
     st = sub.add_parser("status", help="checkpoint, lag and slot state of a feed")
     st.add_argument("--name", required=True)

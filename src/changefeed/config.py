@@ -251,6 +251,8 @@ class FeedState:
         self.failed_file = self.dir / "failed"
         self.spark_log = self.dir / "spark.log"  # the Spark driver's and workers' output (spark.spark_log)
         self.retrying_file = self.dir / "retrying"  # while a running feed waits out a fault (retry)
+        self.barrier_file = self.dir / "barrier.json"  # where a verify wants the batches to stop (core.barrier)
+        self.verified_file = self.dir / "verified.json"  # the last verification's outcome (verify)
 
     @property
     def paused(self) -> bool:

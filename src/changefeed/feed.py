@@ -452,7 +452,7 @@ def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Cal
     """Delete delivered outbox rows past their TTL; not while a snapshot is read (its rows are not
     delivered yet, whatever the checkpoint says). A failed cleanup is reported, not fatal: the
     rows stay, the feed goes on, the next tick tries again."""
-    if cleanup is None or _chunks_to_read(prepared.spec, prepared.state):
+    if cleanup is None or chunks_to_read(prepared.spec, prepared.state):
         return
     try:
         checkpoint = prepared.ledger.checkpoint()
@@ -486,10 +486,10 @@ def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
     """Whether the query should read a batch's partitions in parallel tasks: the sink allows it
     (see sinks.registry) and there are snapshot chunks to read, or always on a feed of several
     nodes (see spark.job.start_query)."""
-    return spec.multi_node or sink_kind(spec.sink).parallel_reads and _chunks_to_read(spec, state)
+    return spec.multi_node or sink_kind(spec.sink).parallel_reads and chunks_to_read(spec, state)
 
 
-def _chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
+def chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
     """Whether the last batch Spark planned carries snapshot chunks and may still run (it is not
     logged as committed), or chunks are pending after it, or requested; a fresh checkpoint has its
     initial snapshot ahead."""

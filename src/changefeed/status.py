@@ -4,6 +4,7 @@ Read from the source (slot, flush position, clock) and the sink's bookkeeping; c
 """
 from __future__ import annotations
 
+import time
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -37,10 +38,15 @@ class FeedStatus:
     nodes: dict[str, dict[str, object]] = field(default_factory=dict)  # a feed of several nodes: per node,
     # slot, slot_state, slot_retained_wal_bytes, checkpoint_lsn, lag_bytes (the top level sums them), and
     # prepared_transactions (undecided ones: their distributed transactions wait)
+    verified: dict[str, object] | None = None  # the last verify: at (Unix time), equal, mismatched_rows, lsns
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
-               if k not in ("snapshot", "nodes")]
+               if k not in ("snapshot", "nodes", "verified")]
+        if self.verified:
+            v = self.verified
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(v["at"])))  # type: ignore[arg-type]
+            out.append(f"verified: {when}, " + ("equal" if v["equal"] else f"{v['mismatched_rows']} rows differ"))
         out += [f"node {n}: " + ", ".join(f"{k.replace('_', ' ')} {'-' if v is None else v}" for k, v in d.items())
                 for n, d in self.nodes.items()]
         return out + [f"snapshot {t}: {counted(s['rows'], 'row')} in {counted(s['chunks'], 'chunk')}"
@@ -54,12 +60,22 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     state = run_state(feed_state)
     try:
         with lost_connection("source or sink"):
-            return _measured(spec, feed_state, state)
+            found = _measured(spec, feed_state, state)
+        found.verified = verified(feed_state)
+        return found
     except ConnectionFailed as e:
         if not state.startswith(("running", "failed")):
             raise
         return FeedStatus(spec.name, state, spec.slot, f"unknown ({e.message.splitlines()[0]})", None, None, None,
                           None, None, None, None, None, None, {})
+
+
+def verified(feed_state: FeedState) -> dict[str, object] | None:
+    """The last verification's time, outcome and position (see verify), None if never verified."""
+    from .verify import last
+
+    found = last(feed_state)
+    return None if found is None else {k: found[k] for k in ("at", "equal", "mismatched_rows", "lsns")}
 
 
 @dataclass

@@ -76,7 +76,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
               .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
-              .option("requests_dir", str(state.requests)))
+              .option("requests_dir", str(state.requests))
+              .option("barrier_file", str(state.barrier_file)))
     changes = reader.load()
     # A feed of several nodes reads each node's window in a task of its own, always.
     changes = changes.repartition(1) if parallel_reads or spec.multi_node else changes.coalesce(1)

@@ -24,6 +24,7 @@ import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pyspark import TaskContext
@@ -32,6 +33,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 
 from .. import faults
 from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SourceNode, node_role
+from ..core import barrier as bar
 from ..core import change as ch
 from ..core import distributed as dist
 from ..core import snapshot
@@ -90,7 +92,7 @@ class ChangefeedSource(DataSource):
     """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
     snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (snapshot requests, see
-    core.requests)."""
+    core.requests), barrier_file (see core.barrier)."""
 
     @classmethod
     def name(cls) -> str:
@@ -117,6 +119,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
         self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
+        self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -214,9 +217,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         # decodes only the new window.
         start = self._joined(Offset.from_json(start_json))
         self._release(start)
+        barrier = bar.read(self.barrier_file) if self.barrier_file else None
+        if barrier is not None and barrier.reached(start.lsns):
+            return start_json  # a verify compares the sink at exactly here: wait for it
         if isinstance(limit, ReadAllAvailable):  # AvailableNow may take several batches: keep ours
             limit = self.getDefaultReadLimit()
-        chunks, cursor = self._plan_snapshot(start)
+        # (no snapshot chunk while a verify waits: a chunk is read later than its window's end)
+        chunks, cursor = self._plan_snapshot(start) if barrier is None else ([], start.cursor)
         if chunks:
             # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
             certain, frontiers = self._readings()
@@ -236,6 +243,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             return start_json
         for n, lsn in lsns.items():
             lsns[n] = max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), lsn, limit))
+        if barrier is not None:
+            lsns = barrier.cap(start.lsns, lsns)
         frontiers = dict(frontiers)  # (an AvailableNow run plans all its batches from the same ones)
         holds = self._distributed(start, lsns, certain, frontiers)
         if not chunks and all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):

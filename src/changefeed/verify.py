@@ -1,0 +1,387 @@
+"""`changefeed verify`: compare a running feed's source and replica at one consistent point.
+
+How the point is met: on each node a snapshot exported at a WAL position X
+(postgres/consistent_point.py); a barrier (core.barrier) makes the running feed end a batch at
+exactly X and wait there; once the replica's ledger says X, a read-only transaction on the
+replica exports its snapshot too and the barrier goes, so the feed waits only for that moment.
+Both snapshots then stay open while the tables are compared chunk by chunk (core.verify,
+postgres/checksum.py), in parallel sessions over block ranges of each side.
+
+`repair` meets a second point and, while the feed waits at it, writes the source's rows of every
+key that differed (deleting the replica's) in one replica transaction under the feed's apply
+lock: the replica then holds the source's state at that point for those keys, and the feed goes
+on from there.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .config import FeedSpec, FeedState, node_role
+from .core import barrier as bar
+from .core import verify as cv
+from .core.lsn import format_lsn
+from .errors import ConfigError, DefiniteError, TransientError
+from .postgres import checksum as cs
+from .postgres import consistent_point
+from .postgres.connect import connect, lost_connection
+from .postgres.source import describe_tables
+from .runner_lock import holder
+from .sinks.postgres_replica import META_SCHEMA, ReplicaLedger, has_meta
+from .sinks.registry import REPLICA, sink_kind
+
+ATTEMPTS = 5  # points met in a row that the feed had already passed
+SHOWN = 20  # differences per table reported with their values
+DEFAULT_CHUNK_ROWS = 1000
+DEFAULT_WORKERS = 2
+
+
+class VerifyError(DefiniteError):
+    """A verification that cannot be done as asked."""
+
+
+@dataclass
+class Report:
+    lsns: dict[str, int]
+    tables: list[cv.TableResult]
+    seconds: float
+    at: float = field(default_factory=time.time)
+
+    @property
+    def equal(self) -> bool:
+        return all(t.equal for t in self.tables)
+
+    @property
+    def mismatched_rows(self) -> int:
+        return sum(t.mismatched_rows for t in self.tables)
+
+    def lines(self) -> list[str]:
+        where = ", ".join(f"{n} {format_lsn(lsn)}" for n, lsn in sorted(self.lsns.items()))
+        out = [f"compared at {where} in {self.seconds:.1f}s"]
+        for t in self.tables:
+            out += t.lines()
+        out.append("equal" if self.equal else f"NOT equal: {self.mismatched_rows} rows differ"
+                   + (", and columns" if any(t.schema for t in self.tables) else ""))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "lsns": self.lsns, "seconds": self.seconds, "equal": self.equal,
+                "mismatched_rows": self.mismatched_rows, "tables": [t.to_json() for t in self.tables]}
+
+
+def last(state: FeedState) -> dict[str, Any] | None:
+    """The last verification's outcome, as `Report.to_json` wrote it (None if none)."""
+    try:
+        return json.loads(state.verified_file.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class _Point:
+    """Both sides held at one position: each node's exported snapshot, and the replica's."""
+
+    lsns: dict[str, int]
+    sources: dict[str, consistent_point.ConsistentPoint]
+    sink_conn: psycopg.Connection[Any]
+    sink_snapshot: str
+
+    def close(self) -> None:
+        for p in self.sources.values():
+            p.close()
+        self.sink_conn.close()
+
+
+def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repair: bool = False,
+           workers: int = DEFAULT_WORKERS, chunk_rows: int = DEFAULT_CHUNK_ROWS, wait_s: float = 120,
+           report: Callable[[str], None] = print) -> Report:
+    """Compare the feed's tables (or `tables`) on source and replica; with `repair`, fix what differs."""
+    chosen = _check(spec, state, tables, wait_s, report)
+    began = time.monotonic()
+    point = _meet(spec, state, wait_s, hold=False, report=report)
+    try:
+        results = [_compare(spec, point, t, workers, chunk_rows) for t in chosen]
+    finally:
+        point.close()
+    out = Report(point.lsns, [r for r, _ in results], time.monotonic() - began)
+    todo = {r.table: keys for r, keys in results if keys and not r.schema}
+    if repair and todo:
+        fixed = _repair(spec, state, todo, wait_s, report)
+        for r in out.tables:
+            r.repaired = fixed.get(r.table, 0)
+    state.verified_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = state.verified_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out.to_json()))
+    tmp.replace(state.verified_file)
+    return out
+
+
+def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: float,
+           report: Callable[[str], None]) -> list[str]:
+    from .feed import chunks_to_read
+
+    if sink_kind(spec.sink) is not REPLICA:
+        raise ConfigError(f"feed {spec.name} writes to a {sink_kind(spec.sink).name} sink; verify compares a "
+                          "PostgreSQL replica with its source", "verify a feed whose --sink is postgresql://...")
+    unknown = [t for t in tables if t not in spec.tables]
+    if unknown:
+        raise ConfigError(f"--tables: {', '.join(unknown)} not captured by feed {spec.name}",
+                          f"choose among {', '.join(spec.tables)}")
+    if holder(state) is None:
+        raise VerifyError(f"feed {spec.name} is not running: verify compares at a position the running feed "
+                          "stops at for a moment", f"start it (changefeed run --name {spec.name}) and verify again")
+    deadline = time.monotonic() + wait_s
+    if chunks_to_read(spec, state):
+        report(f"verify: feed {spec.name} is reading existing rows (a snapshot): waiting for it to finish")
+    while chunks_to_read(spec, state):  # the replica is no consistent cut before it ends
+        if time.monotonic() > deadline:
+            raise VerifyError(f"feed {spec.name} is still reading existing rows (a snapshot) after {wait_s:.0f}s",
+                              "verify once status shows the snapshot done, or give a longer --wait")
+        time.sleep(0.5)
+    return list(tables or spec.tables)
+
+
+def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report: Callable[[str], None]) -> _Point:
+    """Export a snapshot on each node at a position X, have the feed's replica reach exactly X and
+    export the replica's snapshot there. With `hold` the barrier stays (the caller removes it)."""
+    for attempt in range(ATTEMPTS):
+        with ExitStack() as undo:
+            sources: dict[str, consistent_point.ConsistentPoint] = {}
+            undo.callback(lambda: [p.close() for p in sources.values()])
+            for node in spec.sources:
+                sources[node.name] = consistent_point.take(node.uri, node_role(node.name, spec.multi_node))
+            lsns = {n: p.lsn for n, p in sources.items()}
+            bar.write(state.barrier_file, bar.Barrier(lsns, time.time() + wait_s + 60))
+            undo.callback(bar.remove, state.barrier_file)
+            sink = connect(spec.sink, "sink")
+            undo.callback(sink.close)
+            if not _reached(spec, state, sink, lsns, wait_s):
+                report(f"verify: the feed had passed {_where(lsns)} already; taking a new point")
+                continue
+            with lost_connection("sink"):
+                cs.session(sink)
+                sink.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                if _position(sink, spec.name) != lsns or _chunk_read_past(sink, spec.name, lsns):
+                    continue  # moved on, or a snapshot chunk read later: not a consistent cut at X
+                snapshot = sink.execute("SELECT pg_export_snapshot()").fetchone()[0]  # type: ignore[index]
+            undo.pop_all()  # the point's connections stay open, and with `hold` the barrier
+            if not hold:
+                bar.remove(state.barrier_file)
+            return _Point(lsns, sources, sink, snapshot)
+    raise TransientError(f"feed {spec.name} moved past {ATTEMPTS} verification points in a row",
+                         "verify again; if it keeps happening, see status for what the feed does")
+
+
+def _where(lsns: dict[str, int]) -> str:
+    return ", ".join(f"{n} {format_lsn(x)}" for n, x in sorted(lsns.items()))
+
+
+def _position(conn: psycopg.Connection[Any], feed: str) -> dict[str, int] | None:
+    return ReplicaLedger(conn, feed).checkpoint()
+
+
+def _chunk_read_past(conn: psycopg.Connection[Any], feed: str, lsns: dict[str, int]) -> bool:
+    if not has_meta(conn, "snapshot_chunks"):
+        return False
+    row = conn.execute(f"SELECT max(read_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s",
+                       (feed,)).fetchone()
+    return row is not None and row[0] is not None and len(lsns) == 1 and int(row[0]) > max(lsns.values())
+
+
+def _reached(spec: FeedSpec, state: FeedState, sink: psycopg.Connection[Any], lsns: dict[str, int],
+             wait_s: float) -> bool:
+    """Wait until the replica is at `lsns` (True) or past one of them (False)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with lost_connection("sink"):
+            at = _position(sink, spec.name) or {}
+        if any(at.get(n, 0) > x for n, x in lsns.items()):
+            return False
+        if all(at.get(n, 0) == x for n, x in lsns.items()):
+            return True
+        if holder(state) is None:
+            raise VerifyError(f"feed {spec.name} stopped while verify waited for it to reach {_where(lsns)}",
+                              "start it again and verify again")
+        if time.monotonic() > deadline:
+            raise TransientError(f"feed {spec.name} did not reach {_where(lsns)} within {wait_s:.0f}s (the replica "
+                                 f"is at {_where(at) or 'nothing yet'})",
+                                 "see changefeed status: the feed may be retrying a fault or far behind")
+        time.sleep(0.1)
+
+
+class _Sessions:
+    """Connections per thread and server, each in a transaction on the snapshot it is given."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[psycopg.Connection[Any]] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def on(self, uri: str, role: str, snapshot: str) -> Iterator[psycopg.Connection[Any]]:
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(uri)
+        if conn is None:
+            conn = conns[uri] = connect(uri, role)
+            with self._lock:
+                self._all.append(conn)
+            cs.session(conn)
+        with lost_connection(role):
+            cs.adopt(conn, snapshot)
+            try:
+                yield conn
+            finally:
+                conn.execute("ROLLBACK")
+
+    def close(self) -> None:
+        for conn in self._all:
+            conn.close()
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One server a table is read from, at the point's snapshot."""
+
+    uri: str
+    role: str
+    snapshot: str
+
+
+def _sides(spec: FeedSpec, point: _Point) -> tuple[list[_Side], _Side]:
+    nodes = [_Side(n.uri, node_role(n.name, spec.multi_node), point.sources[n.name].snapshot) for n in spec.sources]
+    return nodes, _Side(spec.sink, "sink", point.sink_snapshot)
+
+
+def _compare(spec: FeedSpec, point: _Point, table: str, workers: int, chunk_rows: int
+             ) -> tuple[cv.TableResult, list[str]]:
+    """One table's result, and every differing key."""
+    nodes, sink = _sides(spec, point)
+    result = cv.TableResult(table)
+    sessions = _Sessions()
+    try:
+        with sessions.on(nodes[0].uri, nodes[0].role, nodes[0].snapshot) as conn:
+            described = describe_tables(conn, [table])[0]
+            source_cols = cs.columns(conn, table)
+            rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(  # (each node about as many)
+                sql.Identifier(described.schema, described.name))).fetchone()[0]  # type: ignore[index]
+        with sessions.on(sink.uri, sink.role, sink.snapshot) as conn:
+            sink_cols = cs.columns(conn, table)
+        assert source_cols is not None
+        if sink_cols is None:
+            result.schema = ["the table is missing on the sink"]
+            return result, []
+        result.schema = cv.schema_differences(zip(source_cols.names, source_cols.types),
+                                              zip(sink_cols.names, sink_cols.types))
+        key = list(described.key)
+        cols = [c for c in source_cols.names if c in sink_cols.names]
+        if any(k not in cols for k in key):
+            return result, []
+        chunks = cv.chunk_count(rows * len(nodes), chunk_rows)
+        result.chunks = chunks
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            def sums(side: _Side) -> cv.Sums:
+                with sessions.on(side.uri, side.role, side.snapshot) as c:
+                    ranges = cv.block_ranges(cs.blocks(c, table), workers)
+
+                def part(lo: int, hi: int | None) -> cv.Sums:
+                    with sessions.on(side.uri, side.role, side.snapshot) as c:
+                        return cs.chunk_sums(c, table, key, cols, chunks, lo, hi)
+                total: cv.Sums = {}
+                for got in pool.map(lambda r: part(*r), ranges):
+                    cv.add(total, got)
+                return total
+
+            source_sums: cv.Sums = {}
+            for side in nodes:
+                cv.add(source_sums, sums(side))
+            sink_sums = sums(sink)
+            result.source_rows = sum(n for n, _ in source_sums.values())
+            result.sink_rows = sum(n for n, _ in sink_sums.values())
+            bad = cv.mismatched(source_sums, sink_sums)
+            result.chunks_mismatched = len(bad)
+            if not bad:
+                return result, []
+
+            def rows_of(side: _Side) -> dict[str, int]:
+                with sessions.on(side.uri, side.role, side.snapshot) as c:
+                    return cs.chunk_rows(c, table, key, cols, chunks, bad)
+            got = list(pool.map(rows_of, [*nodes, sink]))
+        source_rows: dict[str, int] = {}
+        for part in got[:-1]:
+            source_rows.update(part)
+        differing = cv.keys_differing(source_rows, got[-1])
+        for _, kind in differing:
+            result.counts[kind] = result.counts.get(kind, 0) + 1
+        _describe(result, differing[:SHOWN], nodes, sink, sessions, table, key, cols)
+        return result, [k for k, _ in differing]
+    finally:
+        sessions.close()
+
+
+def _describe(result: cv.TableResult, differing: list[tuple[str, str]], nodes: list[_Side], sink: _Side,
+              sessions: _Sessions, table: str, key: list[str], cols: list[str]) -> None:
+    """The shown differences with their column values."""
+    changed = [k for k, kind in differing if kind == cv.CHANGED]
+    source_rows: dict[str, dict[str, str | None]] = {}
+    for side in nodes:
+        with sessions.on(side.uri, side.role, side.snapshot) as c:
+            source_rows.update(cs.rows_of(c, table, key, cols, changed))
+    with sessions.on(sink.uri, sink.role, sink.snapshot) as c:
+        sink_rows = cs.rows_of(c, table, key, cols, changed)
+    for k, kind in differing:
+        d = cv.Difference(k, kind)
+        if kind == cv.CHANGED:
+            d.columns = cv.column_differences(source_rows.get(k, {}), sink_rows.get(k, {}))
+        result.differences.append(d)
+
+
+def _repair(spec: FeedSpec, state: FeedState, todo: dict[str, list[str]], wait_s: float,
+            report: Callable[[str], None]) -> dict[str, int]:
+    """Write the source's rows of these keys into the replica at a new point (see the module doc)."""
+    point = _meet(spec, state, wait_s, hold=True, report=report)
+    try:
+        nodes, _ = _sides(spec, point)
+        sessions = _Sessions()
+        with connect(spec.sink, "sink") as conn, lost_connection("sink"):
+            cs.session(conn)
+            conn.execute("BEGIN")
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{spec.name}",))
+            if _position(conn, spec.name) != point.lsns:
+                raise TransientError("the feed moved on before the repair could start", "verify --repair again")
+            for table, keys in todo.items():
+                _rewrite(conn, table, keys, nodes, sessions)
+            conn.execute("COMMIT")
+        sessions.close()
+        return {t: len(k) for t, k in todo.items()}
+    finally:
+        point.close()
+        bar.remove(state.barrier_file)
+
+
+def _rewrite(conn: psycopg.Connection[Any], table: str, keys: list[str], nodes: list[_Side],
+             sessions: _Sessions) -> None:
+    with sessions.on(nodes[0].uri, nodes[0].role, nodes[0].snapshot) as src:
+        described = describe_tables(src, [table])[0]
+    sink_cols = cs.columns(conn, table)
+    assert sink_cols is not None
+    cols = [c for c in described.columns if c in sink_cols.names]
+    target = sql.Identifier(described.schema, described.name)
+    key_text = sql.SQL("ROW({})::text").format(sql.SQL(", ").join(map(sql.Identifier, described.key)))
+    conn.execute(sql.SQL("DELETE FROM {} WHERE {} = ANY(%s)").format(target, key_text), (keys,))
+    col_list = sql.SQL(", ").join(map(sql.Identifier, cols))
+    for side in nodes:
+        with sessions.on(side.uri, side.role, side.snapshot) as src, \
+                src.cursor().copy(sql.SQL("COPY (SELECT {} FROM {} WHERE {} = ANY({})) TO STDOUT").format(
+                    col_list, target, key_text, sql.Literal(keys))) as out, \
+                conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, col_list)) as into:
+            for data in out:
+                into.write(data)
