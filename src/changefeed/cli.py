@@ -83,7 +83,8 @@ def _running(args: argparse.Namespace) -> dict[str, Any]:
     return {"available_now": args.available_now, "master": args.master, "verbose": args.verbose,
             "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
             "retry_max_backoff_s": _option("retry-max-backoff", parse_duration, args.retry_max_backoff),
-            "give_up_after_s": give_up or None}
+            "give_up_after_s": give_up or None,
+            "verify_every_s": _option("every", parse_duration, args.every) or None}
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -285,6 +286,8 @@ def _running_args(cmd: argparse.ArgumentParser) -> None:
                      help="show Spark's and the JVM's output on the console (default: in STATE/NAME/spark.log)")
     cmd.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port at /metrics while "
                                                       "running (0: any free port, printed at start)")
+    cmd.add_argument("--every", help="verify the replica against the source this often while running, e.g. 10m "
+                                     "(as changefeed verify; outcome in status and /metrics; default: never)")
     cmd.add_argument("--metrics-host", default="127.0.0.1",
                      help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for all)")
 

@@ -206,7 +206,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         report: Callable[[str], None] = print, report_every_s: float = 2.0,
         stop_event: threading.Event | None = None, handle_signals: bool = True,
         metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False,
-        retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None) -> None:
+        retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None,
+        verify_every_s: float | None = None) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
     Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
@@ -250,6 +251,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         from .spark.job import spark_session
 
         spark = spark_session(master, log=None if verbose else state.spark_log)
+        if verify_every_s:
+            _verify_every(spec.name, state, verify_every_s, stop, report)
         meter: Meter | None = None
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
@@ -278,6 +281,30 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
+
+
+def _verify_every(name: str, state: FeedState, every_s: float, stop: threading.Event,
+                  report: Callable[[str], None]) -> None:
+    """Verify the replica every `every_s` while the run lasts (a daemon thread: a verify that waits
+    when the run ends leaves only its barrier, which expires); a failed verification is reported,
+    it never stops the feed."""
+    from .verify import verify
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            spec = state.load()
+            if spec is None:
+                return
+            try:
+                found = verify(spec, state, report=report)
+            except ChangefeedError as e:
+                report(f"feed {name}: verify failed: {e.message}")
+                continue
+            lines = found.lines()
+            report(f"feed {name}: verified: {lines[-1]} ({lines[0]})" if found.equal
+                   else "\n".join(f"feed {name}: verify: {line}" for line in lines))
+
+    threading.Thread(target=loop, name="changefeed-verify", daemon=True).start()
 
 
 class NodesChanged(Exception):

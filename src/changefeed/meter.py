@@ -18,6 +18,7 @@ from .postgres import source as src
 from .postgres import twophase
 from .retry import read_note
 from .status import checkpoint_lag_s, counted, resolved_lag_s, retained_bytes
+from .verify import last as last_verified
 
 if TYPE_CHECKING:
     from .feed import Prepared
@@ -121,6 +122,10 @@ class Gauges:
         if resolved is not None:
             out["checkpoint_lag_seconds"] = max(lags)
             out["resolved_lag_seconds"] = resolved_lag_s(now_ms, resolved)
+        verified = last_verified(self.prepared.state)
+        if verified is not None:
+            out["verify_mismatched_rows"] = int(verified["mismatched_rows"])
+            out["verify_last_timestamp_seconds"] = float(verified["at"])
         applied = ledger.snapshot_totals()
         out["snapshot"] = {t: TableSnapshot(*applied.get(t, (0, 0)), pending=t in pending)
                            for t in sorted(set(applied) | set(pending))}

@@ -54,6 +54,8 @@ class Values:
     batch_duration_seconds: float | None = None
     changes_total: int = 0
     batches_total: int = 0
+    verify_mismatched_rows: int | None = None  # from the last `verify` (or run --every)
+    verify_last_timestamp_seconds: float | None = None  # when it compared (Unix time)
     snapshot: Mapping[str, TableSnapshot] = field(default_factory=dict)
     nodes: Mapping[str, NodeValues] = field(default_factory=dict)  # a feed of several nodes: per node
 
@@ -95,6 +97,11 @@ _SCALARS = (
      "Duration of the last completed micro-batch (plan, read, apply, commit).", "batch_duration_seconds"),
     ("changefeed_changes_total", "counter", "Changes applied since this runner started.", "changes_total"),
     ("changefeed_batches_total", "counter", "Batches applied since this runner started.", "batches_total"),
+    ("changefeed_verify_mismatched_rows", "gauge",
+     "Rows that differed between source and replica at the last verification (verify, run --every).",
+     "verify_mismatched_rows"),
+    ("changefeed_verify_last_timestamp_seconds", "gauge", "When the last verification compared (Unix time).",
+     "verify_last_timestamp_seconds"),
 )
 _TABLES = (
     ("changefeed_snapshot_rows", "Snapshot rows of the table applied to the replica.", "rows"),

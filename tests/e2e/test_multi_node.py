@@ -221,6 +221,14 @@ def test_a_node_added_to_a_running_feed_and_removed_from_a_stopped_one(dbs: Dbs,
             pass
         wait_for("node n3's rows and changes", lambda: all(replica(t) == union(nodes, t) for t in TABLES), log)
         assert "restarting the query to read them" in log.read_text()
+        # verify sums each table's chunks over the three nodes (one consistent point on each)
+        verified = changefeed_cli("verify", "--name", dbs.name, "--state", state)
+        assert verified.returncode == 0 and "compared at n1 " in verified.stdout and " n3 " in verified.stdout, \
+            verified.stdout + verified.stderr
+        with psycopg.connect(dbs.sink, autocommit=True) as c:
+            c.execute("DELETE FROM public.accounts WHERE ctid = (SELECT min(ctid) FROM public.accounts)")
+        verified = changefeed_cli("verify", "--name", dbs.name, "--state", state)
+        assert verified.returncode == 1 and "1 missing on the sink" in verified.stdout, verified.stdout
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 0, log.read_text()[-3000:]

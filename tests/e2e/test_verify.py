@@ -113,3 +113,41 @@ def test_verify_equal_under_load_then_finds_and_repairs_each_difference(dbs: Dbs
     assert fingerprint(dbs.source, "public.acct") == fingerprint(dbs.sink, "public.acct")
     rc, _, err = _verify(*name)
     assert rc == 2 and "not running" in err, err
+
+
+def test_run_every_verifies_periodically_into_status_and_metrics(dbs: Dbs, tmp_path: Path) -> None:
+    import re
+    import urllib.request
+
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+        c.execute("INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 500) g")
+    state = str(tmp_path / "state")
+    name = ["--name", dbs.name, "--state", state]
+    log = tmp_path / "run.log"
+    p = start_changefeed("run", *name, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.t",
+                         "--every", "2s", "--metrics-port", "0", log=log)
+
+    def metric(name: str) -> float | None:
+        url = re.search(r"metrics on (http://\S+)", log.read_text())
+        if not url:
+            return None
+        text = urllib.request.urlopen(url.group(1), timeout=5).read().decode()
+        found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else None
+
+    try:
+        wait_for("a first verification", lambda: metric("changefeed_verify_mismatched_rows") == 0, log)
+        first = metric("changefeed_verify_last_timestamp_seconds")
+        assert first is not None and abs(first - time.time()) < 120
+        with dbs.dst() as c:
+            c.execute("UPDATE t SET v = 'tampered' WHERE id IN (3, 4)")
+        wait_for("the tampered rows found", lambda: metric("changefeed_verify_mismatched_rows") == 2, log)
+        status = changefeed_cli("status", *name)
+        assert "verified: " in status.stdout and "2 rows differ" in status.stdout, status.stdout
+        wait_for("the keys in the log", lambda: "verify:   key (3): differs: v: source 'v3', sink 'tampered'"
+                 in log.read_text(), log)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
