@@ -13,7 +13,7 @@ interleaved so that every run's figures come from the same moment:
          writer task (`repartition(1)`), as the runner does while chunks are pending;
   c-seq  the same feed with the chunks read one after the other by the writer task itself
          (`coalesce(1)`). BENCH-ONLY SWITCH: the feed has no option for this; the script runs
-         it through `python -c` with `changefeed.feed._chunks_to_read` replaced by a function
+         it through `python -c` with `changefeed.feed.chunks_to_read` replaced by a function
          that always says "no chunks pending", so the runner never asks for parallel reads.
 
 A feed run is timed four ways: its whole-process wall time (JVM and Spark start-up included);
@@ -65,7 +65,7 @@ COPY_ROWS = 100_000  # rows per COPY statement while writing the table
 # instead of repartition(1). A bench-only switch, not a feed option.
 SEQUENTIAL = ("import sys\n"
               "import changefeed.feed as f\n"
-              "f._chunks_to_read = lambda *a: False  # bench only: never read chunks as parallel tasks\n"
+              "f.chunks_to_read = lambda *a: False  # bench only: never read chunks as parallel tasks\n"
               "from changefeed.cli import main\n"
               "sys.exit(main(sys.argv[1:]))\n")
 

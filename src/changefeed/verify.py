@@ -39,7 +39,8 @@ from .runner_lock import holder
 from .sinks.postgres_replica import META_SCHEMA, ReplicaLedger, has_meta
 from .sinks.registry import REPLICA, sink_kind
 
-ATTEMPTS = 5  # points met in a row that the feed had already passed
+ATTEMPTS = 5  # points met in a row that the feed had already passed (or could not reach)
+STALL_S = 10.0
 SHOWN = 20  # differences per table reported with their values
 DEFAULT_CHUNK_ROWS = 1000
 DEFAULT_WORKERS = 2
@@ -165,7 +166,7 @@ def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report
             sink = connect(spec.sink, "sink")
             undo.callback(sink.close)
             if not _reached(spec, state, sink, lsns, wait_s):
-                report(f"verify: the feed had passed {_where(lsns)} already; taking a new point")
+                report(f"verify: the feed passed {_where(lsns)} or cannot reach it; taking a new point")
                 continue
             with lost_connection("sink"):
                 cs.session(sink)
@@ -199,8 +200,12 @@ def _chunk_read_past(conn: psycopg.Connection[Any], feed: str, lsns: dict[str, i
 
 def _reached(spec: FeedSpec, state: FeedState, sink: psycopg.Connection[Any], lsns: dict[str, int],
              wait_s: float) -> bool:
-    """Wait until the replica is at `lsns` (True) or past one of them (False)."""
+    """Wait until the replica is at `lsns` (True) or past one of them (False). On a feed of several
+    nodes, a point can split a distributed transaction (committed on one node before its position,
+    on another after it): the feed cannot deliver it whole before the point, so it stops short of
+    it; a replica that stays short for STALL_S gives False too (a new point is taken)."""
     deadline = time.monotonic() + wait_s
+    seen, since = None, time.monotonic()
     while True:
         with lost_connection("sink"):
             at = _position(sink, spec.name) or {}
@@ -208,6 +213,10 @@ def _reached(spec: FeedSpec, state: FeedState, sink: psycopg.Connection[Any], ls
             return False
         if all(at.get(n, 0) == x for n, x in lsns.items()):
             return True
+        if at != seen:
+            seen, since = at, time.monotonic()
+        elif spec.multi_node and time.monotonic() - since > STALL_S and any(at.get(n) == x for n, x in lsns.items()):
+            return False
         if holder(state) is None:
             raise VerifyError(f"feed {spec.name} stopped while verify waited for it to reach {_where(lsns)}",
                               "start it again and verify again")
