@@ -149,9 +149,20 @@ def cmd_alter(args: argparse.Namespace) -> int:
     from .lifecycle import add_node, add_tables, remove_node
 
     spec, state = _stored(args)
-    if sum(map(bool, (args.add_tables, args.add_node, args.remove_node))) != 1:
-        raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node", "run one alter per change")
-    if args.add_tables:
+    if sum(map(bool, (args.add_tables, args.add_node, args.remove_node, args.rename_table))) != 1:
+        raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table",
+                          "run one alter per change")
+    if args.rename_table:
+        old, sep, new = args.rename_table.partition("=")
+        pair = parse_tables(f"{old},{new}") if sep else ()
+        if len(pair) != 2:
+            raise ConfigError(f"--rename-table takes OLD=NEW, got {args.rename_table!r}",
+                              "e.g. --rename-table public.orders=public.orders_v2")
+        from .lifecycle import rename_table
+
+        renamed = rename_table(spec, state, *pair)
+        print(f"feed {spec.name} now captures {pair[1]} (was {pair[0]}); its tables: {', '.join(renamed.tables)}")
+    elif args.add_tables:
         grown = add_tables(spec, state, parse_tables(args.add_tables), snapshot=not args.no_snapshot)
         print(f"feed {spec.name} now captures {', '.join(grown.tables)}"
               + ("" if args.no_snapshot else "; the new tables' existing rows follow (snapshot requested)"))
@@ -327,12 +338,14 @@ def parser() -> argparse.ArgumentParser:
     resume.set_defaults(func=cmd_resume)
 
     alter = sub.add_parser("alter", help="add tables or source nodes to a feed, running or not (their existing "
-                           "rows follow), or remove a node from a stopped one")
+                           "rows follow), or remove a node from a stopped one, or follow a renamed table")
     alter.add_argument("--name", required=True)
     alter.add_argument("--state", default=DEFAULT_STATE)
     alter.add_argument("--add-tables", help="comma-separated schema.table list")
     alter.add_argument("--add-node", help="NAME=URI of one more source node (a feed of named nodes)")
     alter.add_argument("--remove-node", help="NAME of a node to stop reading: its slot and publication are dropped")
+    alter.add_argument("--rename-table", help="OLD=NEW: follow a table renamed on the source (a stopped feed; "
+                                              "a replica's table is renamed too)")
     alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
     alter.set_defaults(func=cmd_alter)
 

@@ -67,6 +67,7 @@ class FeedSpec:
     outbox_ttl_s: float = 0.0  # delete outbox rows this old once delivered; 0 = never
     outbox_snapshot_events: bool = False  # a snapshot's reads of the outbox are events too (core.outbox)
     nodes: tuple[tuple[str, str], ...] = ()  # (name, URI) of each node; () = one node, n1, at `source`
+    renamed: tuple[tuple[str, str], ...] = ()  # (old, new) schema.table renamed on the source (alter --rename-table)
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:
@@ -196,6 +197,7 @@ class FeedSpec:
                 raise ConfigError(f"{origin}: unknown keys {sorted(unknown)}", f"known keys: {sorted(known)}")
             data["tables"] = tuple(data["tables"])
             data["nodes"] = tuple((str(n), str(u)) for n, u in data.get("nodes", ()))
+            data["renamed"] = tuple((str(a), str(b)) for a, b in data.get("renamed", ()))
             return cls(**data).validate()
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None

@@ -348,8 +348,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     meter.snapshot = SnapshotMeter(report, prepared.source_conn, prepared.ledger)
     meter.gauges = Gauges(metrics, prepared) if metrics else None
     cleanup = _outbox_cleanup(prepared, attempt)
-    parallel = _parallel_reads(spec, state)
-    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
+    parallel, resync = _parallel_reads(spec, state), resyncing(state)
+    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync)
     batches_at_start = meter.batches
     try:
         with _lost_connections(prepared):
@@ -372,13 +372,16 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                 stored = state.load()
                 if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
                     raise NodesChanged(stored)
-                if query.isActive and parallel != _parallel_reads(spec, state):
-                    parallel = not parallel
-                    report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read them "
-                                                    "in parallel tasks" if parallel else
-                                                    "snapshot read: restarting the query without the shuffle"))
+                if query.isActive and (parallel, resync) != (_parallel_reads(spec, state), resyncing(state)):
+                    if parallel != _parallel_reads(spec, state):
+                        parallel = not parallel
+                        report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read "
+                                                        "them in parallel tasks" if parallel else
+                                                        "snapshot read: restarting the query without the shuffle"))
+                    resync = resyncing(state)  # (a request taken in: its tables follow only what they can again)
                     _stop(query, state)
-                    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel)
+                    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
+                                        resync=resync)
             if query.exception() is not None:
                 _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
                 raise _query_error(query.exception(), state)
@@ -525,6 +528,14 @@ def chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
     cursor = end.cursor if end else snapshot.Cursor(pending=snapshot.entries(tables, [n.name for n in spec.sources]))
     running_chunks = end is not None and bool(end.chunks) and not committed
     return running_chunks or bool(cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
+
+
+def resyncing(state: FeedState) -> tuple[str, ...]:
+    """Tables of snapshot requests the feed has not taken in yet: until then a replica table
+    follows any schema change, as its rows are read again next (see core.schema_change)."""
+    end, _ = _logged_end(state)
+    taken = end.cursor.requests if end else 0
+    return tuple(sorted({t for _, tables in SnapshotRequests(state.requests).after(taken) for t in tables}))
 
 
 def _release_wal(prepared: Prepared, query: Any) -> None:

@@ -23,6 +23,7 @@ from .errors import ConfigError, FeedBusy
 from .feed import add_source, prepare
 from .postgres import source as src
 from .postgres.connect import connect, redact
+from .postgres.source import split_table
 from .runner_lock import holder, run_state
 from .sinks.registry import REPLICA, open_ledger, sink_kind
 
@@ -117,6 +118,42 @@ def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
     if spec.snapshot != "never":
         SnapshotRequests(state.requests).add([snapshot.on_node(name, t) for t in spec.tables])
     return grown
+
+
+def rename_table(spec: FeedSpec, state: FeedState, old: str, new: str) -> FeedSpec:
+    """Follow a table renamed on the source: the stopped feed captures it under its new name (its
+    rows before the rename, still in the WAL under the old one, go to it too), and a replica's
+    table is renamed the same way."""
+    if old not in spec.tables:
+        raise ConfigError(f"feed {spec.name} does not capture {old}", f"its tables: {', '.join(spec.tables)}")
+    if new in spec.tables:
+        raise ConfigError(f"feed {spec.name} captures {new} already", "name the table's new name once")
+    who = holder(state)
+    if who:
+        raise FeedBusy(f"feed {spec.name} is running: held by {who}", "stop it first")
+    renamed = FeedSpec(**{**spec.__dict__, "tables": tuple(new if t == old else t for t in spec.tables),
+                          "renamed": (*spec.renamed, (old, new))}).validate()
+    with ExitStack() as stack:
+        for node in spec.sources:
+            src.describe_tables(stack.enter_context(connect(node.uri, spec.role(node.name))), [new])
+        if sink_kind(spec.sink) is REPLICA:
+            _rename_on_replica(stack.enter_context(connect(spec.sink, "sink")), old, new)
+    state.save(renamed)
+    return renamed
+
+
+def _rename_on_replica(conn: Any, old: str, new: str) -> None:
+    (old_schema, old_name), (new_schema, new_name) = split_table(old), split_table(new)
+    if conn.execute("SELECT to_regclass(%s)", (sql.Identifier(new_schema, new_name).as_string(conn),)).fetchone()[0]:
+        return  # renamed before (or created by alter --add-tables)
+    with conn.transaction():
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(new_schema)))
+        if old_schema != new_schema:
+            conn.execute(sql.SQL("ALTER TABLE {} SET SCHEMA {}").format(sql.Identifier(old_schema, old_name),
+                                                                     sql.Identifier(new_schema)))
+        if old_name != new_name:
+            conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(sql.Identifier(new_schema, old_name),
+                                                                    sql.Identifier(new_name)))
 
 
 def remove_node(spec: FeedSpec, state: FeedState, name: str) -> tuple[FeedSpec, list[str]]:

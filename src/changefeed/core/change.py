@@ -122,16 +122,19 @@ class TableShape:
     key: tuple[str, ...]
     replica_identity: str
     missing: tuple[str | None, ...] = ()
+    filled: tuple[bool, ...] = ()  # per column: it has a default but no missing value (see core.schema_change)
+    ahead: bool = False  # the table's shape when a snapshot read it, maybe ahead of the stream's
 
     def to_meta(self) -> str:
         return json.dumps({"columns": self.columns, "types": self.types, "key": self.key,
-                           "identity": self.replica_identity, "missing": self.missing})
+                           "identity": self.replica_identity, "missing": self.missing, "filled": self.filled,
+                           "ahead": self.ahead})
 
     @classmethod
     def from_meta(cls, schema: str, table: str, meta: str) -> "TableShape":
         d = json.loads(meta)
         return cls(schema, table, tuple(d["columns"]), tuple(d["types"]), tuple(d["key"]), d["identity"],
-                   tuple(d.get("missing") or ()))
+                   tuple(d.get("missing") or ()), tuple(d.get("filled") or ()), bool(d.get("ahead")))
 
 
 @dataclass(frozen=True)

@@ -280,7 +280,7 @@ class ChangeBuilder:
         info = self.info(rel.oid)
         return ch.TableShape(
             rel.schema, rel.name, tuple(c.name for c in rel.columns), info.types,
-            tuple(rel.columns[i].name for i in info.key), rel.replica_identity, info.missing,
+            tuple(rel.columns[i].name for i in info.key), rel.replica_identity, info.missing, info.filled,
         ).to_meta()
 
     def _message(self, msg: po.Message) -> None:

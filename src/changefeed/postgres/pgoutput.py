@@ -100,6 +100,7 @@ class RelationInfo:
     types: tuple[str, ...]
     key: tuple[int, ...]
     missing: tuple[str | None, ...]
+    filled: tuple[bool, ...] = ()  # per column: a default but no missing value (postgres.source.filled_columns)
 
 
 @dataclass(frozen=True, slots=True)

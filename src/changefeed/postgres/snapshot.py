@@ -82,7 +82,7 @@ def _shape(conn: psycopg.Connection[Any], table: SourceTable) -> ch.TableShape:
                               (f'"{table.schema}"."{table.name}"',)).fetchone()  # type: ignore[misc]
     missing = missing_values(conn, oid)
     return ch.TableShape(table.schema, table.name, table.columns, table.types, table.key, ident,
-                         tuple(missing.get(c) for c in table.columns))
+                         tuple(missing.get(c) for c in table.columns), ahead=True)
 
 
 def _stable_snapshot(conn: psycopg.Connection[Any]) -> None:

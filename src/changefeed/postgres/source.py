@@ -88,7 +88,8 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[So
         oid = table_oid(conn, schema, name)
         if oid is None:
             raise SourceNotReady(f"table {schema}.{name} does not exist on the source",
-                                 "create it, or fix --tables (names are schema.table, case-sensitive)")
+                                 "create it, or fix --tables (names are schema.table, case-sensitive); if "
+                                 "a captured table was renamed: changefeed alter --rename-table OLD=NEW")
         cols = conn.execute(
             "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
@@ -110,16 +111,26 @@ def missing_values(conn: psycopg.Connection[Any], oid: int) -> dict[str, str]:
         "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND atthasmissing", (oid,)).fetchall())
 
 
+def filled_columns(conn: psycopg.Connection[Any], oid: int) -> set[str]:
+    """Columns with a default but no missing value: added with one, their existing rows got values
+    by a table rewrite, which the WAL does not carry (see core.schema_change)."""
+    return {r[0] for r in conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped "
+        "AND atthasdef AND NOT atthasmissing", (oid,))}
+
+
 def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> RelationInfo:
-    """Type names, primary key and missing values of a pgoutput Relation, from the catalog."""
+    """Type names, primary key, missing values and filled columns of a pgoutput Relation, from the catalog."""
     missing = missing_values(conn, rel.oid)
+    filled = filled_columns(conn, rel.oid)
     types = conn.execute(
         "SELECT format_type(t, m) FROM unnest(%s::oid[], %s::int[]) WITH ORDINALITY u(t, m, i) ORDER BY i",
         ([c.type_oid for c in rel.columns], [c.typmod for c in rel.columns])).fetchall()
     names = [c.name for c in rel.columns]
     key = [r[0] for r in conn.execute(_KEY_SQL, (rel.oid,)).fetchall()]
     key_idx = tuple(names.index(k) for k in dict.fromkeys(key) if k in names) or rel.key_indexes
-    return RelationInfo(tuple(t[0] for t in types), key_idx, tuple(missing.get(n) for n in names))
+    return RelationInfo(tuple(t[0] for t in types), key_idx, tuple(missing.get(n) for n in names),
+                        tuple(n in filled for n in names))
 
 
 def check_rights(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> None:

@@ -14,7 +14,7 @@ next, never between, and merging overlaps with reading the rest of the batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,8 +28,11 @@ from ..core import change as ch
 from ..core.copytext import NULL
 from ..core.lsn import format_lsn
 from ..core.nodes import DEFAULT_NODE
+from ..postgres.source import split_table
 from .. import faults
-from ..errors import ChangefeedError, SinkError
+from ..core import schema_change
+from ..errors import ChangefeedError, SinkError, UnfollowableChange
+from . import replica_shape
 from .ledger import RATE_WINDOW_S, LastBatch
 
 META_SCHEMA = "changefeed"
@@ -222,6 +225,7 @@ class _Part:
     insert_sql: sql.Composed
     nulls: Any
     key_nulls: Any
+    columns: tuple[str, ...]  # of the shape's, those the target has (all but for a snapshot's shape ahead)
 
 
 class BatchApplier:
@@ -235,10 +239,14 @@ class BatchApplier:
     """
 
     def __init__(self, conn: psycopg.Connection[Any], feed: str, batch_id: int, *,
-                 in_stream_order: bool = False) -> None:
+                 in_stream_order: bool = False, resync: frozenset[str] = frozenset(),
+                 renamed: dict[str, str] | None = None) -> None:
         assert conn.autocommit, "the applier opens its own transaction"
         self.conn, self.feed, self.batch_id = conn, feed, batch_id
         self.in_stream_order = in_stream_order
+        self.resync = resync  # tables whose re-read is requested: they follow any change (core.schema_change)
+        self._followed: dict[tuple[str, str], ch.TableShape] = {}  # the replica tables' shapes in this batch
+        self.renamed = renamed or {}  # old -> new schema.table: rows under the old name go to the new
         self.done = 0
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._parts: dict[ch.TableShape, _Part] = {}
@@ -275,9 +283,34 @@ class BatchApplier:
                 break
             op, schema, table, meta = (rb.column(n)[i].as_py() for n in ("op", "schema", "table", "meta"))
             if op == ch.RELATION:
-                self._shapes[(schema, table)] = ch.TableShape.from_meta(schema, table, meta)
+                shape = ch.TableShape.from_meta(schema, table, meta)
+                if f"{schema}.{table}" in self.renamed:
+                    shape = replace(shape, **dict(zip(("schema", "table"), split_table(
+                        self.renamed[f"{schema}.{table}"]))))
+                applied_before = not self.in_stream_order and rb.column("lsn")[i].as_py() < self.done
+                if not shape.ahead and not applied_before:
+                    self._follow(shape)
+                self._shapes[(schema, table)] = shape
             else:
                 self._progress.append(ch.Progress.from_meta(meta))
+
+    def _follow(self, shape: ch.TableShape) -> None:
+        """Bring the replica table to the shape the stream says it has from here on, or stop."""
+        key = (shape.schema, shape.table)
+        if self._followed.get(key) == shape:
+            return
+        current = replica_shape.read(self.conn, *key)
+        qualified = f"{shape.schema}.{shape.table}"
+        if current is None:
+            raise UnfollowableChange(
+                f"table {qualified} has changes but is not on the replica: was it renamed on the source (or "
+                "dropped on the replica)? nothing past it was applied",
+                f"if it was renamed: changefeed alter --name {self.feed} --rename-table OLD={qualified}, then run "
+                "the feed again")
+        steps = schema_change.plan(self.feed, current, shape, resync=qualified in self.resync,
+                                   keep_dropped=self.in_stream_order)
+        replica_shape.apply(self.conn, shape, steps)
+        self._followed[key] = shape
 
     def covers(self, progress: ch.BatchProgress) -> bool:
         """Whether the replica recorded this batch (or a later one) before."""
@@ -331,6 +364,8 @@ class BatchApplier:
                                 "this is a bug in the change stream; report it")
             mine = rows if len(tables) == 1 else rows.filter(pc.equal(names, name))
             part = self._parts.get(shape) or self._new_part(shape)
+            if part.columns != shape.columns:
+                self._no_insert_runs.add(shape)  # (a direct COPY writes every column of the shape)
             for lo, hi, inserts in insert_runs(mine.column("op"), INSERT_RUN_ROWS):
                 run = mine.slice(lo, hi - lo)
                 if not (inserts and self._insert(part, run)):
@@ -373,12 +408,15 @@ class BatchApplier:
         self.conn.execute(sql.SQL(
             "CREATE TEMPORARY TABLE {} (_lsn bigint, _seq int, _op text, _unch int[], {}) ON COMMIT DROP").format(
             staging, sql.SQL(", ").join(target_types + key_types)))
-        _add_new_columns(self.conn, shape, ident(shape.schema, shape.table))
+        columns = shape.columns
+        if shape.ahead:  # a snapshot's shape: the stream brings the change to the table later
+            current = replica_shape.read(self.conn, shape.schema, shape.table)
+            columns = tuple(c for c in shape.columns if current is None or c in current.columns)
         part = _Part(shape, staging, sql.SQL("COPY {} FROM STDIN").format(staging),
                      sql.SQL("COPY {} ({}) FROM STDIN").format(
                          ident(shape.schema, shape.table), sql.SQL(", ").join(map(ident, shape.columns))),
                      pa.scalar(b"\t".join([NULL] * len(shape.columns)), pa.large_binary()),
-                     pa.scalar(b"\t".join([NULL] * len(shape.key)), pa.large_binary()))
+                     pa.scalar(b"\t".join([NULL] * len(shape.key)), pa.large_binary()), columns)
         self._parts[shape] = part
         return part
 
@@ -468,12 +506,12 @@ def _apply_part(conn: psycopg.Connection[Any], part: _Part, *, has_truncate: boo
         after = sql.SQL("(_lsn, _seq) > ({}, {})").format(sql.Literal(row[0]), sql.Literal(row[1]))
     if has_unchanged:
         _resolve_unchanged(conn, part, target, stg)
-    cols = [ident(c) for c in shape.columns]
+    cols = [ident(c) for c in part.columns]
     keys = [ident(k) for k in shape.key]
     old_keys = [ident(f"_ok_{i}") for i in range(len(shape.key))]
     key_list = sql.SQL(", ").join(keys)
     col_list = sql.SQL(", ").join(cols)
-    non_key = [c for c in shape.columns if c not in shape.key]
+    non_key = [c for c in part.columns if c not in shape.key]
     on_conflict = sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
         sql.SQL("{0} = EXCLUDED.{0}").format(ident(c)) for c in non_key)) if non_key else sql.SQL("DO NOTHING")
     conn.execute(sql.SQL("""
@@ -491,28 +529,11 @@ def _apply_part(conn: psycopg.Connection[Any], part: _Part, *, has_truncate: boo
         col_list=col_list, stg=stg, after=after, key_list=key_list, target=target, on_conflict=on_conflict,
         old_key_deletes=sql.SQL("UNION ALL SELECT _lsn, _seq, 0, 'd', {} FROM {} WHERE {} IS NOT NULL AND {}").format(
             sql.SQL(", ").join(sql.SQL("{} AS {}").format(old_keys[shape.key.index(c)], ident(c)) if c in shape.key
-                               else sql.SQL("NULL") for c in shape.columns),
+                               else sql.SQL("NULL") for c in part.columns),
             stg, old_keys[0], after) if has_key_change else sql.SQL(""),
         t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
         l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys),
     ))
-
-
-def _add_new_columns(conn: psycopg.Connection[Any], shape: ch.TableShape, target: sql.Identifier) -> None:
-    """Add columns the source added since; rows that predate them get the source's missing value."""
-    have = {r[0] for r in conn.execute(
-        "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
-        (f'"{shape.schema}"."{shape.table}"',))}
-    missing = shape.missing or (None,) * len(shape.columns)
-    for c, t, m in zip(shape.columns, shape.types, missing):
-        if c in have:
-            continue
-        if m is None:
-            conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} {}").format(target, ident(c), sql.SQL(t)))
-        else:
-            conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} {} DEFAULT {}::{}").format(
-                target, ident(c), sql.SQL(t), sql.Literal(m), sql.SQL(t)))
-            conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(target, ident(c)))
 
 
 def _resolve_unchanged(conn: psycopg.Connection[Any], part: _Part, target: sql.Identifier,

@@ -61,7 +61,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
 
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
-                parallel_reads: bool = False) -> Any:
+                parallel_reads: bool = False, resync: tuple[str, ...] = ()) -> Any:
     """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
     feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
     parallel tasks and shuffles them to the one writer task; without it the writer task reads them
@@ -85,6 +85,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
     writer = (changes.writeStream.format(kind.spark_format)
               .queryName(f"changefeed_{spec.name}")
               .option("uri", spec.sink).option("feed", spec.name).option("multi_node", str(spec.multi_node).lower())
+              .option("resync", ",".join(resync)).option("renamed", json.dumps(spec.renamed))
               .option("checkpointLocation", str(state.checkpoint)))
     if kind.messages:
         outbox = spec.outbox_spec

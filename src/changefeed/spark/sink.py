@@ -12,6 +12,7 @@ of imports would only delay a feed's start.
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterator
@@ -35,7 +36,8 @@ class AppliedMessage(WriterCommitMessage):
 
 
 class PostgresReplicaSink(DataSource):
-    """Options: uri, feed."""
+    """Options: uri, feed, multi_node, resync (tables that follow any schema change, see
+    core.schema_change), renamed (JSON [[old, new], ...]: tables renamed on the source)."""
 
     @classmethod
     def name(cls) -> str:
@@ -60,6 +62,8 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
         self.uri = options["uri"]
         self.feed = options["feed"]
         self.multi_node = options.get("multi_node") == "true"
+        self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
+        self.renamed = dict(json.loads(options.get("renamed") or "[]"))
 
     def write(self, iterator: Iterator[Any]) -> AppliedMessage:
         if self.multi_node:
@@ -78,7 +82,8 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
             parts = merge.split(rb for packed in iterator for rb in ch.unpack(packed))
             progress = ch.BatchProgress.of([p.progress for p in parts])
             with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
-                applier = replica.BatchApplier(conn, self.feed, batch_id(), in_stream_order=True)
+                applier = replica.BatchApplier(conn, self.feed, batch_id(), in_stream_order=True,
+                                               resync=self.resync, renamed=self.renamed)
                 applier.begin()
                 try:
                     if not applier.covers(progress):  # a batch applied before adds nothing
@@ -117,7 +122,8 @@ class ReplicaStreamWriter(DataSourceStreamArrowWriter):
                     pass
 
         with carried("sink"), connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
-            applier = replica.BatchApplier(conn, self.feed, batch_id())
+            applier = replica.BatchApplier(conn, self.feed, batch_id(), resync=self.resync,
+                                           renamed=self.renamed)
             applier.begin()
             worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)
             worker.start()

@@ -1,0 +1,61 @@
+"""The replica table's shape, read and changed inside the batch's transaction (see core.schema_change).
+
+Changing it there makes a followed schema change atomic with the changes around it: a batch that
+fails (or stops at a change it cannot follow) leaves the replica table as it was.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..core.change import TableShape
+from ..core.schema_change import Current, Step
+
+
+def read(conn: psycopg.Connection[Any], schema: str, table: str) -> Current | None:
+    """The replica table's columns, types and primary key; None if there is no such table."""
+    rows = conn.execute(
+        "SELECT a.attname, format_type(a.atttypid, a.atttypmod), "
+        "coalesce(array_position(i.indkey::int2[], a.attnum), 0) FROM pg_attribute a "
+        "JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "LEFT JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
+        "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p') AND a.attnum > 0 "
+        "AND NOT a.attisdropped ORDER BY a.attnum", (schema, table)).fetchall()
+    if not rows:
+        return None
+    key = tuple(name for name, _, at in sorted(rows, key=lambda r: r[2]) if at)
+    return Current(tuple(r[0] for r in rows), tuple(r[1] for r in rows), key)
+
+
+def apply(conn: psycopg.Connection[Any], shape: TableShape, steps: Sequence[Step]) -> None:
+    """Run `steps` on the replica table of `shape`."""
+    target = sql.Identifier(shape.schema, shape.table)
+    for step in steps:
+        column = sql.Identifier(step.column)
+        if step.kind == "add" and step.missing is None:
+            conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} {}").format(target, column, sql.SQL(step.type)))
+        elif step.kind == "add":  # rows written before the column read as `missing` (no rewrite here either)
+            conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN {} {} DEFAULT {}::{}").format(
+                target, column, sql.SQL(step.type), sql.Literal(step.missing), sql.SQL(step.type)))
+            conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(target, column))
+        elif step.kind == "drop":
+            conn.execute(sql.SQL("ALTER TABLE {} DROP COLUMN {}").format(target, column))
+        elif step.kind == "type":
+            using = sql.SQL("NULL") if step.reset else column
+            conn.execute(sql.SQL("ALTER TABLE {} ALTER COLUMN {} TYPE {} USING {}::{}").format(
+                target, column, sql.SQL(step.type), using, sql.SQL(step.type)))
+        elif step.kind == "key":
+            _move_key(conn, shape, step.key)
+
+
+def _move_key(conn: psycopg.Connection[Any], shape: TableShape, key: Sequence[str]) -> None:
+    target = sql.Identifier(shape.schema, shape.table)
+    name = conn.execute("SELECT conname FROM pg_constraint WHERE conrelid = %s::regclass AND contype = 'p'",
+                        (target.as_string(conn),)).fetchone()
+    if name is not None:
+        conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(target, sql.Identifier(name[0])))
+    conn.execute(sql.SQL("ALTER TABLE {} ADD PRIMARY KEY ({})").format(
+        target, sql.SQL(", ").join(map(sql.Identifier, key))))
