@@ -54,6 +54,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "outbox_topic": args.outbox_topic,
         "outbox_ttl_s": _option("outbox-ttl", parse_duration, args.outbox_ttl),
         "outbox_snapshot_events": args.outbox_snapshot_events or None,
+        "capture_ddl": args.capture_ddl or None,
     }.items() if v is not None}
     outbox = given.get("outbox") or (stored.outbox if stored else "")
     if outbox and "tables" in given and outbox not in given["tables"]:
@@ -149,10 +150,17 @@ def cmd_alter(args: argparse.Namespace) -> int:
     from .lifecycle import add_node, add_tables, remove_node
 
     spec, state = _stored(args)
-    if sum(map(bool, (args.add_tables, args.add_node, args.remove_node, args.rename_table))) != 1:
-        raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table",
-                          "run one alter per change")
-    if args.rename_table:
+    changes = (args.add_tables, args.add_node, args.remove_node, args.rename_table, args.capture_ddl)
+    if sum(map(bool, changes)) != 1:
+        raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table, "
+                          "--capture-ddl", "run one alter per change")
+    if args.capture_ddl:
+        from .lifecycle import capture_ddl
+
+        capture_ddl(spec, state)
+        print(f"feed {spec.name} now captures the schema changes of its tables (event triggers "
+              f"changefeed_ddl_{spec.name} on its source)")
+    elif args.rename_table:
         old, sep, new = args.rename_table.partition("=")
         pair = parse_tables(f"{old},{new}") if sep else ()
         if len(pair) != 2:
@@ -279,6 +287,9 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                             "topic_prefix goes in front)")
     cmd.add_argument("--outbox-ttl", help="delete outbox rows older than this, e.g. 1h, once the feed's checkpoint "
                                           "is past them (default 0: never)")
+    cmd.add_argument("--capture-ddl", action="store_true",
+                     help="install an event trigger on the source that sends each schema change of a captured "
+                          "table through the slot, in order (needs a superuser; see Schema changes)")
     cmd.add_argument("--outbox-snapshot-events", action="store_true",
                      help="also send the rows a snapshot reads from the outbox as events (default: only inserts; "
                           "every re-snapshot then sends them again)")
@@ -346,6 +357,8 @@ def parser() -> argparse.ArgumentParser:
     alter.add_argument("--remove-node", help="NAME of a node to stop reading: its slot and publication are dropped")
     alter.add_argument("--rename-table", help="OLD=NEW: follow a table renamed on the source (a stopped feed; "
                                               "a replica's table is renamed too)")
+    alter.add_argument("--capture-ddl", action="store_true",
+                       help="from now on, send the tables' schema changes through the slot (needs a superuser)")
     alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
     alter.set_defaults(func=cmd_alter)
 

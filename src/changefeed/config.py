@@ -68,6 +68,7 @@ class FeedSpec:
     outbox_snapshot_events: bool = False  # a snapshot's reads of the outbox are events too (core.outbox)
     nodes: tuple[tuple[str, str], ...] = ()  # (name, URI) of each node; () = one node, n1, at `source`
     renamed: tuple[tuple[str, str], ...] = ()  # (old, new) schema.table renamed on the source (alter --rename-table)
+    capture_ddl: bool = False  # DDL of captured tables as messages in the stream (postgres.ddl_capture)
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:

@@ -26,6 +26,7 @@ from .core.requests import SnapshotRequests
 from .errors import (ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, SourceNotReady,
                      TransientError)
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
+from .postgres import ddl_capture
 from .postgres import source as src
 from .postgres import twophase
 from .postgres.connect import connect, lost_connection
@@ -72,6 +73,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     each node (each step leaves what exists as it is, so a runner that lost its servers calls
     this again to carry on). Nothing is created anywhere before every check passed; a slot or
     publication created on one node is dropped again when a later step fails."""
+    if spec.capture_ddl:
+        spec = follow_renames(spec, state, stack)
     checked = [_check_node(spec, node, stack, report) for node in spec.sources]
     _check_same_tables(spec, checked)
     with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report), lost_connection("sink"):
@@ -94,6 +97,23 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
         raise
     state.save(spec)
     return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger)
+
+
+def follow_renames(spec: FeedSpec, state: FeedState, stack: ExitStack | None = None,
+                   conns: dict[str, Any] | None = None) -> FeedSpec:
+    """The feed capturing its tables under the names the DDL capture saw them renamed to (stored)."""
+    tables = list(spec.tables)
+    with ExitStack() as own:
+        for node in spec.sources:
+            conn = (conns or {}).get(node.name) or (stack or own).enter_context(connect(node.uri, spec.role(node.name)))
+            for old, new in ddl_capture.renames(conn, spec.name):
+                if old in tables and new not in tables:
+                    tables[tables.index(old)] = new
+    if tuple(tables) == spec.tables:
+        return spec
+    renamed = FeedSpec(**{**spec.__dict__, "tables": tuple(tables)}).validate()
+    state.save(renamed)
+    return renamed
 
 
 def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Callable[[str], None]) -> _Checked:
@@ -143,6 +163,8 @@ def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checke
             if c.slot is None:
                 src.create_slot(c.conn, c.node.slot, two_phase=spec.multi_node)
                 created[-1] = (c, publication, True)
+            if spec.capture_ddl:
+                ddl_capture.install(c.conn, spec.name, c.node.publication)
             faults.reach("node_created")
 
 
@@ -372,6 +394,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                 stored = state.load()
                 if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
                     raise NodesChanged(stored)
+                if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
+                    follow_renames(stored or spec, state, conns=prepared.sources)
                 if query.isActive and (parallel, resync) != (_parallel_reads(spec, state), resyncing(state)):
                     if parallel != _parallel_reads(spec, state):
                         parallel = not parallel

@@ -21,6 +21,7 @@ from .core import snapshot
 from .core.requests import SnapshotRequests
 from .errors import ConfigError, FeedBusy
 from .feed import add_source, prepare
+from .postgres import ddl_capture
 from .postgres import source as src
 from .postgres.connect import connect, redact
 from .postgres.source import split_table
@@ -72,7 +73,7 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
         # every node checked before anything is dropped on any
         held = [(node, _held_for_removal(spec, node, stack)) for node in spec.sources]
         for node, (conn, slot) in held:
-            gone += _drop(conn, node, slot, f" on source node {node.name}" if spec.multi_node else "")
+            gone += _drop(conn, spec.name, node, slot, f" on source node {node.name}" if spec.multi_node else "")
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
@@ -98,6 +99,8 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
         for (node, conn), tables in zip(conns, described):
             src.ensure_publication(conn, node.publication, tables)
+            if spec.capture_ddl:  # the new tables' shapes
+                ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)
     if snapshot:
         SnapshotRequests(state.requests).add(new)
@@ -118,6 +121,17 @@ def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
     if spec.snapshot != "never":
         SnapshotRequests(state.requests).add([snapshot.on_node(name, t) for t in spec.tables])
     return grown
+
+
+def capture_ddl(spec: FeedSpec, state: FeedState) -> FeedSpec:
+    """Turn on --capture-ddl for a feed, running or not: its event triggers from now on."""
+    on = FeedSpec(**{**spec.__dict__, "capture_ddl": True}).validate()
+    with ExitStack() as stack:
+        for node in spec.sources:
+            ddl_capture.install(stack.enter_context(connect(node.uri, spec.role(node.name))), spec.name,
+                                node.publication)
+    state.save(on)
+    return on
 
 
 def rename_table(spec: FeedSpec, state: FeedState, old: str, new: str) -> FeedSpec:
@@ -172,7 +186,7 @@ def remove_node(spec: FeedSpec, state: FeedState, name: str) -> tuple[FeedSpec, 
     with ExitStack() as stack:
         conn, slot = _held_for_removal(spec, node, stack)
         state.save(shrunk)  # before anything is dropped: a crash leaves a slot behind, never a node without one
-        return shrunk, _drop(conn, node, slot)
+        return shrunk, _drop(conn, spec.name, node, slot)
 
 
 def _held_for_removal(spec: FeedSpec, node: SourceNode, stack: ExitStack) -> tuple[Any, src.SlotState | None]:
@@ -187,9 +201,9 @@ def _held_for_removal(spec: FeedSpec, node: SourceNode, stack: ExitStack) -> tup
     return conn, slot
 
 
-def _drop(conn: Any, node: SourceNode, slot: src.SlotState | None, on: str = "") -> list[str]:
-    """Drop the feed's slot and publication on `node`; what went."""
-    gone = []
+def _drop(conn: Any, feed: str, node: SourceNode, slot: src.SlotState | None, on: str = "") -> list[str]:
+    """Drop the feed's slot, publication and DDL capture on `node`; what went."""
+    gone = [f"{what}{on}" for what in ddl_capture.uninstall(conn, feed)]
     if slot is not None:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
         gone.append(f"slot {node.slot}{on}")

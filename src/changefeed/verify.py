@@ -278,13 +278,16 @@ def _compare(spec: FeedSpec, point: _Point, table: str, workers: int, chunk_rows
     sessions = _Sessions()
     try:
         with sessions.on(nodes[0].uri, nodes[0].role, nodes[0].snapshot) as conn:
-            described = describe_tables(conn, [table])[0]
             source_cols = cs.columns(conn, table)
+            if source_cols is None:
+                result.schema = ["the table is missing on the source (dropped or renamed there: see alter "
+                                 "--rename-table)"]
+                return result, []
+            described = describe_tables(conn, [table])[0]
             rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(  # (each node about as many)
                 sql.Identifier(described.schema, described.name))).fetchone()[0]  # type: ignore[index]
         with sessions.on(sink.uri, sink.role, sink.snapshot) as conn:
             sink_cols = cs.columns(conn, table)
-        assert source_cols is not None
         if sink_cols is None:
             result.schema = ["the table is missing on the sink"]
             return result, []

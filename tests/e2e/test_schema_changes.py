@@ -187,3 +187,68 @@ def test_changes_the_wal_cannot_tell_stop_the_feed_until_the_named_fix(dbs: Dbs,
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 0
+
+
+def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_path: Path) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE d_t (id int PRIMARY KEY, v int, a text, n int, gone int)")
+        c.execute("INSERT INTO d_t SELECT g, g, 'a' || g, g % 100, g FROM generate_series(1, 300) g")
+    name, first = _feed(dbs, tmp_path, ["d_t"])
+    log = tmp_path / "run.log"
+    written: list[int] = []
+
+    def write(uri: str, stop: threading.Event, written: list[int]) -> None:
+        rnd = random.Random(5)
+        with psycopg.connect(uri, autocommit=True) as c:
+            n = 1000
+            while not stop.is_set():
+                table = c.execute("SELECT relname FROM pg_class WHERE relname IN ('d_t', 'd_u')").fetchone()[0]
+                try:
+                    with c.transaction():
+                        c.execute(f"UPDATE {table} SET v = v + 1 WHERE id = %s", (rnd.randint(1, 300),))
+                        c.execute(f"INSERT INTO {table} (id, v) VALUES (%s, %s)", (n, n))
+                except psycopg.errors.UndefinedTable:
+                    continue  # renamed between the lookup and the statement
+                n += 1
+                written.append(n)
+                time.sleep(0.01)
+
+    with writing(write, dbs.source, written):
+        p = start_changefeed("run", *first, "--capture-ddl", log=log)
+        try:
+            wait_for("a first verification", lambda: _verify(name)[0] == 0, log)
+            with dbs.src() as c:
+                for ddl in ("ALTER TABLE d_t RENAME COLUMN a TO b",  # a rename, not a drop and an add
+                            "ALTER TABLE d_t ADD COLUMN at timestamptz DEFAULT clock_timestamp()",  # a rewrite
+                            "ALTER TABLE d_t ALTER COLUMN n TYPE smallint",  # narrowing
+                            "ALTER TABLE d_t DROP COLUMN gone, ADD COLUMN fresh int DEFAULT 3",
+                            "ALTER TABLE d_t RENAME TO d_u"):
+                    c.execute(ddl)
+                    time.sleep(0.2)
+            time.sleep(1)
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=60)
+            p = start_changefeed("run", *name, log=log)
+            wait_for("the feed running again", lambda: log.read_text().count("running (until stopped)") >= 2, log)
+            before = len(written)
+            wait_for("writes after the restart", lambda: len(written) > before + 50, log)
+        except BaseException:
+            os.killpg(p.pid, signal.SIGKILL)
+            raise
+    try:
+        rc, report, err = _verify(name)
+        assert rc == 0 and report["equal"], (err, json.dumps(report, indent=1)[:3000], log.read_text()[-3000:])
+        assert [t["table"] for t in report["tables"]] == ["public.d_u"]  # the feed follows the rename
+        with dbs.dst() as c:
+            assert c.execute("SELECT b FROM d_u WHERE id = 7").fetchone() == ("a7",)  # values kept by the rename
+            assert c.execute("SELECT count(*) FROM d_u WHERE at IS NULL").fetchone() == (0,)  # the rewrite's values
+            assert c.execute("SELECT to_regclass('public.d_t')").fetchone() == (None,)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert_no_traceback(log.read_text())
+    removed = changefeed_cli("remove", *name)
+    assert removed.returncode == 0 and f"event trigger changefeed_ddl_{dbs.name}" in removed.stdout, removed.stdout
+    with dbs.src() as c:
+        assert c.execute("SELECT count(*) FROM pg_event_trigger WHERE evtname LIKE %s",
+                         (f"changefeed_ddl%{dbs.name}",)).fetchone() == (0,)

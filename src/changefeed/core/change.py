@@ -41,6 +41,7 @@ PACKED_DDL = "`rows` int, `changes` binary"
 DATA_OPS = frozenset("cudtrm")
 RELATION = "R"
 PROGRESS = "P"
+MESSAGE = "m"  # a logical decoding message (its prefix in meta, its content in after)
 # A logical message with this prefix ends a batch window: the source emits it, the decoder knows it.
 HEARTBEAT_PREFIX = "changefeed.heartbeat"
 

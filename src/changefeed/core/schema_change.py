@@ -16,7 +16,8 @@ so the replica learns each new shape exactly where it starts. What the shape alo
 
 A stop names the table, the change and the fix: `changefeed snapshot --tables T` and run the feed
 again. While that request waits to be taken in (`resync`), the table follows any change (new and
-changed columns start empty) and its rows are then read again. Pure: the replica's columns come
+changed columns start empty) and its rows are then read again. With `--capture-ddl` the DDL
+itself comes first (`told`) and settles what the shape cannot. Pure: the replica's columns come
 in as a `Current`.
 """
 from __future__ import annotations
@@ -80,11 +81,13 @@ def widens(old: str, new: str) -> bool:
     return False
 
 
-def plan(feed: str, current: Current, shape: TableShape, *, resync: bool = False,
+def plan(feed: str, current: Current, shape: TableShape, *, resync: bool = False, told: bool = False,
          keep_dropped: bool = False) -> list[Step]:
-    """The steps that bring the replica table to `shape`, or UnfollowableChange. `keep_dropped`
-    (a feed of several nodes, whose nodes change shape one after another): columns missing from
-    `shape` stay on the replica."""
+    """The steps that bring the replica table to `shape`, or UnfollowableChange. `told`: a captured
+    DDL event (postgres.ddl_capture) came first, with the columns it renamed (already renamed on the
+    replica) and a rewrite's values as updates right after it, so nothing is ambiguous and a type
+    changes by the same cast. `keep_dropped` (a feed of several nodes, whose nodes change shape one
+    after another): columns missing from `shape` stay on the replica."""
     table = f"{shape.schema}.{shape.table}"
     have = dict(zip(current.columns, current.types))
     missing = shape.missing or (None,) * len(shape.columns)
@@ -92,13 +95,14 @@ def plan(feed: str, current: Current, shape: TableShape, *, resync: bool = False
     added = [i for i, c in enumerate(shape.columns) if c not in have]
     dropped = [c for c in current.columns if c not in shape.columns]
     fix = (f"re-read the table: changefeed snapshot --name {feed} --tables {table}, then run the feed again "
-           "(it follows the new shape and reads the table's rows again)")
+           "(it follows the new shape and reads the table's rows again); to have such changes followed from "
+           f"now on: changefeed alter --name {feed} --capture-ddl")
 
     def stop(change: str) -> UnfollowableChange:
         return UnfollowableChange(f"table {table} changed on the source in a way the replica cannot follow from "
                                   f"the WAL: {change}; nothing past it was applied", fix)
 
-    if added and dropped and not resync and not keep_dropped:
+    if added and dropped and not resync and not told and not keep_dropped:
         gone = ", ".join(dropped)
         new = ", ".join(shape.columns[i] for i in added)
         raise stop(f"column(s) {gone} are gone and {new} are new (a RENAME COLUMN, or a DROP and an ADD COLUMN, "
@@ -106,14 +110,14 @@ def plan(feed: str, current: Current, shape: TableShape, *, resync: bool = False
     steps: list[Step] = []
     for i, (c, t) in enumerate(zip(shape.columns, shape.types)):
         if c not in have:
-            if filled[i] and not resync:
+            if filled[i] and not resync and not told:
                 raise stop(f"column {c} was added with a default computed for each row (a table rewrite), "
                            "whose values the WAL does not carry")
             steps.append(Step("add", c, t, None if resync else missing[i]))
         elif have[c] != t:
-            if not widens(have[c], t) and not resync:
+            if not widens(have[c], t) and not resync and not told:
                 raise stop(f"column {c} changed type from {have[c]} to {t}")
-            steps.append(Step("type", c, t, reset=not widens(have[c], t)))
+            steps.append(Step("type", c, t, reset=resync and not widens(have[c], t)))
     if not keep_dropped:
         steps += [Step("drop", c) for c in dropped if c not in shape.key]
     if tuple(shape.key) != tuple(current.key):

@@ -13,6 +13,7 @@ next, never between, and merging overlaps with reading the rest of the batch.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,6 +29,7 @@ from ..core import change as ch
 from ..core.copytext import NULL
 from ..core.lsn import format_lsn
 from ..core.nodes import DEFAULT_NODE
+from ..postgres.ddl_capture import PREFIX as DDL_PREFIX
 from ..postgres.source import split_table
 from .. import faults
 from ..core import schema_change
@@ -247,6 +249,7 @@ class BatchApplier:
         self.resync = resync  # tables whose re-read is requested: they follow any change (core.schema_change)
         self._followed: dict[tuple[str, str], ch.TableShape] = {}  # the replica tables' shapes in this batch
         self.renamed = renamed or {}  # old -> new schema.table: rows under the old name go to the new
+        self._told: set[tuple[str, str]] = set()  # tables whose next shape a captured DDL event explained
         self.done = 0
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._parts: dict[ch.TableShape, _Part] = {}
@@ -282,7 +285,11 @@ class BatchApplier:
             if i == rb.num_rows:
                 break
             op, schema, table, meta = (rb.column(n)[i].as_py() for n in ("op", "schema", "table", "meta"))
-            if op == ch.RELATION:
+            if op == ch.MESSAGE:
+                if json.loads(meta).get("prefix") == DDL_PREFIX and (
+                        self.in_stream_order or rb.column("lsn")[i].as_py() >= self.done):
+                    self._told_ddl(json.loads(rb.column("after")[i].as_py()))
+            elif op == ch.RELATION:
                 shape = ch.TableShape.from_meta(schema, table, meta)
                 if f"{schema}.{table}" in self.renamed:
                     shape = replace(shape, **dict(zip(("schema", "table"), split_table(
@@ -290,6 +297,7 @@ class BatchApplier:
                 applied_before = not self.in_stream_order and rb.column("lsn")[i].as_py() < self.done
                 if not shape.ahead and not applied_before:
                     self._follow(shape)
+                    self._told.discard((shape.schema, shape.table))
                 self._shapes[(schema, table)] = shape
             else:
                 self._progress.append(ch.Progress.from_meta(meta))
@@ -308,9 +316,21 @@ class BatchApplier:
                 f"if it was renamed: changefeed alter --name {self.feed} --rename-table OLD={qualified}, then run "
                 "the feed again")
         steps = schema_change.plan(self.feed, current, shape, resync=qualified in self.resync,
-                                   keep_dropped=self.in_stream_order)
+                                   told=key in self._told, keep_dropped=self.in_stream_order)
         replica_shape.apply(self.conn, shape, steps)
         self._followed[key] = shape
+
+    def _told_ddl(self, event: dict[str, Any]) -> None:
+        """A captured DDL event (postgres.ddl_capture): rename what it renamed, and let the table's
+        next shape follow as told."""
+        new = (event["schema"], event["table"])
+        old = (event["from_schema"], event["from_table"])
+        if event["tag"] == "DROP TABLE":
+            return  # the replica keeps the table and its rows
+        replica_shape.rename(self.conn, old, new, [tuple(p) for p in event["renamed_columns"]])
+        self._followed.pop(old, None)
+        self._followed.pop(new, None)
+        self._told.add(new)
 
     def covers(self, progress: ch.BatchProgress) -> bool:
         """Whether the replica recorded this batch (or a later one) before."""
@@ -468,7 +488,7 @@ def _copy_lines(conn: psycopg.Connection[Any], copy_sql: sql.Composed, lines: An
         copy.write(memoryview(lines.buffers()[2])[first:last])
 
 
-_CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS])
+_CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS, ch.MESSAGE])
 _APPLIED_OPS = pa.array(APPLIED_OPS)
 _TAB, _NL, _EMPTY = (pa.scalar(b, pa.large_binary()) for b in (b"\t", b"\n", b""))
 

@@ -59,3 +59,25 @@ def _move_key(conn: psycopg.Connection[Any], shape: TableShape, key: Sequence[st
         conn.execute(sql.SQL("ALTER TABLE {} DROP CONSTRAINT {}").format(target, sql.Identifier(name[0])))
     conn.execute(sql.SQL("ALTER TABLE {} ADD PRIMARY KEY ({})").format(
         target, sql.SQL(", ").join(map(sql.Identifier, key))))
+
+
+def rename(conn: psycopg.Connection[Any], old: tuple[str, str], new: tuple[str, str],
+           columns: Sequence[tuple[str, str]]) -> None:
+    """Rename the replica table `old` to `new` and its columns (old, new) as the source did; what is
+    renamed already (a batch replayed) stays."""
+    if old != new and read(conn, *old) is not None and read(conn, *new) is None:
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(new[0])))
+        if old[0] != new[0]:
+            conn.execute(sql.SQL("ALTER TABLE {} SET SCHEMA {}").format(sql.Identifier(*old), sql.Identifier(new[0])))
+        if old[1] != new[1]:
+            conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(sql.Identifier(new[0], old[1]),
+                                                                    sql.Identifier(new[1])))
+    current = read(conn, *new)
+    if current is None:
+        return
+    names = list(current.columns)
+    for a, b in columns:
+        if a in names and b not in names:
+            conn.execute(sql.SQL("ALTER TABLE {} RENAME COLUMN {} TO {}").format(
+                sql.Identifier(*new), sql.Identifier(a), sql.Identifier(b)))
+            names[names.index(a)] = b
