@@ -32,7 +32,15 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replica_throughput import bench_args, bench_paths, bench_setup, fmt_ratio, log, spread, verdict  # noqa: E402
+from replica_throughput import (  # noqa: E402
+    bench_args,
+    bench_paths,
+    bench_setup,
+    fmt_ratio,
+    log,
+    spread,
+    verdict,
+)
 
 from changefeed.config import FeedState  # noqa: E402
 from changefeed.verify import verify  # noqa: E402

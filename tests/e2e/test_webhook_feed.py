@@ -243,3 +243,37 @@ def test_an_endpoint_down_for_a_while_is_waited_out(dbs: Dbs, tmp_path: Path,
         feed.send_signal(signal.SIGTERM)
         rc = feed.wait(timeout=120)
     assert rc == 0, log.read_text()[-3000:]
+
+
+def test_capture_ddl_sends_the_schema_change_between_the_rows_around_it(dbs: Dbs, tmp_path: Path,
+                                                                      receiver: tuple[Receiver, str]) -> None:
+    import base64
+
+    rec, url = receiver
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v int, a text)")
+    log = tmp_path / "run.log"
+    p = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "state"), "--source", dbs.source,
+                         "--sink", f"{url}?flush_messages=10", "--tables", "public.t", "--capture-ddl", log=log)
+    try:
+        wait_for("the feed running", lambda: "running (until stopped)" in log.read_text(), log)
+        with dbs.src() as c:
+            c.execute("INSERT INTO t VALUES (1, 1, 'x')")
+            with c.transaction():  # the change and the rows around it, in one transaction
+                c.execute("INSERT INTO t VALUES (2, 2, 'y')")
+                c.execute("ALTER TABLE t RENAME COLUMN a TO b")
+                c.execute("INSERT INTO t VALUES (3, 3, 'z')")
+            c.execute("INSERT INTO t VALUES (4, 4, 'w')")
+        wait_for("four rows", lambda: sum(1 for _, m in rec.messages() if m.get("op") == "c") == 4, log)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    events = [m for _, m in rec.messages() if m.get("op") in ("c", "m")]
+    assert [m["op"] for m in events] == ["c", "c", "m", "c", "c"], events
+    ddl = events[2]["message"]
+    assert ddl["prefix"] == "changefeed.ddl"
+    content = json.loads(base64.b64decode(ddl["content"]))
+    assert content["tag"] == "ALTER TABLE" and content["renamed_columns"] == [["a", "b"]]
+    assert (content["schema"], content["table"], content["rewrite"]) == ("public", "t", False)
+    assert "RENAME COLUMN a TO b" in content["statement"]
+    assert "a" in events[1]["after"] and "b" in events[3]["after"]

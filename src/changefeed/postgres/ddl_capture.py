@@ -5,6 +5,8 @@ transaction and writes, for each captured table the statement changed, a message
 `changefeed.ddl` whose content is JSON (see `event` below) through `pg_logical_emit_message(true,
 ...)`: it reaches the slot exactly where the DDL committed, between the data changes around it.
 
+The message also carries the table's columns (name, type, missing value) and key after the
+statement, so the replica takes the new shape right there, not only with the table's next change.
 What a Relation message cannot tell, the trigger can: it keeps each captured table's columns by
 attribute number and its relfilenode (`changefeed.ddl_shapes`, per feed), so a column whose number
 stays but whose name changed was renamed, a table whose name changed was renamed, and a new
@@ -65,6 +67,14 @@ BEGIN
             'tag', r.command_tag, 'schema', r.nspname, 'table', r.relname,
             'from_schema', coalesce(old.nspname, r.nspname), 'from_table', coalesce(old.relname, r.relname),
             'renamed_columns', renamed, 'rewrite', old.filenode IS NOT NULL AND old.filenode <> r.relfilenode,
+            'columns', (SELECT jsonb_agg(jsonb_build_array(attname, format_type(atttypid, atttypmod),
+                            CASE WHEN atthasmissing THEN (attmissingval::text::text[])[1] END) ORDER BY attnum)
+                        FROM pg_attribute WHERE attrelid = r.oid AND attnum > 0 AND NOT attisdropped),
+            'key', (SELECT jsonb_agg(a.attname ORDER BY k.ord) FROM pg_index i
+                    CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord)
+                    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                    WHERE i.indrelid = r.oid AND CASE WHEN (SELECT relreplident FROM pg_class WHERE oid = r.oid) = 'i'
+                          THEN i.indisreplident ELSE i.indisprimary END),
             'statement', current_query())::text);
         IF old.relname IS NOT NULL AND (old.nspname, old.relname) <> (r.nspname, r.relname) THEN
             INSERT INTO changefeed.ddl_renames (feed, old, new)

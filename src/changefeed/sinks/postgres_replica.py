@@ -330,7 +330,10 @@ class BatchApplier:
         replica_shape.rename(self.conn, old, new, [tuple(p) for p in event["renamed_columns"]])
         self._followed.pop(old, None)
         self._followed.pop(new, None)
-        self._told.add(new)
+        self._told.add(new)  # (also for the Relation that follows: a rewrite's updates)
+        if event.get("columns") and event.get("key"):  # the new shape, at once
+            names, types, missing = zip(*event["columns"])
+            self._follow(ch.TableShape(*new, names, types, tuple(event["key"]), "", missing))
 
     def covers(self, progress: ch.BatchProgress) -> bool:
         """Whether the replica recorded this batch (or a later one) before."""
