@@ -274,7 +274,9 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
 
         spark = spark_session(master, log=None if verbose else state.spark_log)
         if verify_every_s:
-            _verify_every(spec.name, state, verify_every_s, stop, report)
+            from .verify import verify_every
+
+            verify_every(spec.name, state, verify_every_s, stop, report)
         meter: Meter | None = None
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
@@ -303,30 +305,6 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
-
-
-def _verify_every(name: str, state: FeedState, every_s: float, stop: threading.Event,
-                  report: Callable[[str], None]) -> None:
-    """Verify the replica every `every_s` while the run lasts (a daemon thread: a verify that waits
-    when the run ends leaves only its barrier, which expires); a failed verification is reported,
-    it never stops the feed."""
-    from .verify import verify
-
-    def loop() -> None:
-        while not stop.wait(every_s):
-            spec = state.load()
-            if spec is None:
-                return
-            try:
-                found = verify(spec, state, report=report)
-            except ChangefeedError as e:
-                report(f"feed {name}: verify failed: {e.message}")
-                continue
-            lines = found.lines()
-            report(f"feed {name}: verified: {lines[-1]} ({lines[0]})" if found.equal
-                   else "\n".join(f"feed {name}: verify: {line}" for line in lines))
-
-    threading.Thread(target=loop, name="changefeed-verify", daemon=True).start()
 
 
 class NodesChanged(Exception):

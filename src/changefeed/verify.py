@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from .config import FeedSpec, FeedState, node_role
 from .core import barrier as bar
 from .core import verify as cv
 from .core.lsn import format_lsn
-from .errors import ConfigError, DefiniteError, TransientError
+from .errors import ChangefeedError, ConfigError, DefiniteError, TransientError
 from .postgres import checksum as cs
 from .postgres import consistent_point
 from .postgres.connect import connect, lost_connection
@@ -227,35 +227,6 @@ def _reached(spec: FeedSpec, state: FeedState, sink: psycopg.Connection[Any], ls
         time.sleep(0.1)
 
 
-class _Sessions:
-    """Connections per thread and server, each in a transaction on the snapshot it is given."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self._all: list[psycopg.Connection[Any]] = []
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def on(self, uri: str, role: str, snapshot: str) -> Iterator[psycopg.Connection[Any]]:
-        conns = self._local.__dict__.setdefault("conns", {})
-        conn = conns.get(uri)
-        if conn is None:
-            conn = conns[uri] = connect(uri, role)
-            with self._lock:
-                self._all.append(conn)
-            cs.session(conn)
-        with lost_connection(role):
-            cs.adopt(conn, snapshot)
-            try:
-                yield conn
-            finally:
-                conn.execute("ROLLBACK")
-
-    def close(self) -> None:
-        for conn in self._all:
-            conn.close()
-
-
 @dataclass(frozen=True)
 class _Side:
     """One server a table is read from, at the point's snapshot."""
@@ -275,7 +246,7 @@ def _compare(spec: FeedSpec, point: _Point, table: str, workers: int, chunk_rows
     """One table's result, and every differing key."""
     nodes, sink = _sides(spec, point)
     result = cv.TableResult(table)
-    sessions = _Sessions()
+    sessions = cs.Sessions()
     try:
         with sessions.on(nodes[0].uri, nodes[0].role, nodes[0].snapshot) as conn:
             source_cols = cs.columns(conn, table)
@@ -340,7 +311,7 @@ def _compare(spec: FeedSpec, point: _Point, table: str, workers: int, chunk_rows
 
 
 def _describe(result: cv.TableResult, differing: list[tuple[str, str]], nodes: list[_Side], sink: _Side,
-              sessions: _Sessions, table: str, key: list[str], cols: list[str]) -> None:
+              sessions: cs.Sessions, table: str, key: list[str], cols: list[str]) -> None:
     """The shown differences with their column values."""
     changed = [k for k, kind in differing if kind == cv.CHANGED]
     source_rows: dict[str, dict[str, str | None]] = {}
@@ -362,7 +333,7 @@ def _repair(spec: FeedSpec, state: FeedState, todo: dict[str, list[str]], wait_s
     point = _meet(spec, state, wait_s, hold=True, report=report)
     try:
         nodes, _ = _sides(spec, point)
-        sessions = _Sessions()
+        sessions = cs.Sessions()
         with connect(spec.sink, "sink") as conn, lost_connection("sink"):
             cs.session(conn)
             conn.execute("BEGIN")
@@ -380,7 +351,7 @@ def _repair(spec: FeedSpec, state: FeedState, todo: dict[str, list[str]], wait_s
 
 
 def _rewrite(conn: psycopg.Connection[Any], table: str, keys: list[str], nodes: list[_Side],
-             sessions: _Sessions) -> None:
+             sessions: cs.Sessions) -> None:
     with sessions.on(nodes[0].uri, nodes[0].role, nodes[0].snapshot) as src:
         described = describe_tables(src, [table])[0]
     sink_cols = cs.columns(conn, table)
@@ -397,3 +368,25 @@ def _rewrite(conn: psycopg.Connection[Any], table: str, keys: list[str], nodes: 
                 conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, col_list)) as into:
             for data in out:
                 into.write(data)
+
+
+def verify_every(name: str, state: FeedState, every_s: float, stop: threading.Event,
+                 report: Callable[[str], None]) -> None:
+    """Verify the replica every `every_s` while the run lasts (a daemon thread: a verify that waits
+    when the run ends leaves only its barrier, which expires); a failed verification is reported,
+    it never stops the feed."""
+    def loop() -> None:
+        while not stop.wait(every_s):
+            spec = state.load()
+            if spec is None:
+                return
+            try:
+                found = verify(spec, state, report=report)
+            except ChangefeedError as e:
+                report(f"feed {name}: verify failed: {e.message}")
+                continue
+            lines = found.lines()
+            report(f"feed {name}: verified: {lines[-1]} ({lines[0]})" if found.equal
+                   else "\n".join(f"feed {name}: verify: {line}" for line in lines))
+
+    threading.Thread(target=loop, name="changefeed-verify", daemon=True).start()

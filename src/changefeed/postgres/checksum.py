@@ -11,13 +11,16 @@ one byte order.)
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from .connect import connect, lost_connection
 from .source import split_table
 
 # Output settings both sides render values under (timestamps in UTC, ISO dates, exact floats).
@@ -112,3 +115,32 @@ def rows_of(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], c
         k=_row(key), c=sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in cols),
         t=sql.SQL(_quoted(qualified)))
     return {r[0]: dict(zip(cols, r[1:])) for r in conn.execute(query, (list(keys),))}
+
+
+class Sessions:
+    """Connections per thread and server, each in a transaction on the snapshot it is given."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[psycopg.Connection[Any]] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def on(self, uri: str, role: str, snapshot: str) -> Iterator[psycopg.Connection[Any]]:
+        conns = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(uri)
+        if conn is None:
+            conn = conns[uri] = connect(uri, role)
+            with self._lock:
+                self._all.append(conn)
+            session(conn)
+        with lost_connection(role):
+            adopt(conn, snapshot)
+            try:
+                yield conn
+            finally:
+                conn.execute("ROLLBACK")
+
+    def close(self) -> None:
+        for conn in self._all:
+            conn.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,10 +30,8 @@ from ..core.copytext import NULL
 from ..core.lsn import format_lsn
 from ..core.nodes import DEFAULT_NODE
 from ..postgres.ddl_capture import PREFIX as DDL_PREFIX
-from ..postgres.source import split_table
 from .. import faults
-from ..core import schema_change
-from ..errors import ChangefeedError, SinkError, UnfollowableChange
+from ..errors import ChangefeedError, SinkError
 from . import replica_shape
 from .ledger import RATE_WINDOW_S, LastBatch
 
@@ -246,10 +244,8 @@ class BatchApplier:
         assert conn.autocommit, "the applier opens its own transaction"
         self.conn, self.feed, self.batch_id = conn, feed, batch_id
         self.in_stream_order = in_stream_order
-        self.resync = resync  # tables whose re-read is requested: they follow any change (core.schema_change)
-        self._followed: dict[tuple[str, str], ch.TableShape] = {}  # the replica tables' shapes in this batch
-        self.renamed = renamed or {}  # old -> new schema.table: rows under the old name go to the new
-        self._told: set[tuple[str, str]] = set()  # tables whose next shape a captured DDL event explained
+        self.follower = replica_shape.Follower(conn, feed, resync=resync, renamed=renamed or {},
+                                               keep_dropped=in_stream_order)
         self.done = 0
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._parts: dict[ch.TableShape, _Part] = {}
@@ -285,55 +281,15 @@ class BatchApplier:
             if i == rb.num_rows:
                 break
             op, schema, table, meta = (rb.column(n)[i].as_py() for n in ("op", "schema", "table", "meta"))
+            new = self.in_stream_order or rb.column("lsn")[i].as_py() >= self.done  # not applied before
             if op == ch.MESSAGE:
-                if json.loads(meta).get("prefix") == DDL_PREFIX and (
-                        self.in_stream_order or rb.column("lsn")[i].as_py() >= self.done):
-                    self._told_ddl(json.loads(rb.column("after")[i].as_py()))
+                if new and json.loads(meta).get("prefix") == DDL_PREFIX:
+                    self.follower.ddl(json.loads(rb.column("after")[i].as_py()))
             elif op == ch.RELATION:
-                shape = ch.TableShape.from_meta(schema, table, meta)
-                if f"{schema}.{table}" in self.renamed:
-                    shape = replace(shape, **dict(zip(("schema", "table"), split_table(
-                        self.renamed[f"{schema}.{table}"]))))
-                applied_before = not self.in_stream_order and rb.column("lsn")[i].as_py() < self.done
-                if not shape.ahead and not applied_before:
-                    self._follow(shape)
-                    self._told.discard((shape.schema, shape.table))
-                self._shapes[(schema, table)] = shape
+                self._shapes[(schema, table)] = self.follower.relation(
+                    ch.TableShape.from_meta(schema, table, meta), follow=new)
             else:
                 self._progress.append(ch.Progress.from_meta(meta))
-
-    def _follow(self, shape: ch.TableShape) -> None:
-        """Bring the replica table to the shape the stream says it has from here on, or stop."""
-        key = (shape.schema, shape.table)
-        if self._followed.get(key) == shape:
-            return
-        current = replica_shape.read(self.conn, *key)
-        qualified = f"{shape.schema}.{shape.table}"
-        if current is None:
-            raise UnfollowableChange(
-                f"table {qualified} has changes but is not on the replica: was it renamed on the source (or "
-                "dropped on the replica)? nothing past it was applied",
-                f"if it was renamed: changefeed alter --name {self.feed} --rename-table OLD={qualified}, then run "
-                "the feed again")
-        steps = schema_change.plan(self.feed, current, shape, resync=qualified in self.resync,
-                                   told=key in self._told, keep_dropped=self.in_stream_order)
-        replica_shape.apply(self.conn, shape, steps)
-        self._followed[key] = shape
-
-    def _told_ddl(self, event: dict[str, Any]) -> None:
-        """A captured DDL event (postgres.ddl_capture): rename what it renamed, and let the table's
-        next shape follow as told."""
-        new = (event["schema"], event["table"])
-        old = (event["from_schema"], event["from_table"])
-        if event["tag"] == "DROP TABLE":
-            return  # the replica keeps the table and its rows
-        replica_shape.rename(self.conn, old, new, [tuple(p) for p in event["renamed_columns"]])
-        self._followed.pop(old, None)
-        self._followed.pop(new, None)
-        self._told.add(new)  # (also for the Relation that follows: a rewrite's updates)
-        if event.get("columns") and event.get("key"):  # the new shape, at once
-            names, types, missing = zip(*event["columns"])
-            self._follow(ch.TableShape(*new, names, types, tuple(event["key"]), "", missing))
 
     def covers(self, progress: ch.BatchProgress) -> bool:
         """Whether the replica recorded this batch (or a later one) before."""

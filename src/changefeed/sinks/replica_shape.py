@@ -6,13 +6,74 @@ fails (or stops at a change it cannot follow) leaves the replica table as it was
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from ..core import schema_change
 from ..core.change import TableShape
 from ..core.schema_change import Current, Step
+from ..errors import UnfollowableChange
+from ..postgres.source import split_table
+
+
+class Follower:
+    """Keeps one batch's replica tables in step with the shapes the stream brings, in its order.
+
+    `resync`: tables whose re-read is requested (they follow any change); `renamed`: old -> new
+    schema.table (rows under the old name go to the new); `keep_dropped`: a feed of several nodes.
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any], feed: str, *, resync: frozenset[str],
+                 renamed: dict[str, str], keep_dropped: bool) -> None:
+        self.conn, self.feed, self.resync, self.renamed, self.keep_dropped = conn, feed, resync, renamed, keep_dropped
+        self._followed: dict[tuple[str, str], TableShape] = {}  # the replica tables' shapes in this batch
+        self._told: set[tuple[str, str]] = set()  # tables whose next shape a captured DDL event explained
+
+    def relation(self, shape: TableShape, *, follow: bool) -> TableShape:
+        """An `R` row's shape, under the table's new name if it was renamed; with `follow` (not
+        applied before) the replica table takes it, unless it is a snapshot's (ahead of the stream)."""
+        if f"{shape.schema}.{shape.table}" in self.renamed:
+            schema, table = split_table(self.renamed[f"{shape.schema}.{shape.table}"])
+            shape = replace(shape, schema=schema, table=table)
+        if follow and not shape.ahead:
+            self._follow(shape)
+            self._told.discard((shape.schema, shape.table))
+        return shape
+
+    def ddl(self, event: dict[str, Any]) -> None:
+        """A captured DDL event (postgres.ddl_capture): rename what it renamed, take the new shape
+        at once, and let the table's next Relation follow as told."""
+        new = (event["schema"], event["table"])
+        if event["tag"] == "DROP TABLE":
+            return  # the replica keeps the table and its rows
+        old = (event["from_schema"], event["from_table"])
+        rename(self.conn, old, new, [tuple(p) for p in event["renamed_columns"]])
+        self._followed.pop(old, None)
+        self._followed.pop(new, None)
+        self._told.add(new)  # (also for the Relation that follows: a rewrite's updates)
+        if event.get("columns") and event.get("key"):
+            names, types, missing = zip(*event["columns"])
+            self._follow(TableShape(*new, names, types, tuple(event["key"]), "", missing))
+
+    def _follow(self, shape: TableShape) -> None:
+        """Bring the replica table to the shape the stream says it has from here on, or stop."""
+        key = (shape.schema, shape.table)
+        if self._followed.get(key) == shape:
+            return
+        current = read(self.conn, *key)
+        qualified = f"{shape.schema}.{shape.table}"
+        if current is None:
+            raise UnfollowableChange(
+                f"table {qualified} has changes but is not on the replica: was it renamed on the source (or "
+                "dropped on the replica)? nothing past it was applied",
+                f"if it was renamed: changefeed alter --name {self.feed} --rename-table OLD={qualified}, then run "
+                "the feed again")
+        apply(self.conn, shape, schema_change.plan(self.feed, current, shape, resync=qualified in self.resync,
+                                                   told=key in self._told, keep_dropped=self.keep_dropped))
+        self._followed[key] = shape
 
 
 def read(conn: psycopg.Connection[Any], schema: str, table: str) -> Current | None:
