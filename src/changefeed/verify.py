@@ -70,8 +70,9 @@ class Report:
         out = [f"compared at {where} in {self.seconds:.1f}s"]
         for t in self.tables:
             out += t.lines()
-        out.append("equal" if self.equal else f"NOT equal: {self.mismatched_rows} rows differ"
-                   + (", and columns" if any(t.schema for t in self.tables) else ""))
+        what = [f"{self.mismatched_rows} rows"] if self.mismatched_rows else []
+        what += ["columns"] if any(t.schema for t in self.tables) else []
+        out.append("equal" if self.equal else f"NOT equal: {' and '.join(what)} differ")
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: floa
 def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report: Callable[[str], None]) -> _Point:
     """Export a snapshot on each node at a position X, have the feed's replica reach exactly X and
     export the replica's snapshot there. With `hold` the barrier stays (the caller removes it)."""
-    for attempt in range(ATTEMPTS):
+    for _ in range(ATTEMPTS):
         with ExitStack() as undo:
             sources: dict[str, consistent_point.ConsistentPoint] = {}
             undo.callback(lambda: [p.close() for p in sources.values()])
