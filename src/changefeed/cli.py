@@ -368,8 +368,8 @@ def parser() -> argparse.ArgumentParser:
     snap.add_argument("--tables", required=True, help="comma-separated schema.table list (tables of the feed)")
     snap.set_defaults(func=cmd_snapshot)
 
-    ver = sub.add_parser("verify", help="compare a running feed's source and replica at one consistent point; "
-                                        "exit 0 equal, 1 different, 2 error")
+    ver = sub.add_parser("verify", help="compare a running feed's source and sink (a replica, or Kafka topics) at "
+                                        "one consistent point; exit 0 equal, 1 different, 2 error")
     ver.add_argument("--name", required=True)
     ver.add_argument("--state", default=DEFAULT_STATE)
     ver.add_argument("--tables", help="comma-separated schema.table list (default: all the feed's tables)")

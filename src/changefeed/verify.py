@@ -36,12 +36,12 @@ from .postgres import consistent_point
 from .postgres.connect import connect, lost_connection
 from .postgres.source import describe_tables
 from .runner_lock import holder
+from .sinks.ledger import FileLedger
 from .sinks.postgres_replica import META_SCHEMA, ReplicaLedger, has_meta
-from .sinks.registry import REPLICA, sink_kind
+from .sinks.registry import KAFKA, REPLICA, ledger_path, sink_kind
 
 ATTEMPTS = 5  # points met in a row that the feed had already passed (or could not reach)
 STALL_S = 10.0
-SHOWN = 20  # differences per table reported with their values
 DEFAULT_CHUNK_ROWS = 1000
 DEFAULT_WORKERS = 2
 
@@ -50,38 +50,8 @@ class VerifyError(DefiniteError):
     """A verification that cannot be done as asked."""
 
 
-@dataclass
-class Report:
-    lsns: dict[str, int]
-    tables: list[cv.TableResult]
-    seconds: float
-    at: float = field(default_factory=time.time)
-
-    @property
-    def equal(self) -> bool:
-        return all(t.equal for t in self.tables)
-
-    @property
-    def mismatched_rows(self) -> int:
-        return sum(t.mismatched_rows for t in self.tables)
-
-    def lines(self) -> list[str]:
-        where = ", ".join(f"{n} {format_lsn(lsn)}" for n, lsn in sorted(self.lsns.items()))
-        out = [f"compared at {where} in {self.seconds:.1f}s"]
-        for t in self.tables:
-            out += t.lines()
-        what = [f"{self.mismatched_rows} rows"] if self.mismatched_rows else []
-        what += ["columns"] if any(t.schema for t in self.tables) else []
-        out.append("equal" if self.equal else f"NOT equal: {' and '.join(what)} differ")
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "lsns": self.lsns, "seconds": self.seconds, "equal": self.equal,
-                "mismatched_rows": self.mismatched_rows, "tables": [t.to_json() for t in self.tables]}
-
-
 def last(state: FeedState) -> dict[str, Any] | None:
-    """The last verification's outcome, as `Report.to_json` wrote it (None if none)."""
+    """The last verification's outcome, as `core.verify.Report.to_json` wrote it (None if none)."""
     try:
         return json.loads(state.verified_file.read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError):
@@ -90,31 +60,39 @@ def last(state: FeedState) -> dict[str, Any] | None:
 
 @dataclass
 class _Point:
-    """Both sides held at one position: each node's exported snapshot, and the replica's."""
+    """Both sides held at one position: each node's exported snapshot, and the replica's (or, for
+    Kafka, each table topic's partitions' high watermarks then)."""
 
     lsns: dict[str, int]
     sources: dict[str, consistent_point.ConsistentPoint]
-    sink_conn: psycopg.Connection[Any]
-    sink_snapshot: str
+    sink_conn: psycopg.Connection[Any] | None
+    sink_snapshot: str = ""
+    marks: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def close(self) -> None:
         for p in self.sources.values():
             p.close()
-        self.sink_conn.close()
+        if self.sink_conn is not None:
+            self.sink_conn.close()
 
 
 def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repair: bool = False,
            workers: int = DEFAULT_WORKERS, chunk_rows: int = DEFAULT_CHUNK_ROWS, wait_s: float = 120,
-           report: Callable[[str], None] = print) -> Report:
+           report: Callable[[str], None] = print) -> cv.Report:
     """Compare the feed's tables (or `tables`) on source and replica; with `repair`, fix what differs."""
-    chosen = _check(spec, state, tables, wait_s, report)
+    chosen = _check(spec, state, tables, wait_s, repair, report)
     began = time.monotonic()
-    point = _meet(spec, state, wait_s, hold=False, report=report)
+    point = _meet(spec, state, wait_s, hold=False, report=report, tables=chosen)
     try:
-        results = [_compare(spec, point, t, workers, chunk_rows) for t in chosen]
+        if point.sink_conn is None:
+            from .verify_messages import compare_topic
+
+            results = [(compare_topic(spec, point.sources, point.marks[t], t), []) for t in chosen]
+        else:
+            results = [_compare(spec, point, t, workers, chunk_rows) for t in chosen]
     finally:
         point.close()
-    out = Report(point.lsns, [r for r, _ in results], time.monotonic() - began)
+    out = cv.Report(point.lsns, [r for r, _ in results], time.monotonic() - began)
     todo = {r.table: keys for r, keys in results if keys and not r.schema}
     if repair and todo:
         fixed = _repair(spec, state, todo, wait_s, report)
@@ -127,13 +105,18 @@ def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repa
     return out
 
 
-def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: float,
+def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: float, repair: bool,
            report: Callable[[str], None]) -> list[str]:
     from .feed import chunks_to_read
 
-    if sink_kind(spec.sink) is not REPLICA:
-        raise ConfigError(f"feed {spec.name} writes to a {sink_kind(spec.sink).name} sink; verify compares a "
-                          "PostgreSQL replica with its source", "verify a feed whose --sink is postgresql://...")
+    kind = sink_kind(spec.sink)
+    if kind is not REPLICA and (kind is not KAFKA or spec.format not in ("json", "debezium")):
+        raise ConfigError(f"feed {spec.name} writes to a {kind.name} sink{' in format ' + spec.format if kind is KAFKA else ''}: "
+                          "verify compares a PostgreSQL replica, or Kafka topics of the json or debezium format, "
+                          "with the source", "verify a replica or Kafka feed")
+    if kind is KAFKA and repair:
+        raise ConfigError("--repair rewrites rows on a replica; a Kafka sink cannot take back what it sent",
+                          f"re-send the tables: changefeed snapshot --name {spec.name} --tables ...")
     unknown = [t for t in tables if t not in spec.tables]
     if unknown:
         raise ConfigError(f"--tables: {', '.join(unknown)} not captured by feed {spec.name}",
@@ -149,12 +132,15 @@ def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: floa
             raise VerifyError(f"feed {spec.name} is still reading existing rows (a snapshot) after {wait_s:.0f}s",
                               "verify once status shows the snapshot done, or give a longer --wait")
         time.sleep(0.5)
-    return list(tables or spec.tables)
+    return list(tables or [t for t in spec.tables if t != spec.outbox])  # (an outbox's rows are events)
 
 
-def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report: Callable[[str], None]) -> _Point:
+def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report: Callable[[str], None],
+          tables: Sequence[str] = ()) -> _Point:
     """Export a snapshot on each node at a position X, have the feed's replica reach exactly X and
-    export the replica's snapshot there. With `hold` the barrier stays (the caller removes it)."""
+    export the replica's snapshot there (a Kafka sink: note the high watermarks of the `tables`'
+    topics then). With `hold` the barrier stays (the caller removes it)."""
+    kafka = sink_kind(spec.sink) is KAFKA
     for _ in range(ATTEMPTS):
         with ExitStack() as undo:
             sources: dict[str, consistent_point.ConsistentPoint] = {}
@@ -164,9 +150,22 @@ def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report
             lsns = {n: p.lsn for n, p in sources.items()}
             bar.write(state.barrier_file, bar.Barrier(lsns, time.time() + wait_s + 60))
             undo.callback(bar.remove, state.barrier_file)
+            if kafka:
+                ledger = FileLedger(ledger_path(state))
+                if not _reached(spec, state, ledger.checkpoint, lsns, wait_s):
+                    report(f"verify: the feed passed {_where(lsns)} or cannot reach it; taking a new point")
+                    continue
+                from .verify_messages import high_marks_of
+
+                marks = high_marks_of(spec, tables)
+                if ledger.checkpoint() != lsns:
+                    continue
+                undo.pop_all()
+                bar.remove(state.barrier_file)
+                return _Point(lsns, sources, None, marks=marks)
             sink = connect(spec.sink, "sink")
             undo.callback(sink.close)
-            if not _reached(spec, state, sink, lsns, wait_s):
+            if not _reached(spec, state, lambda: _position(sink, spec.name), lsns, wait_s):
                 report(f"verify: the feed passed {_where(lsns)} or cannot reach it; taking a new point")
                 continue
             with lost_connection("sink"):
@@ -199,8 +198,8 @@ def _chunk_read_past(conn: psycopg.Connection[Any], feed: str, lsns: dict[str, i
     return row is not None and row[0] is not None and len(lsns) == 1 and int(row[0]) > max(lsns.values())
 
 
-def _reached(spec: FeedSpec, state: FeedState, sink: psycopg.Connection[Any], lsns: dict[str, int],
-             wait_s: float) -> bool:
+def _reached(spec: FeedSpec, state: FeedState, position: Callable[[], dict[str, int] | None],
+             lsns: dict[str, int], wait_s: float) -> bool:
     """Wait until the replica is at `lsns` (True) or past one of them (False). On a feed of several
     nodes, a point can split a distributed transaction (committed on one node before its position,
     on another after it): the feed cannot deliver it whole before the point, so it stops short of
@@ -209,7 +208,7 @@ def _reached(spec: FeedSpec, state: FeedState, sink: psycopg.Connection[Any], ls
     seen, since = None, time.monotonic()
     while True:
         with lost_connection("sink"):
-            at = _position(sink, spec.name) or {}
+            at = position() or {}
         if any(at.get(n, 0) > x for n, x in lsns.items()):
             return False
         if all(at.get(n, 0) == x for n, x in lsns.items()):
@@ -305,7 +304,7 @@ def _compare(spec: FeedSpec, point: _Point, table: str, workers: int, chunk_rows
         differing = cv.keys_differing(source_rows, got[-1])
         for _, kind in differing:
             result.counts[kind] = result.counts.get(kind, 0) + 1
-        _describe(result, differing[:SHOWN], nodes, sink, sessions, table, key, cols)
+        _describe(result, differing[:cv.SHOWN], nodes, sink, sessions, table, key, cols)
         return result, [k for k, _ in differing]
     finally:
         sessions.close()

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lsn import format_lsn
+
 Sums = dict[int, tuple[int, int]]  # chunk -> (rows, sum of row hashes)
 MISSING, EXTRA, CHANGED = "missing on the sink", "extra on the sink", "differs"
 MAX_CHUNKS = 1 << 16
+SHOWN = 20  # differences per table reported with their values
 
 
 def chunk_count(rows: int, chunk_rows: int) -> int:
@@ -131,3 +135,33 @@ def schema_differences(source: Iterable[tuple[str, str]], sink: Iterable[tuple[s
     out += [f"{c} ({t}) extra on the sink" for c, t in dst.items() if c not in src]
     out += [f"{c}: {t} on the source, {dst[c]} on the sink" for c, t in src.items() if c in dst and dst[c] != t]
     return out
+
+
+@dataclass
+class Report:
+    lsns: dict[str, int]
+    tables: list[TableResult]
+    seconds: float
+    at: float = field(default_factory=time.time)
+
+    @property
+    def equal(self) -> bool:
+        return all(t.equal for t in self.tables)
+
+    @property
+    def mismatched_rows(self) -> int:
+        return sum(t.mismatched_rows for t in self.tables)
+
+    def lines(self) -> list[str]:
+        where = ", ".join(f"{n} {format_lsn(lsn)}" for n, lsn in sorted(self.lsns.items()))
+        out = [f"compared at {where} in {self.seconds:.1f}s"]
+        for t in self.tables:
+            out += t.lines()
+        what = [f"{self.mismatched_rows} rows"] if self.mismatched_rows else []
+        what += ["columns"] if any(t.schema for t in self.tables) else []
+        out.append("equal" if self.equal else f"NOT equal: {' and '.join(what)} differ")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "lsns": self.lsns, "seconds": self.seconds, "equal": self.equal,
+                "mismatched_rows": self.mismatched_rows, "tables": [t.to_json() for t in self.tables]}

@@ -1,0 +1,83 @@
+"""A Kafka sink's table topic read back as the rows a consumer holds (for `verify`).
+
+Each partition is read at the protocol level up to a high watermark taken while the feed waited
+at the verification's point (sinks.kafka_log: committed and non-transactional records only, also
+on brokers whose read_committed consumers stop short), and folded as the json and debezium
+envelopes ask a consumer to (core.envelope): per key, an `after` merged into the row held (a
+TOASTed value left unchanged is left out of it), a delete (after null) or tombstone removes it, a
+truncate removes every row last changed before it (by commit timestamp: partitions have no order
+among themselves).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .kafka import KafkaOptions
+from .kafka_log import PartitionReader, committed
+
+Rows = dict[str, dict[str, Any]]  # key (JSON list of the key values) -> column -> value
+
+
+def high_marks(opts: KafkaOptions, topic: str) -> dict[int, int]:
+    """Per partition of `topic`: its high watermark now ({} if the topic does not exist)."""
+    from confluent_kafka.admin import AdminClient
+
+    meta = AdminClient(opts.client_config()).list_topics(topic, timeout=opts.timeout_s).topics.get(topic)
+    if meta is None or meta.error is not None:
+        return {}
+    out = {}
+    for p in sorted(meta.partitions):
+        with PartitionReader(opts.client_config(), topic, p, timeout=opts.timeout_s) as reader:
+            out[p] = reader.offsets()[1]
+    return out
+
+
+def read_rows(opts: KafkaOptions, topic: str, upto: Mapping[int, int], fmt: str, key: Sequence[str]) -> Rows:
+    """The rows a consumer of `topic` holds once it has read each partition up to `upto`."""
+    held: dict[str, tuple[int, dict[str, Any]]] = {}  # key -> (commit ts of its last change, row)
+    truncated: list[int] = []
+    for partition, high in upto.items():
+        with PartitionReader(opts.client_config(), topic, partition, timeout=opts.timeout_s) as reader:
+            first, _ = reader.offsets()
+            for record in committed(reader.read(first, high)):
+                fold(held, truncated, record.key, record.value, fmt, key)
+    for ts in truncated:
+        held = {k: v for k, v in held.items() if v[0] >= ts}
+    return {k: row for k, (_, row) in held.items()}
+
+
+def fold(held: dict[str, tuple[int, dict[str, Any]]], truncated: list[int], key: bytes | None,
+         value: bytes | None, fmt: str, key_columns: Sequence[str]) -> None:
+    """One record into `held` (see the module doc); truncates are collected in `truncated`."""
+    if value is None:  # a tombstone after a delete
+        if key is not None:
+            held.pop(_key(key, fmt, key_columns), None)
+        return
+    event = json.loads(value)
+    if "resolved" in event or event.get("op") == "m":
+        return
+    ts = _ts(event, fmt)
+    if event.get("op") == "t":
+        truncated.append(ts)
+        return
+    if key is None:
+        return
+    k = _key(key, fmt, key_columns)
+    if event.get("after") is None:
+        held.pop(k, None)
+    else:
+        held[k] = (ts, {**held.get(k, (0, {}))[1], **event["after"]})
+
+
+def _key(key: bytes, fmt: str, columns: Sequence[str]) -> str:
+    values = json.loads(key)
+    return json.dumps([values[c] for c in columns] if fmt == "debezium" else values)
+
+
+def _ts(event: dict[str, Any], fmt: str) -> int:
+    """The change's commit timestamp: json's `updated` (HLC), debezium's source commit time (µs)."""
+    if fmt == "debezium":
+        return int((event.get("source") or {}).get("ts_us") or 0)
+    return int(event.get("updated") or 0)
