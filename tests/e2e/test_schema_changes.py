@@ -7,6 +7,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -76,6 +77,19 @@ def _replica_key(dbs: Dbs, table: str) -> list[str]:
             "WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY k.o", (table,))]
 
 
+def _killed_and_restarted(p: subprocess.Popen[bytes], name: list[str], log: Path,
+                          written: list[int]) -> subprocess.Popen[bytes]:
+    """SIGKILL the feed right after the changes (maybe mid batch), start it again, and wait until
+    it runs and the writes go on after the restart."""
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=60)
+    p = start_changefeed("run", *name, log=log)
+    wait_for("the feed running again", lambda: log.read_text().count("running (until stopped)") >= 2, log)
+    before = len(written)
+    wait_for("writes after the restart", lambda: len(written) > before + 50, log)
+    return p
+
+
 def test_changes_the_wal_tells_are_followed_across_a_kill(dbs: Dbs, tmp_path: Path) -> None:
     _tables(dbs)
     name, first = _feed(dbs, tmp_path, list(FOLLOWED))
@@ -90,12 +104,7 @@ def test_changes_the_wal_tells_are_followed_across_a_kill(dbs: Dbs, tmp_path: Pa
                     c.execute(ddl)
                     time.sleep(0.05)  # writes land between the changes
             time.sleep(1.5)
-            os.killpg(p.pid, signal.SIGKILL)  # right after the changes, maybe mid batch
-            p.wait(timeout=60)
-            p = start_changefeed("run", *name, log=log)
-            wait_for("the feed running again", lambda: log.read_text().count("running (until stopped)") >= 2, log)
-            before = len(written)
-            wait_for("writes after the restart", lambda: len(written) > before + 50, log)
+            p = _killed_and_restarted(p, name, log, written)
         except BaseException:
             os.killpg(p.pid, signal.SIGKILL)
             raise
@@ -226,12 +235,7 @@ def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_pa
                     c.execute(ddl)
                     time.sleep(0.2)
             time.sleep(1)
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=60)
-            p = start_changefeed("run", *name, log=log)
-            wait_for("the feed running again", lambda: log.read_text().count("running (until stopped)") >= 2, log)
-            before = len(written)
-            wait_for("writes after the restart", lambda: len(written) > before + 50, log)
+            p = _killed_and_restarted(p, name, log, written)
         except BaseException:
             os.killpg(p.pid, signal.SIGKILL)
             raise
