@@ -374,13 +374,13 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     raise NodesChanged(stored)
                 if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
                     follow_renames(stored or spec, state, conns=prepared.sources)
-                if query.isActive and (parallel, resync) != (_parallel_reads(spec, state), resyncing(state)):
-                    if parallel != _parallel_reads(spec, state):
-                        parallel = not parallel
+                wanted = (_parallel_reads(spec, state), resyncing(state))  # (a snapshot request taken in:
+                if query.isActive and (parallel, resync) != wanted:       # its tables follow only what they can)
+                    if parallel != wanted[0]:
                         report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read "
-                                                        "them in parallel tasks" if parallel else
+                                                        "them in parallel tasks" if wanted[0] else
                                                         "snapshot read: restarting the query without the shuffle"))
-                    resync = resyncing(state)  # (a request taken in: its tables follow only what they can again)
+                    parallel, resync = wanted
                     _stop(query, state)
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
                                         resync=resync)

@@ -153,7 +153,9 @@ def test_run_every_verifies_periodically_into_status_and_metrics(dbs: Dbs, tmp_p
     assert "Traceback" not in log.read_text()
 
 
-def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: Path, kafka: object) -> None:
+@pytest.mark.parametrize("fmt", ["json", "debezium"])
+def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: Path, kafka: object,
+                                                            fmt: str) -> None:
     from confluent_kafka import Producer
 
     from changefeed.local_kafka import read_partition
@@ -164,7 +166,8 @@ def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: 
     sink = f"kafka://{bootstrap}?topic_prefix={prefix}&progress_topic=progress-{dbs.name}&topic_partitions=3"
     name = ["--name", dbs.name, "--state", str(tmp_path / "state")]
     log = tmp_path / "run.log"
-    p = start_changefeed("run", *name, "--source", dbs.source, "--sink", sink, "--tables", TABLES, log=log)
+    p = start_changefeed("run", *name, "--source", dbs.source, "--sink", sink, "--tables", TABLES, "--format", fmt,
+                         log=log)
     try:
         written: list[int] = []
         with writing(_transfers, dbs.source, written):
@@ -177,12 +180,19 @@ def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: 
         # what a consumer would now hold for key 17 is not the source's row: a record after the
         # feed's ones, in the partition that holds them
         topic = f"{prefix}public.acct"
-        part = next(p for p in range(3) if any(r.key == b"[17]" for r in read_partition(bootstrap, topic, p)))
+
+        def key(k: int) -> bytes:
+            return json.dumps({"id": k} if fmt == "debezium" else [k]).encode()
+
+        def event(row: dict, op: str) -> bytes:
+            common = {"source": {"ts_us": 1}} if fmt == "debezium" else {"key": [row["id"]], "updated": "1"}
+            return json.dumps({"after": row, "op": op, **common}).encode()
+
+        part = next(p for p in range(3) if any(r.key and json.loads(r.key) == json.loads(key(17))
+                                               for r in read_partition(bootstrap, topic, p)))
         producer = Producer({"bootstrap.servers": bootstrap})
-        producer.produce(topic, partition=part, key=b"[17]", value=json.dumps(
-            {"after": {"id": 17, "balance": -5}, "key": [17], "op": "u", "updated": "1"}).encode())
-        producer.produce(topic, key=b"[-7]", value=json.dumps(
-            {"after": {"id": -7, "balance": 1, "note": None, "at": None}, "key": [-7], "op": "c", "updated": "1"}).encode())
+        producer.produce(topic, partition=part, key=key(17), value=event({"id": 17, "balance": -5}, "u"))
+        producer.produce(topic, key=key(-7), value=event({"id": -7, "balance": 1, "note": None, "at": None}, "c"))
         producer.flush(10)
         rc, report, err = _verify(*name, "--tables", "public.acct")
         assert rc == 1, (err, report)
