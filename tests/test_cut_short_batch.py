@@ -19,7 +19,7 @@ import pytest
 from pyspark import cloudpickle
 
 from changefeed.core import change as ch
-from changefeed.sinks import postgres_replica as replica
+from changefeed.sinks.replica import apply as replica
 from changefeed.spark import source as feed_source
 
 from conftest import Dbs
@@ -103,7 +103,7 @@ def _register(spark: Any) -> None:
 
 
 class ReplicaTarget:
-    """The batch goes to a PostgreSQL replica (spark.sink)."""
+    """The batch goes to a PostgreSQL replica (sinks.replica)."""
 
     def __init__(self, dbs: Dbs, tmp: Path, kafka: Any = None) -> None:
         self.dbs = dbs
@@ -112,7 +112,8 @@ class ReplicaTarget:
             d.execute("CREATE TABLE cut (id integer PRIMARY KEY, v text)")
 
     def writer(self, stream: Any) -> Any:
-        return stream.format("changefeed-postgres").option("uri", self.dbs.sink).option("feed", self.dbs.name)
+        return (stream.format("changefeed-sink").option("sink", "replica").option("uri", self.dbs.sink)
+                .option("feed", self.dbs.name))
 
     def wait_for_writer(self) -> None:
         """Until no sink writer is connected: a cancelled task's writer may still be finishing."""
@@ -132,10 +133,10 @@ class ReplicaTarget:
 
 
 class KafkaTarget:
-    """The batch goes to Kafka in one transaction (spark.kafka_sink)."""
+    """The batch goes to Kafka in one transaction (sinks.kafka)."""
 
     def __init__(self, dbs: Dbs, tmp: Path, kafka: Any) -> None:
-        from changefeed.sinks.kafka import KafkaOptions
+        from changefeed.sinks.kafka.options import KafkaOptions
 
         self.kafka, self.feed, self.ledger = kafka, dbs.name, tmp / "ledger"
         self.uri = (f"kafka://{kafka.bootstrap}?topic_prefix={dbs.name}&progress_topic={dbs.name}_progress"
@@ -144,7 +145,7 @@ class KafkaTarget:
         self.topic = self.opts.topic("public", "cut")
 
     def writer(self, stream: Any) -> Any:
-        return (stream.format("changefeed-kafka").option("uri", self.uri).option("feed", self.feed)
+        return (stream.format("changefeed-sink").option("sink", "kafka").option("uri", self.uri).option("feed", self.feed)
                 .option("format", "json").option("diff", "false").option("database", "src")
                 .option("ledger", str(self.ledger)).option("outbox", "").option("topics", self.topic))
 
@@ -160,7 +161,7 @@ class KafkaTarget:
 
     def committed(self) -> tuple[list[tuple[int, int]], int]:
         from changefeed.local_kafka import committed, read_partition
-        from changefeed.sinks.kafka_batch import committed_progress
+        from changefeed.sinks.kafka.batch import committed_progress
 
         done = committed_progress(self.opts, self.feed)
         batches = [(done.batch, done.progress.changes)] if done else []

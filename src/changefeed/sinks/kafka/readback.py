@@ -1,7 +1,7 @@
 """A Kafka sink's table topic read back as the rows a consumer holds (for `verify`).
 
 Each partition is read at the protocol level up to a high watermark taken while the feed waited
-at the verification's point (sinks.kafka_log: committed and non-transactional records only, also
+at the verification's point (sinks.kafka.log: committed and non-transactional records only, also
 on brokers whose read_committed consumers stop short), and folded as the json and debezium
 envelopes ask a consumer to (core.envelope): per key, an `after` merged into the row held (a
 TOASTed value left unchanged is left out of it), a delete (after null) or tombstone removes it, a
@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .kafka import KafkaOptions
-from .kafka_log import PartitionReader, committed
+from .log import PartitionReader, committed
+from .options import KafkaOptions
 
 Rows = dict[str, dict[str, Any]]  # key (JSON list of the key values) -> column -> value
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Self
 from urllib.parse import unquote, unquote_plus, urlsplit
 
-from .. import __version__
-from ..config import parse_duration
-from ..errors import ConfigError, ConnectionFailed, SinkError, TransientError
+from ... import __version__
+from ...config import parse_duration
+from ...errors import ConfigError, ConnectionFailed, SinkError, TransientError
 
 SCHEMES = ("webhook-http", "webhook-https")
 USER_AGENT = f"changefeed/{__version__}"

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import ConfigError, ConnectionFailed, SinkError
-from .kafka import KafkaOptions
-from .ledger import FileLedger
+from ...errors import ConfigError, ConnectionFailed, SinkError
+from ..ledger import FileLedger
+from .options import KafkaOptions
 
 _known: set[tuple[str, str]] = set()  # (bootstrap, topic) seen to exist by this process
 
@@ -38,7 +38,7 @@ def check_cluster(opts: KafkaOptions) -> set[str]:
     """The cluster's topics; a typed error when it cannot be reached or refuses us."""
     from confluent_kafka import KafkaException
 
-    from .kafka_batch import kafka_error
+    from .batch import kafka_error
 
     try:
         return set(admin(opts).list_topics(timeout=opts.timeout_s).topics)
@@ -57,7 +57,7 @@ def check_transactions(opts: KafkaOptions, feed: str) -> None:
     comes before the slot is created, not at the first batch."""
     from confluent_kafka import KafkaError, KafkaException, Producer
 
-    from .kafka_batch import kafka_error
+    from .batch import kafka_error
 
     try:
         Producer(opts.producer_config(feed)).init_transactions(opts.timeout_s)
@@ -83,7 +83,7 @@ def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool =
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
-    from .kafka_batch import kafka_error
+    from .batch import kafka_error
 
     missing = [t for t in dict.fromkeys(topics) if (opts.bootstrap, t) not in _known]
     if not missing:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from ..errors import ConfigError
-from .kafka_client import Timeouts, parse_step
+from ...errors import ConfigError
+from .client import Timeouts, parse_step
 
 SCHEME = "kafka"
 DELIVERIES = ("exactly_once", "at_least_once")
@@ -134,7 +134,7 @@ class KafkaOptions:
                               "remove it from the --sink URI (the transactional id is changefeed-FEED)")
         opts = cls(**given, client=tuple(sorted(client.items())))
         if opts.delivery == "exactly_once":
-            from .kafka_log import unsupported_settings
+            from .log import unsupported_settings
 
             why = unsupported_settings(opts.client_config())
             if why:
@@ -173,14 +173,14 @@ class KafkaOptions:
     def check_client(self, feed: str) -> None:
         """Make the producer and the admin client from these options (librdkafka checks its settings
         when a client is made, before any request): a ConfigError naming the user's setting if refused."""
-        from .kafka_client import check_settings
+        from .client import check_settings
 
         for config, producer in ((self.client_config(), False), (self.producer_config(feed), True)):
             check_settings(config, self.refused, producer=producer)
 
     def refused(self, text: str) -> ConfigError:
         """librdkafka's refusal `text` of these options, naming the user's settings (kafka_client.refused)."""
-        from .kafka_client import refused
+        from .client import refused
 
         return refused(text, dict(self.client), self.timeout_s, SECRET_KEYS)
 

@@ -3,7 +3,7 @@
 Exactly once, after Materialize's Kafka sink: every batch gets a fresh transactional producer
 whose `init_transactions()` fences any earlier one of the feed (same transactional id) and ends
 its open transaction. Only then is the progress topic read, with each record's transaction
-outcome (sinks.kafka_log): if the last committed progress record of this feed names this query
+outcome (sinks.kafka.log): if the last committed progress record of this feed names this query
 and a batch id at or past this one, the batch is already in Kafka and is skipped. Otherwise its
 messages, then its progress record, go in one transaction. A crash anywhere before the commit
 leaves an aborted (or fenced, then aborted) transaction; a crash after it leaves a committed
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from ..core.change import BatchProgress
-from ..core.envelope import Record
-from ..errors import AuthenticationFailed, ChangefeedError, SinkError, TransientError
-from .kafka import KafkaOptions
+from ...core.change import BatchProgress
+from ...core.envelope import Record
+from ...errors import AuthenticationFailed, ChangefeedError, SinkError, TransientError
+from .options import KafkaOptions
 
 POLL_S = 0.05
 
@@ -52,7 +52,7 @@ class ProgressRecord:
 
 def committed_progress(opts: KafkaOptions, feed: str) -> ProgressRecord | None:
     """The feed's last committed progress record in the progress topic, None if it has none."""
-    from .kafka_log import last_committed
+    from .log import last_committed
 
     key = feed.encode()
     found = last_committed(opts.client_config(), opts.progress_topic, 0, lambda r: r.key == key,
@@ -190,7 +190,7 @@ class KafkaBatch:
 
     def ensure_topics(self, topics: list[str]) -> None:
         if self.opts.create_topics:
-            from .kafka_admin import create_topics
+            from .admin import create_topics
 
             create_topics(self.opts, topics)
 

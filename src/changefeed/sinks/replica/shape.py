@@ -12,11 +12,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..core import schema_change
-from ..core.change import TableShape
-from ..core.schema_change import Current, Step
-from ..errors import UnfollowableChange
-from ..postgres.source import split_table
+from ...core import schema_change
+from ...core.change import TableShape
+from ...core.schema_change import Current, Step
+from ...errors import UnfollowableChange
+from ...postgres.source import split_table
 
 
 class Follower:

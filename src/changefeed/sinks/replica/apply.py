@@ -25,15 +25,15 @@ import pyarrow.compute as pc
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from ..core import change as ch
-from ..core.copytext import NULL
-from ..core.lsn import format_lsn
-from ..core.nodes import DEFAULT_NODE
-from ..postgres.ddl_capture import PREFIX as DDL_PREFIX
-from .. import faults
-from ..errors import ChangefeedError, SinkError
-from . import replica_shape
-from .ledger import RATE_WINDOW_S, LastBatch
+from ... import faults
+from ...core import change as ch
+from ...core.copytext import NULL
+from ...core.lsn import format_lsn
+from ...core.nodes import DEFAULT_NODE
+from ...errors import ChangefeedError, SinkError
+from ...postgres.ddl_capture import PREFIX as DDL_PREFIX
+from ..ledger import RATE_WINDOW_S, LastBatch
+from . import shape as replica_shape
 
 META_SCHEMA = "changefeed"
 SESSION_MEMORY = "256MB"

@@ -1,0 +1,80 @@
+"""What every sink is: one `Sink` per package `sinks/NAME/`, found by URI scheme (sinks.registry).
+
+A sink has two halves. The control plane (create, run, status, remove) uses the `Sink` itself: it
+checks the URI, opens the sink's `Ledger` (how far the sink is, sinks.ledger), and names the
+options its Spark writer needs. The data path (spark.writer, the one generic Spark sink) builds
+the sink's `BatchWriter` from those options: `write` runs on each writer task of a micro-batch
+with the batch's rows (sinks.batch_input) and returns a picklable result; `commit` runs once on
+the driver with every task's result, after all tasks wrote and before Spark records the batch as
+done. A sink whose tasks commit on their own (the replica, Kafka) has little to do there; one that
+writes in parallel (Delta) commits there, once, with everything the tasks wrote.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..config import FeedSpec, FeedState
+    from .batch_input import BatchInput
+    from .ledger import Ledger
+
+
+@dataclass(frozen=True)
+class Task:
+    """Which writer task is writing: Spark's ids, passed by spark.writer (sinks do not import Spark)."""
+
+    batch_id: int  # the micro-batch: the same when Spark replays it after a crash
+    query_id: str  # the streaming query: kept in its checkpoint, the same after every restart
+    partition: int  # this task's share of the batch (0 when one task writes it)
+    attempt: int  # Spark's task attempt id: unique per try
+
+
+class BatchWriter(Protocol):
+    def write(self, batch: "BatchInput") -> Any:
+        """On a writer task: deliver this task's share of the batch; return what `commit` needs."""
+
+    def commit(self, results: list[Any], batch_id: int) -> None:
+        """On the driver, once every task's `write` returned."""
+
+    def abort(self, results: list[Any], batch_id: int) -> None:
+        """On the driver, when the batch failed: leave nothing a replay would not overwrite or skip."""
+
+
+class Sink:
+    """A kind of sink. Subclasses set the class attributes and override what differs."""
+
+    name = ""
+    messages = False  # delivers formatted messages (--format), not rows
+    parallel_reads = False  # the arrival order of a batch's input partitions at its writer does not matter
+    examples = ""  # a URI or two, for errors and help
+
+    def validate(self, uri: str) -> None:
+        """Check the URI and its options without connecting (ConfigError)."""
+
+    def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
+        raise NotImplementedError
+
+    def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
+        """Options the Spark writer passes on to `writer`, beyond the ones every sink gets."""
+        return {}
+
+    def writer(self, options: dict[str, str]) -> BatchWriter:
+        raise NotImplementedError
+
+    def plan(self, changes: Any, spec: "FeedSpec", parallel_reads: bool) -> Any:
+        """The batch's packed change rows (a Spark DataFrame, one partition per WAL window or
+        snapshot chunk) as this sink's writer tasks take them. By default all in one task, which
+        applies or delivers the batch in one place: with `parallel_reads` (and always on a feed
+        of several nodes, one task per node's window) the input partitions are read by tasks of
+        their own and shuffled to it; without, that task reads them itself, one after the other,
+        and no shuffle is paid for."""
+        return changes.repartition(1) if parallel_reads or spec.multi_node else changes.coalesce(1)
+
+    def __repr__(self) -> str:
+        return f"<sink {self.name}>"
+
+
+def ledger_path(state: "FeedState") -> str:
+    """Where a sink without a place of its own keeps its ledger (sinks.ledger.FileLedger)."""
+    return str(state.dir / "delivered.jsonl")

@@ -1,0 +1,63 @@
+"""A micro-batch's rows as one writer task receives them, decoded once for every sink.
+
+Spark hands a writer task packed rows (core.change.pack). `batches` unpacks them as they come;
+`in_order` puts them in the feed's order first where that takes the whole batch (a feed of several
+nodes: core.merge). Either way the `P` rows are noted on the way, so that `progress` can tell a
+whole batch from one cut short (core.change.BatchProgress.of: IncompleteBatch) before the sink
+commits anything of it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..core import change as ch
+from .base import Task
+
+
+class BatchInput:
+    def __init__(self, packed: Iterator[Any], task: Task, *, multi_node: bool = False) -> None:
+        self._packed, self.task, self.multi_node = packed, task, multi_node
+        self._progress: list[ch.Progress] = []
+
+    def batches(self) -> Iterator[Any]:
+        """The record batches of changes in arrival order, control rows included."""
+        import pyarrow.compute as pc
+
+        for packed in self._packed:
+            for rb in ch.unpack(packed):
+                ops = rb.column("op")
+                if pc.any(pc.equal(ops, ch.PROGRESS)).as_py():
+                    self._note(rb.filter(pc.equal(ops, ch.PROGRESS)))
+                yield rb
+
+    def in_order(self, renumber: bool = False) -> Iterator[Any]:
+        """The batch in the feed's order: as it comes on a one-node feed (its rows come in commit
+        order); on a feed of several nodes all read first and put in one order (core.merge: a
+        distributed transaction's parts in this one batch, with one commit timestamp, `seq`
+        renumbered across them with `renumber`), their `P` rows last."""
+        if not self.multi_node:
+            yield from self.batches()
+        else:
+            yield from self.merged(renumber)
+
+    def merged(self, renumber: bool = False) -> list[Any]:
+        """A multi-node batch read whole and put in one order, `P` rows last (`progress` known after)."""
+        from ..core import merge
+
+        parts = merge.split(self.batches())
+        merge.refuse_truncate(parts)
+        return [*merge.ordered(parts, renumber=renumber).to_batches(max_chunksize=65536),
+                *(ch.progress_batch(p.progress) for p in parts)]
+
+    def _note(self, rows: Any) -> None:
+        self._progress += [ch.Progress.from_meta(m) for m in rows.column("meta").to_pylist()]
+
+    @property
+    def progress_rows(self) -> list[ch.Progress]:
+        """The `P` rows seen so far (a writer task of several sees only those of its share)."""
+        return list(self._progress)
+
+    def progress(self) -> ch.BatchProgress:
+        """The batch's progress; IncompleteBatch unless every input partition's `P` row came."""
+        return ch.BatchProgress.of(self._progress)

@@ -1,0 +1,48 @@
+"""The Kafka sink: each change a record on its table's topic, exactly once (Kafka transactions).
+
+`options` parses the URI, `client` tunes librdkafka, `admin` checks the cluster and keeps the
+ledger, `batch` writes a batch in one transaction, `log` reads Kafka's log directly (progress,
+verify), `readback` reads a topic as a consumer holds it, `writer` is the batch writer.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..base import BatchWriter, Sink, ledger_path
+from ..message_writer import message_options
+
+if TYPE_CHECKING:
+    from ...config import FeedSpec, FeedState
+    from ..ledger import Ledger
+
+
+class KafkaSink(Sink):
+    name = "kafka"
+    messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
+    examples = "kafka://HOST:9092"
+
+    def validate(self, uri: str) -> None:
+        from .options import KafkaOptions
+
+        KafkaOptions.parse(uri)
+
+    def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
+        from .admin import KafkaLedger
+        from .options import KafkaOptions
+
+        return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), spec.name, outbox=spec.outbox)
+
+    def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
+        from .options import KafkaOptions
+
+        opts = KafkaOptions.parse(spec.sink)
+        topics = [opts.topic(*t.split(".", 1)) for t in spec.tables if t != spec.outbox]  # events: their own topics
+        return {**message_options(spec, state), "topics": ",".join(topics)}
+
+    def writer(self, options: dict[str, str]) -> BatchWriter:
+        from .writer import KafkaWriter
+
+        return KafkaWriter(options)
+
+
+SINK = KafkaSink()

@@ -1,0 +1,51 @@
+"""The Kafka sink's batch writer: the batch's one writer task writes it to Kafka.
+
+Exactly once: the writer task delivers the whole batch in one Kafka transaction with its progress
+record, or skips it when the progress topic shows it committed (kafka.batch). The driver then
+records it in the feed's ledger file (sinks.message_writer).
+"""
+from __future__ import annotations
+
+import time
+
+from ... import faults
+from ...core.envelope import resolved
+from ...errors import SinkError
+from ..batch_input import BatchInput
+from ..message_writer import Delivered, MessageWriter
+from ..messages import MessageStream, outbox_spec
+from .batch import KafkaBatch
+from .options import KafkaOptions
+
+
+class KafkaWriter(MessageWriter):
+    """Options: those of MessageWriter, and topics (the tables' topics, for resolved messages)."""
+
+    def write(self, batch: BatchInput) -> Delivered:
+        o = self.options
+        began = time.time()
+        if not batch.task.query_id:
+            raise SinkError("the Kafka sink runs only inside a streaming query", "start it with changefeed run")
+        opts = KafkaOptions.parse(o["uri"])
+        stream = MessageStream(self.formatter(), opts.topic, opts.tombstones_for(o["format"]), outbox_spec(o),
+                               event_topic=opts.event_topic)
+        out = KafkaBatch(opts, o["feed"], batch.task.query_id, batch.task.batch_id)
+        done = out.open()
+        if done is not None:  # committed before a crash: Spark replays it, Kafka has it
+            return Delivered(done.progress, began, time.time())
+        try:
+            for rb in batch.in_order():
+                for message in stream.messages(rb):
+                    out.send(message.topic, message.record)
+                    if out.sent % 1000 == 0:
+                        faults.reach("sink_write")  # crash tests: in the middle of a transaction
+            progress = stream.progress()
+            if opts.emit_resolved:
+                out.resolved([t for t in o["topics"].split(",") if t], resolved(progress.resolved_ts))
+            faults.reach("before_sink_commit")
+            out.close(progress)
+            faults.reach("after_sink_commit")
+        except BaseException:
+            out.abort()
+            raise
+        return Delivered(progress, began, time.time())

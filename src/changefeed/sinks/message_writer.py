@@ -1,0 +1,56 @@
+"""What the message sinks' batch writers (webhook, Kafka) share.
+
+The batch's one writer task delivers it and returns `Delivered`; the driver's `commit` then
+appends the batch to the feed's ledger file (sinks.ledger.FileLedger) for status and metrics,
+and only after that does Spark record the batch as done and the source release its WAL.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..core import change as ch
+from ..core.envelope import Formatter, formatter
+from .base import ledger_path
+from .ledger import FileLedger
+
+if TYPE_CHECKING:
+    from ..config import FeedSpec, FeedState
+
+
+@dataclass(frozen=True)
+class Delivered:
+    progress: ch.BatchProgress
+    began: float
+    done: float
+
+
+def message_options(spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
+    """The options every message sink's writer takes: format, diff, database (for Debezium's
+    source.db), ledger (path), outbox (core.outbox.OutboxSpec as JSON, or "")."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    outbox = spec.outbox_spec
+    return {"format": spec.format, "diff": str(spec.diff).lower(),
+            "database": conninfo_to_dict(spec.sources[0].uri).get("dbname") or "",
+            "ledger": ledger_path(state), "outbox": json.dumps(outbox.to_json()) if outbox else ""}
+
+
+class MessageWriter:
+    """The options of `message_options`, and uri, feed."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+
+    def formatter(self) -> Formatter:
+        o = self.options
+        return formatter(o["format"], o["feed"], o["diff"] == "true", o.get("database", ""))
+
+    def commit(self, results: list[Delivered], batch_id: int) -> None:
+        """The batch was delivered: record it in the ledger."""
+        for m in results:  # one writer task: one result
+            FileLedger(self.options["ledger"]).record(batch_id, m.progress, m.began, m.done)
+
+    def abort(self, results: list[Any], batch_id: int) -> None:
+        """Nothing to undo here; see the sink's own notes on what a replay does."""

@@ -1,0 +1,38 @@
+"""The PostgreSQL replica sink: tables kept equal to the source's, one transaction per batch.
+
+`apply` merges a batch into the replica and keeps the ledger in its `changefeed.*` tables, `shape`
+follows the source's schema changes, `writer` is the batch writer.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from ..base import BatchWriter, Sink
+
+if TYPE_CHECKING:
+    from ...config import FeedSpec, FeedState
+    from ..ledger import Ledger
+
+
+class ReplicaSink(Sink):
+    name = "replica"
+    parallel_reads = True
+    examples = "postgresql://USER:PASSWORD@HOST:5432/DB"
+
+    def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
+        from ...postgres.connect import connect
+        from .apply import ReplicaLedger
+
+        return ReplicaLedger(connect(spec.sink, "sink"), spec.name)
+
+    def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
+        return {"renamed": json.dumps(spec.renamed)}
+
+    def writer(self, options: dict[str, str]) -> BatchWriter:
+        from .writer import ReplicaWriter
+
+        return ReplicaWriter(options)
+
+
+SINK = ReplicaSink()

@@ -1,0 +1,97 @@
+"""The replica's batch writer: the batch's one writer task applies it atomically.
+
+The query has one writer task per micro-batch, so the task itself can apply the whole batch in
+one target transaction and commit it: the progress row in that transaction makes a retried task
+or a replayed batch a no-op, and the source advances its slot only after Spark has seen the task
+succeed. Applying while reading needs the task to keep taking input while the database merges:
+a thread applies chunks from a short queue.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from typing import Any
+
+from ...core import change as ch
+from ...postgres.connect import connect, lost_connection
+from ..batch_input import BatchInput
+from . import apply as replica
+
+QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the database merges
+
+
+class ReplicaWriter:
+    """Options: uri, feed, multi_node, resync (tables that follow any schema change, see
+    core.schema_change), renamed (JSON [[old, new], ...]: tables renamed on the source)."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.uri = options["uri"]
+        self.feed = options["feed"]
+        self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
+        self.renamed = dict(json.loads(options.get("renamed") or "[]"))
+
+    def _applier(self, conn: Any, batch: BatchInput, in_stream_order: bool = False) -> replica.BatchApplier:
+        applier = replica.BatchApplier(conn, self.feed, batch.task.batch_id, in_stream_order=in_stream_order,
+                                       resync=self.resync, renamed=self.renamed)
+        applier.begin()
+        return applier
+
+    def write(self, batch: BatchInput) -> replica.Applied:
+        return self._write_merged(batch) if batch.multi_node else self._write_streaming(batch)
+
+    def commit(self, results: list[Any], batch_id: int) -> None:
+        """Nothing left to do: the writer task committed the batch on the replica."""
+
+    def abort(self, results: list[Any], batch_id: int) -> None:
+        """Nothing to undo: a failed task rolled back; a committed one is skipped when replayed."""
+
+    def _write_merged(self, batch: BatchInput) -> replica.Applied:
+        """A batch of several nodes: read all its partitions, put their rows in one order (see
+        core.merge), then apply them. The batch is held in memory meanwhile: at most about
+        --max-bytes-per-batch of WAL per node, decoded."""
+        rows = batch.merged(renumber=True)
+        progress = batch.progress()
+        with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
+            applier = self._applier(conn, batch, in_stream_order=True)
+            try:
+                if applier.covers(progress):  # a batch applied before adds nothing but its progress
+                    rows = [ch.progress_batch(p) for p in batch.progress_rows]
+                for rb in rows:
+                    applier.add(rb)
+            except BaseException:
+                applier.rollback()
+                raise
+            return applier.commit()
+
+    def _write_streaming(self, batch: BatchInput) -> replica.Applied:
+        """A one-node batch: applied while it is read (its rows come in commit order)."""
+        chunks: queue.Queue[Any] = queue.Queue(QUEUED_CHUNKS)
+        failed: list[BaseException] = []
+        done = object()
+
+        def apply() -> None:
+            try:
+                while (rb := chunks.get()) is not done:
+                    applier.add(rb)
+            except BaseException as e:  # noqa: BLE001 - handed to the task thread
+                failed.append(e)
+                while chunks.get() is not done:  # let the reader finish; its data is not needed
+                    pass
+
+        with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
+            applier = self._applier(conn, batch)
+            worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)
+            worker.start()
+            try:
+                for rb in batch.batches():
+                    if failed:
+                        break
+                    chunks.put(rb)
+            finally:
+                chunks.put(done)
+                worker.join()
+            if failed:
+                applier.rollback()
+                raise failed[0]
+            return applier.commit()

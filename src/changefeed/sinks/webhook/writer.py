@@ -1,0 +1,42 @@
+"""The webhook sink's batch writer: the batch's one writer task POSTs its messages.
+
+At least once: the writer task posts the batch's messages in order (webhook.batch) and returns
+once every request was acknowledged; the driver then records the batch in the feed's ledger
+(sinks.message_writer), and only after that does Spark record the batch as done and the source
+release its WAL. A crash anywhere before replays the batch with the same requests and
+idempotency keys.
+"""
+from __future__ import annotations
+
+import time
+
+from ...core.outbox import OutboxEvent
+from ..batch_input import BatchInput
+from ..message_writer import Delivered, MessageWriter
+from ..messages import MessageStream, outbox_spec
+from .batch import WebhookBatch
+from .client import WebhookClient, WebhookOptions
+
+
+class WebhookWriter(MessageWriter):
+    def write(self, batch: BatchInput) -> Delivered:
+        o = self.options
+        began = time.time()
+        opts = WebhookOptions.parse(o["uri"])
+        text = o["format"] == "text"
+        stream = MessageStream(self.formatter(), outbox=outbox_spec(o), event_record=OutboxEvent.json_record)
+        client = WebhookClient(opts)
+        try:
+            out = WebhookBatch(client, opts, o["feed"], batch.task.batch_id)
+            for rb in batch.in_order():
+                for message in stream.messages(rb):
+                    if message.record.value is None:
+                        continue  # a tombstone is for Kafka's log compaction
+                    (out.add_text if text and not message.event else out.add)(message.record.value)
+            out.flush()
+            progress = stream.progress()
+            if opts.emit_resolved:
+                out.resolved(progress.resolved_ts)
+        finally:
+            client.close()
+        return Delivered(progress, began, time.time())
