@@ -45,7 +45,7 @@ def test_replayed_batches_count_once_and_a_torn_line_is_ignored(tmp_path: Path) 
 
 @pytest.mark.parametrize("uri, kind", [("postgresql://u@h/db", "replica"), ("postgres://h/db", "replica"),
                                        ("webhook-https://h/p", "webhook"), ("webhook-http://h:8080/p?x=1", "webhook"),
-                                       ("kafka://h:9092", "kafka")])
+                                       ("kafka://h:9092", "kafka"), ("delta:///lake", "delta")])
 def test_sink_by_scheme(uri: str, kind: str) -> None:
     assert sink_of(uri).name == kind
 

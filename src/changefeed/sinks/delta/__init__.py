@@ -1,0 +1,61 @@
+"""The Delta Lake sink: a Delta table per captured table, as a change log or a mirror, exactly once.
+
+`options` parses the URI, `columns` types the values, `rows` builds a batch's rows per mode,
+`split` cuts a batch for the parallel writer tasks, `table` writes files and commits them,
+`ledger` keeps the feed's progress in the lake, `writer` is the batch writer.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ConfigError
+from ..base import BatchWriter, Sink
+
+if TYPE_CHECKING:
+    from ...config import FeedSpec, FeedState
+    from ..ledger import Ledger
+
+
+class DeltaSink(Sink):
+    name = "delta"
+    parallel_reads = True  # each task orders its rows itself (by commit position)
+    examples = "delta:///ABS/PATH?mode=mirror"
+
+    def validate(self, uri: str) -> None:
+        from .options import DeltaOptions
+
+        opts = DeltaOptions.parse(uri)
+        if opts.mode == "history":
+            raise ConfigError("the Delta sink's history mode is not built yet", "use mode=changelog or mode=mirror")
+        if not opts.local:
+            raise ConfigError(f"the Delta sink writes to local or mounted folders only so far, got {opts.root}",
+                              "mount the store (e.g. s3fs) and use delta:///MOUNTED/PATH")
+
+    def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
+        from .ledger import DeltaLedger
+        from .options import DeltaOptions
+
+        return DeltaLedger(DeltaOptions.parse(spec.sink), spec.name)
+
+    def writer(self, options: dict[str, str]) -> BatchWriter:
+        from .writer import DeltaWriter
+
+        return DeltaWriter(options)
+
+    def plan(self, changes: Any, spec: "FeedSpec", parallel_reads: bool) -> Any:
+        """Each input partition is split by table and bucket (delta.split), then shuffled to the
+        writer tasks by that key: a bucket's changes all reach one task, tasks write at once."""
+        from .options import DeltaOptions
+        from .split import SPLIT_DDL, split
+
+        if spec.multi_node:
+            raise ConfigError("a feed of several nodes cannot write to the Delta sink yet",
+                              "use a replica, Kafka or webhook sink for it")
+        opts = DeltaOptions.parse(spec.sink)
+        tasks = opts.tasks or changes.sparkSession.sparkContext.defaultParallelism
+        return (changes.mapInArrow(partial(split, mode=opts.mode, buckets=opts.buckets), SPLIT_DDL)
+                .repartition(tasks, "part"))
+
+
+SINK = DeltaSink()

@@ -1,0 +1,90 @@
+"""`--sink delta:///ABS/PATH?mode=...`: where the Delta tables go and how they are written.
+
+`delta:///ABS/PATH` is a local (or mounted) folder; `delta+s3://BUCKET/PREFIX`, `delta+gs://`,
+`delta+az://` and `delta+abfss://` name object stores, reached through the Delta library's storage
+options, given as `storage.KEY=VALUE` query parameters (e.g. `storage.AWS_REGION=eu-west-1`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ...errors import ConfigError
+
+MODES = ("changelog", "mirror", "history")
+EXAMPLE = "delta:///data/lake?mode=mirror (or delta+s3://BUCKET/PREFIX?storage.AWS_REGION=eu-west-1)"
+LEDGER_DIR = "_changefeed"  # under the root: one ledger table per feed
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    root: str  # a local path or an object store URI (s3://...), without a trailing slash
+    mode: str = "changelog"
+    diff: bool = False  # changelog: a `_before` struct column with the old row
+    table_template: str = "{schema}.{table}"
+    buckets: int = 16  # mirror/history: key-hash partitions (`_bucket`), each rewritten whole when touched
+    tasks: int = 0  # writer tasks per batch; 0: Spark's default parallelism
+    target_file_rows: int = 1_000_000  # a data file holds at most this many rows
+    storage: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def local(self) -> bool:
+        return "://" not in self.root
+
+    def table_uri(self, schema: str, table: str) -> str:
+        return f"{self.root}/{self.table_template.format(schema=schema, table=table)}"
+
+    def ledger_uri(self, feed: str) -> str:
+        return f"{self.root}/{LEDGER_DIR}/{feed}"
+
+    @classmethod
+    def parse(cls, uri: str) -> DeltaOptions:
+        parts = urlsplit(uri)
+        if parts.scheme == "delta":
+            if parts.netloc or not parts.path.startswith("/"):
+                raise ConfigError(f"a Delta --sink URI names an absolute folder, got {uri!r}",
+                                  f"delta:///ABS/PATH (three slashes), e.g. {EXAMPLE}")
+            root = unquote(parts.path).rstrip("/") or "/"
+        elif parts.scheme.startswith("delta+") and parts.netloc:
+            root = f"{parts.scheme[len('delta+'):]}://{parts.netloc}{parts.path}".rstrip("/")
+        else:
+            raise ConfigError(f"not a Delta --sink URI: {uri!r}", f"e.g. {EXAMPLE}")
+        given: dict[str, object] = {}
+        storage: dict[str, str] = {}
+        for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name.startswith("storage."):
+                storage[name[len("storage."):]] = value
+            elif name == "mode":
+                if value not in MODES:
+                    raise ConfigError(f"the Delta sink's mode must be one of {', '.join(MODES)}, got {value!r}",
+                                      "changelog (every change a row), mirror (the tables as the source's) or "
+                                      "history (every version of each row)")
+                given["mode"] = value
+            elif name == "diff":
+                if value.lower() not in ("true", "false"):
+                    raise ConfigError(f"diff must be true or false, got {value!r}", f"e.g. {EXAMPLE}&diff=true")
+                given["diff"] = value.lower() == "true"
+            elif name == "table_template":
+                _check_template(value)
+                given[name] = value
+            elif name in ("buckets", "tasks", "target_file_rows"):
+                low = 0 if name == "tasks" else 1
+                if not re.fullmatch(r"[0-9]+", value) or int(value) < low or int(value) > 1 << 20:
+                    raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}", f"e.g. {name}=8")
+                given[name] = int(value)
+            else:
+                raise ConfigError(f"unknown Delta sink option {name!r}",
+                                  "mode, diff, table_template, buckets, tasks, target_file_rows, storage.KEY; "
+                                  "see the README's Delta section")
+        if given.get("diff") and given.get("mode", "changelog") != "changelog":
+            raise ConfigError("diff=true applies to mode=changelog only", "drop diff=true, or use mode=changelog")
+        return cls(root, storage=storage, **given)  # type: ignore[arg-type]
+
+
+def _check_template(value: str) -> None:
+    names = set(re.findall(r"{([^{}]*)}", value))
+    if not names <= {"schema", "table"} or "{table}" not in value or value.startswith("/") or ".." in value \
+            or value.startswith(LEDGER_DIR):
+        raise ConfigError(f"table_template must name {{table}} (and may name {{schema}}) as a relative path, "
+                          f"got {value!r}", "e.g. table_template={schema}/{table}")

@@ -1,0 +1,123 @@
+"""The Delta sink's batch writer: tasks write data files in parallel, the driver commits them.
+
+Each writer task takes the groups the split stage (delta.split) sent it: a table's rows of one
+bucket, its `R` row first (carrying the bucket in `seq`). In `changelog` mode it appends them as
+new files; in `mirror` mode it reads the bucket's current files, applies the changes (delta.rows)
+and writes the bucket anew, replacing them. It returns what it wrote and the `P` rows it saw.
+The driver (`commit`) checks the batch is whole (every input partition's `P` row), then commits
+each table once (delta.table.commit), then the ledger row (delta.ledger). Nothing of a batch
+that fails before is visible; a replay skips every table the batch reached before.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from ... import faults
+from ...core import change as ch
+from ...core.lsn import format_lsn
+from ..batch_input import BatchInput
+from . import rows as delta_rows
+from .ledger import DeltaLedger
+from .mirror import apply_mirror
+from .options import DeltaOptions
+from .table import Files, bucket_rows, commit, committed, open_table, write_file
+
+
+@dataclass
+class Wrote:
+    """One writer task's result."""
+
+    query_id: str
+    began: float
+    files: list[Files] = field(default_factory=list)
+    progress: list[ch.Progress] = field(default_factory=list)
+
+
+def app_id(feed: str, query_id: str) -> str:
+    """The Delta application transaction of a feed's query: the query id (kept in Spark's checkpoint)
+    tells a feed created anew under an old name from the one before it."""
+    return f"changefeed-{feed}-{query_id}"
+
+
+class DeltaWriter:
+    """Options: uri, feed."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.feed = options["feed"]
+        self.opts = DeltaOptions.parse(options["uri"])
+
+    def write(self, batch: BatchInput) -> Wrote:
+        began = time.time()
+        groups: dict[tuple[str, str], dict[int, list[Any]]] = defaultdict(lambda: defaultdict(list))
+        for rb in batch.batches():
+            if not len(rb) or rb.column("op")[0].as_py() != ch.RELATION:
+                continue  # the P rows: BatchInput noted them
+            r = rb.slice(0, 1).to_pylist()[0]
+            shape = ch.TableShape.from_meta(r["schema"], r["table"], r["meta"])
+            groups[(shape.schema, shape.table)][int(r["seq"])].append((shape, rb.slice(1)))
+        app = app_id(self.feed, batch.task.query_id)
+        out = Wrote(batch.task.query_id, began, progress=batch.progress_rows)
+        for (schema, table), buckets in sorted(groups.items()):
+            uri = self.opts.table_uri(schema, table)
+            if self.opts.mode == "changelog":
+                out.files.append(self._changelog(uri, buckets, batch.task.batch_id))
+            else:
+                existing = open_table(uri, self.opts.storage)
+                if committed(existing, app, batch.task.batch_id):
+                    continue  # a replay: the driver will find the batch there and skip the table
+                out.files.append(self._mirror(uri, existing, buckets, batch.task.batch_id))
+        faults.reach("delta_files_written")
+        return out
+
+    def _changelog(self, uri: str, buckets: dict[int, list[Any]], batch_id: int) -> Files:
+        parts = [p for b in sorted(buckets) for p in buckets[b]]
+        rows = delta_rows.changelog(parts, batch_id, self.opts.diff)
+        files = Files(uri, rows.schema, partitioned=False)
+        for start in range(0, len(rows), self.opts.target_file_rows):
+            files.adds.append(write_file(uri, rows.slice(start, self.opts.target_file_rows), batch_id, None))
+        return files
+
+    def _mirror(self, uri: str, existing: Any, buckets: dict[int, list[Any]], batch_id: int) -> Files:
+        fills = {c: v for parts in buckets.values() for shape, _ in parts for c, v in delta_rows.fills(shape).items()}
+        files = Files(uri, pa.schema([]), partitioned=True, fills=fills,
+                      read_version=existing.version() if existing is not None else None)
+        for bucket, parts in sorted(buckets.items()):
+            before, replaced = bucket_rows(existing, bucket, fills) if existing is not None else (None, [])
+            shape = parts[-1][0]
+            out = apply_mirror(before, parts, shape)
+            files.removes += replaced
+            files.key = shape.key
+            files.schema = pa.unify_schemas([files.schema, out.rows.schema])
+            files.departed.update(out.departed)
+            for start in range(0, len(out.rows), self.opts.target_file_rows):
+                rows = out.rows.slice(start, self.opts.target_file_rows)
+                files.adds.append(write_file(uri, rows, batch_id, bucket))
+                if out.pending:
+                    files.pending.append((files.adds[-1]["path"], out.pending))
+        return files
+
+    def commit(self, results: list[Wrote], batch_id: int) -> None:
+        progress = ch.BatchProgress.of([p for r in results for p in r.progress])  # IncompleteBatch if cut short
+        query = next((r.query_id for r in results if r.query_id), "")
+        app = app_id(self.feed, query)
+        info = {"changefeed.feed": self.feed, "changefeed.batch": str(batch_id),
+                "changefeed.resolved_ts": str(progress.resolved_ts),
+                "changefeed.end": ",".join(f"{n}:{format_lsn(lsn)}" for n, lsn in sorted(progress.nodes.items()))}
+        by_table: dict[str, list[Files]] = defaultdict(list)
+        for r in results:
+            for f in r.files:
+                by_table[f.uri].append(f)
+        faults.reach("before_sink_commit")
+        for uri in sorted(by_table):
+            commit(by_table[uri], app, batch_id, info, self.opts.storage)
+        DeltaLedger(self.opts, self.feed).record_batch(app, batch_id, progress, min(r.began for r in results),
+                                                       time.time())
+        faults.reach("after_sink_commit")
+
+    def abort(self, results: list[Any], batch_id: int) -> None:
+        """Nothing to undo: uncommitted files are unreferenced (vacuum removes them)."""
