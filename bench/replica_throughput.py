@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from changefeed.local_postgres import LocalPostgres, bin_dir  # noqa: E402
-from changefeed.sinks.postgres_replica import SESSION_MEMORY  # noqa: E402
+from changefeed.sinks.replica.apply import SESSION_MEMORY  # noqa: E402
 
 TABLE = "bench_t"
 SOURCE_DB = "bench"
