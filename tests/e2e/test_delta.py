@@ -147,3 +147,28 @@ def _diff(a: list[Any], b: list[Any]) -> str:
     da, db = {r[0]: r for r in a}, {r[0]: r for r in b}
     keys = sorted((k for k in {*da, *db} if da.get(k) != db.get(k)), key=repr)[:3]
     return "\n".join(f"{k!r}: delta {da.get(k)!r}\n   source {db.get(k)!r}" for k in keys)
+
+
+def test_several_tasks_write_one_batch_and_the_driver_commits_it_once(dbs: Dbs, tmp_path: Path, spark: object) -> None:
+    """The batch's files come from two Spark tasks (two partitions, two Python workers) that ran at
+    the same time, and the table has one commit for the batch, holding all of them."""
+    from deltalake import DeltaTable
+
+    lake, tables = tmp_path / "lake", ("public.wide",)
+    with dbs.src() as c:
+        c.execute("CREATE TABLE wide (id int PRIMARY KEY, v text, n numeric(12,2))")
+    spec = FeedSpec(dbs.name, dbs.source, f"delta://{lake}?mode=mirror&buckets=8&tasks=2", tables).validate()
+    state = FeedState(tmp_path / "state", dbs.name)
+    run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    with dbs.src() as c:
+        c.execute("INSERT INTO wide SELECT g, md5(g::text), g / 3.0 FROM generate_series(1, 200000) g")
+    run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    history = [h for h in DeltaTable(str(lake / "public.wide")).history() if "changefeed.tasks" in h]
+    assert len({h["changefeed.batch"] for h in history}) == len(history), "a batch committed twice"
+    by_batch = [json.loads(h["changefeed.tasks"]) for h in history]
+    both = [ts for ts in by_batch if len({t["partition"] for t in ts if t["files"]}) == 2
+            and len({t["pid"] for t in ts}) == 2]
+    assert both, f"no batch was written by two tasks: {by_batch}"
+    assert any(max(t["began"] for t in ts) < min(t["ended"] for t in ts) for ts in both), \
+        f"the two tasks of a batch did not run at the same time: {both}"
+    assert delta_rows(lake, "public.wide", ["id", "v", "n"]) == source_rows(dbs, "public.wide", ["id", "v", "n"])

@@ -10,6 +10,8 @@ that fails before is visible; a replay skips every table the batch reached befor
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ class Wrote:
     """One writer task's result."""
 
     query_id: str
-    began: float
+    task: dict[str, Any]  # who wrote, and when: {"partition", "attempt", "pid", "began", "ended"} (Unix s)
     files: list[Files] = field(default_factory=list)
     progress: list[ch.Progress] = field(default_factory=list)
 
@@ -61,7 +63,8 @@ class DeltaWriter:
             shape = ch.TableShape.from_meta(r["schema"], r["table"], r["meta"])
             groups[(shape.schema, shape.table)][int(r["seq"])].append((shape, rb.slice(1)))
         app = app_id(self.feed, batch.task.query_id)
-        out = Wrote(batch.task.query_id, began, progress=batch.progress_rows)
+        out = Wrote(batch.task.query_id, {"partition": batch.task.partition, "attempt": batch.task.attempt,
+                                          "pid": os.getpid(), "began": began}, progress=batch.progress_rows)
         for (schema, table), buckets in sorted(groups.items()):
             uri = self.opts.table_uri(schema, table)
             if self.opts.mode == "changelog":
@@ -71,6 +74,7 @@ class DeltaWriter:
                 if committed(existing, app, batch.task.batch_id):
                     continue  # a replay: the driver will find the batch there and skip the table
                 out.files.append(self._mirror(uri, existing, buckets, batch.task.batch_id))
+        out.task["ended"] = time.time()
         faults.reach("delta_files_written")
         return out
 
@@ -108,15 +112,16 @@ class DeltaWriter:
         info = {"changefeed.feed": self.feed, "changefeed.batch": str(batch_id),
                 "changefeed.resolved_ts": str(progress.resolved_ts),
                 "changefeed.end": ",".join(f"{n}:{format_lsn(lsn)}" for n, lsn in sorted(progress.nodes.items()))}
-        by_table: dict[str, list[Files]] = defaultdict(list)
+        by_table: dict[str, list[tuple[Files, dict[str, Any]]]] = defaultdict(list)
         for r in results:
             for f in r.files:
-                by_table[f.uri].append(f)
+                by_table[f.uri].append((f, r.task))
         faults.reach("before_sink_commit")
-        for uri in sorted(by_table):
-            commit(by_table[uri], app, batch_id, info, self.opts.storage)
-        DeltaLedger(self.opts, self.feed).record_batch(app, batch_id, progress, min(r.began for r in results),
-                                                       time.time())
+        for uri, wrote in sorted(by_table.items()):
+            tasks = json.dumps([{**task, "files": len(f.adds)} for f, task in wrote])
+            commit([f for f, _ in wrote], app, batch_id, {**info, "changefeed.tasks": tasks}, self.opts.storage)
+        began = min((r.task["began"] for r in results), default=time.time())
+        DeltaLedger(self.opts, self.feed).record_batch(app, batch_id, progress, began, time.time())
         faults.reach("after_sink_commit")
 
     def abort(self, results: list[Any], batch_id: int) -> None:
