@@ -46,7 +46,7 @@ def rows(lake: Path, table: str) -> list[dict[str, Any]]:
     return pa.table(DeltaTable(str(lake / table)).to_pyarrow_table()).to_pylist()
 
 
-@pytest.mark.parametrize("mode", ["mirror", "changelog"])
+@pytest.mark.parametrize("mode", ["mirror", "changelog", "history"])
 def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path: Path, mode: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
@@ -74,6 +74,14 @@ def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path
     if mode == "mirror":
         assert sorted(r["id"] for r in ledger) == list(range(1, n + 1))  # every committed row, once
         assert sorted((r["id"], r["balance"]) for r in accounts) == source_accounts
+    elif mode == "history":
+        assert sorted(r["id"] for r in ledger if r["_current"]) == list(range(1, n + 1))
+        assert sorted((r["id"], r["balance"]) for r in accounts if r["_current"]) == source_accounts
+        # a version per account a transaction touched (one where it moved money to itself), plus the snapshot's
+        assert len(accounts) == ACCOUNTS + sum(1 if k % 20 == 0 else 2 for k in range(1, n + 1))
+        for a in range(ACCOUNTS):
+            vs = sorted((r for r in accounts if r["id"] == a), key=lambda r: r["_commit_ts"])
+            assert all(x["_valid_to"] == y["_valid_from"] for x, y in zip(vs, vs[1:])), vs  # no gap, no overlap
     else:
         inserts = sorted(r["id"] for r in ledger if r["_op"] == "c")
         assert inserts == list(range(1, n + 1)), "a change log insert is missing or doubled"
@@ -86,8 +94,9 @@ def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path
             last[r["id"]] = r["balance"]
         assert sorted(last.items()) == source_accounts
     con = duckdb()  # an independent reader of the same tables
-    if mode == "mirror":
-        total = con.sql(f"SELECT sum(balance), count(*) FROM delta_scan('{lake}/public.accounts')").fetchall()
+    if mode != "changelog":
+        current = "" if mode == "mirror" else " WHERE _current"
+        total = con.sql(f"SELECT sum(balance), count(*) FROM delta_scan('{lake}/public.accounts'){current}").fetchall()
         assert total == [(1000 * ACCOUNTS, ACCOUNTS)]  # a consistent cut: money is never half-moved
     count = con.sql(f"SELECT count(DISTINCT id), count(*) FROM delta_scan('{lake}/public.ledger')").fetchall()
     assert count == [(n, n)]

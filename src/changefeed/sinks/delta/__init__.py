@@ -1,8 +1,9 @@
-"""The Delta Lake sink: a Delta table per captured table, as a change log or a mirror, exactly once.
+"""The Delta Lake sink: a Delta table per captured table, as a change log, a mirror or a history.
 
-`options` parses the URI, `columns` types the values, `rows` builds a batch's rows per mode,
-`split` cuts a batch for the parallel writer tasks, `table` writes files and commits them,
-`ledger` keeps the feed's progress in the lake, `writer` is the batch writer.
+`options` parses the URI, `columns` types the values, `rows` builds a change log's rows, `mirror`
+and `history` a bucket's rows after a batch, `split` cuts a batch for the parallel writer tasks,
+`table` writes files and commits them, `ledger` keeps the feed's progress in the lake, `writer`
+is the batch writer, `duck` reads the lake with DuckDB.
 """
 from __future__ import annotations
 
@@ -26,8 +27,6 @@ class DeltaSink(Sink):
         from .options import DeltaOptions
 
         opts = DeltaOptions.parse(uri)
-        if opts.mode == "history":
-            raise ConfigError("the Delta sink's history mode is not built yet", "use mode=changelog or mode=mirror")
         if not opts.local:
             raise ConfigError(f"the Delta sink writes to local or mounted folders only so far, got {opts.root}",
                               "mount the store (e.g. s3fs) and use delta:///MOUNTED/PATH")

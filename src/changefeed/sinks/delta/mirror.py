@@ -43,11 +43,12 @@ class Bucket:
     pending: list[tuple[Key, str, Key]] = field(default_factory=list)  # (new key, column, old key)
 
 
-def _ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[str, Any],
+def ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[str, Any],
                      schema: pa.Schema) -> pa.Table:
     """The changes as typed rows, in the order they apply: the window's changes in commit order
     (a key change's delete half first), then the snapshot rows. `_old_key` holds a key change's
-    old key (typed, as a list), `_moved` marks its delete half."""
+    old key (typed, as a struct), `_moved` marks its delete half, `_s2` is the commit ts, `_time`
+    the commit time (Unix µs; null for snapshot rows)."""
     tables = []
     for shape, batch in parts:
         rows = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
@@ -63,8 +64,9 @@ def _ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[st
                                              mask=rows.column("old_key").is_null().combine_chunks()),
                   pc.fill_null(pc.equal(rows.column("meta"), MOVED), False),
                   pc.cast(pc.equal(op, "r"), pa.int8()), rows.column("commit_ts"), rows.column("lsn"),
-                  rows.column("seq"), pc.cast(pc.not_equal(op, "d"), pa.int8())]
-        names = [*shape.columns, "_op", "_unchanged", "_old_key", "_moved", "_s1", "_s2", "_s3", "_s4", "_s5"]
+                  rows.column("seq"), pc.cast(pc.not_equal(op, "d"), pa.int8()), rows.column("commit_time")]
+        names = [*shape.columns, "_op", "_unchanged", "_old_key", "_moved", "_s1", "_s2", "_s3", "_s4", "_s5",
+                 "_time"]
         for c, v in filled.items():
             if c not in shape.columns:
                 names.append(c)
@@ -75,7 +77,7 @@ def _ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[st
     return unify(tables).sort_by([(f"_s{i}", "ascending") for i in range(1, 6)])
 
 
-def _keys(table: pa.Table, key: Sequence[str]) -> list[Key]:
+def keys_of(table: pa.Table, key: Sequence[str]) -> list[Key]:
     return list(zip(*(table.column(k).to_pylist() for k in key))) if len(table) else []
 
 
@@ -84,15 +86,15 @@ def apply_mirror(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape,
     """The bucket after the batch: `existing` (its rows before, None if it has none) with `parts`
     (its changes: (shape, change rows) pairs) applied; `shape` is the table's latest."""
     schema, filled = source_schema(shape), fills(shape)
-    changes = _ordered_changes(parts, filled, schema)
+    changes = ordered_changes(parts, filled, schema)
     ops = changes.column("_op").to_pylist()
     if "t" in ops:  # a truncate empties the table: what came before it no longer matters
         last = len(ops) - 1 - ops[::-1].index("t")
         changes, ops, existing = changes.slice(last + 1), ops[last + 1:], None
     before = existing if existing is not None else schema.empty_table()
-    keys = _keys(changes, shape.key)
+    keys = keys_of(changes, shape.key)
     final = {k: i for i, k in enumerate(keys)}
-    kept = before.filter(pa.array([k not in final for k in _keys(before, shape.key)], pa.bool_())) \
+    kept = before.filter(pa.array([k not in final for k in keys_of(before, shape.key)], pa.bool_())) \
         if final else before
     upserts = sorted(i for i in final.values() if ops[i] != "d")
     new = changes.take(pa.array(upserts, pa.int64()))
@@ -121,7 +123,7 @@ class _History:
         self.ops = changes.column("_op").to_pylist()
         self.unchanged = changes.column("_unchanged").to_pylist()
         self.old_keys = changes.column("_old_key").to_pylist()
-        self.old_rows = {k: i for i, k in enumerate(_keys(before, shape.key))}
+        self.old_rows = {k: i for i, k in enumerate(keys_of(before, shape.key))}
         self.key = shape.key
 
     def prior(self, i: int, column: str) -> Any:

@@ -24,6 +24,7 @@ from ...core import change as ch
 from ...core.lsn import format_lsn
 from ..batch_input import BatchInput
 from . import rows as delta_rows
+from .history import apply_history
 from .ledger import DeltaLedger
 from .mirror import apply_mirror
 from .options import DeltaOptions
@@ -73,7 +74,7 @@ class DeltaWriter:
                 existing = open_table(uri, self.opts.storage)
                 if committed(existing, app, batch.task.batch_id):
                     continue  # a replay: the driver will find the batch there and skip the table
-                out.files.append(self._mirror(uri, existing, buckets, batch.task.batch_id))
+                out.files.append(self._rewrite(uri, existing, buckets, batch.task.batch_id))
         out.task["ended"] = time.time()
         faults.reach("delta_files_written")
         return out
@@ -86,16 +87,18 @@ class DeltaWriter:
             files.adds.append(write_file(uri, rows.slice(start, self.opts.target_file_rows), batch_id, None))
         return files
 
-    def _mirror(self, uri: str, existing: Any, buckets: dict[int, list[Any]], batch_id: int) -> Files:
+    def _rewrite(self, uri: str, existing: Any, buckets: dict[int, list[Any]], batch_id: int) -> Files:
+        """Mirror and history mode: each bucket the batch touches read, changed and written anew."""
+        apply = apply_mirror if self.opts.mode == "mirror" else apply_history
         fills = {c: v for parts in buckets.values() for shape, _ in parts for c, v in delta_rows.fills(shape).items()}
         files = Files(uri, pa.schema([]), partitioned=True, fills=fills,
                       read_version=existing.version() if existing is not None else None)
         for bucket, parts in sorted(buckets.items()):
             before, replaced = bucket_rows(existing, bucket, fills) if existing is not None else (None, [])
             shape = parts[-1][0]
-            out = apply_mirror(before, parts, shape)
+            out = apply(before, parts, shape)
             files.removes += replaced
-            files.key = shape.key
+            files.key = shape.key if self.opts.mode == "mirror" else (*shape.key, "_commit_ts")
             files.schema = pa.unify_schemas([files.schema, out.rows.schema])
             files.departed.update(out.departed)
             for start in range(0, len(out.rows), self.opts.target_file_rows):

@@ -1,0 +1,107 @@
+"""History mode (SCD type 2): every version of each row, with its validity. Pure Arrow/Python.
+
+A version is a key's state after one transaction: `_valid_from` is that commit's time,
+`_valid_to` the commit time of the change that ended it (the next version, a delete, a truncate)
+or null while current, `_current` says it is, `_commit_ts` is its commit's HLC timestamp (exact
+order; a transaction that changed a key twice makes one version). A snapshot row (`r`) becomes a
+version (valid from its window's time) only if it differs from the key's current version.
+
+Versions are kept in commit-timestamp order per key whatever order they arrive in: a version
+placed before a later one ends where that one starts, unless a delete ended it sooner. So
+replays and late arrivals never make versions overlap. A key change ends the old key's version
+and starts the new key's; an unchanged TOASTed value comes from the key's current version, or,
+across buckets, from the old key's (delta.mirror: departed / pending, with `_commit_ts` in the
+row's identity).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import pyarrow as pa
+
+from ...core import change as ch
+from ...core.hlc import physical_ms
+from .mirror import Bucket, Key, keys_of, ordered_changes
+from .rows import fills, source_schema
+
+VALIDITY = pa.schema([("_valid_from", pa.timestamp("us", tz="UTC")), ("_valid_to", pa.timestamp("us", tz="UTC")),
+                      ("_current", pa.bool_()), ("_commit_ts", pa.int64())])
+
+
+def _when(time_us: int | None, ts: int) -> datetime:
+    us = time_us if time_us is not None else physical_ms(ts) * 1000
+    return datetime.fromtimestamp(us // 1_000_000, tz=timezone.utc).replace(microsecond=us % 1_000_000)
+
+
+def apply_history(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape, Any]],
+                  shape: ch.TableShape) -> Bucket:
+    """The bucket's versions after the batch: `existing` (its versions before, None if none) with
+    `parts` (its changes: (shape, change rows) pairs) applied; `shape` is the table's latest."""
+    source, filled = source_schema(shape), fills(shape)
+    schema = pa.schema([*source, *VALIDITY])
+    changes = ordered_changes(parts, filled, source)
+    columns = [c for c in changes.column_names if not c.startswith("_")]
+    before = existing if existing is not None else schema.empty_table()
+    for c, v in filled.items():  # versions from before the column was added hold its default
+        if c not in before.column_names:
+            before = before.append_column(schema.field(c), pa.array([v] * len(before), schema.field(c).type))
+    keys = keys_of(changes, shape.key)
+    touched = set(keys)
+    old_keys = keys_of(before, shape.key)
+    versions: dict[Key, list[dict[str, Any]]] = {}
+    for k, row in zip(old_keys, before.to_pylist()):
+        versions.setdefault(k, []).append(row)
+    out = Bucket(pa.table({}))
+    rows = changes.to_pylist()
+    for i, r in enumerate(rows):
+        op, when, ts = r["_op"], _when(r["_time"], r["_s2"]), r["_s2"]
+        if op == "t":  # ends every current version of the table
+            for vs in versions.values():
+                _end(vs, when)
+            continue
+        key = keys[i]
+        vs = versions.setdefault(key, [])
+        current = vs[-1] if vs and vs[-1]["_current"] else None
+        if op == "d":
+            if r["_moved"]:
+                out.departed[key] = {c: current[c] if current else None for c in columns}
+            _end(vs, when)
+            continue
+        values = {c: r[c] for c in columns}
+        for c in r["_unchanged"] or ():
+            if current is not None:
+                values[c] = current[c]
+            elif r["_old_key"] is not None:
+                values[c] = None
+                out.pending.append(((*key, ts), c, tuple(r["_old_key"][k] for k in shape.key)))
+        if op == "r" and current is not None and all(current[c] == values[c] for c in columns):
+            continue  # the snapshot saw the version the stream made
+        if current is not None and current["_commit_ts"] == ts:
+            current.update(values)  # the same transaction changed the key again: one version
+            continue
+        if any(v["_commit_ts"] == ts for v in vs):
+            continue  # this version is there already (a replay)
+        vs.append({**values, "_valid_from": when, "_valid_to": None, "_current": True, "_commit_ts": ts})
+        _order(vs)
+    for k in touched | ({k for k in versions} if "t" in changes.column("_op").to_pylist() else set()):
+        _order(versions.get(k, []))
+    kept = pa.unify_schemas([before.schema, schema])  # a dropped column's history stays
+    out.rows = pa.Table.from_pylist([v for vs in versions.values() for v in vs], schema=kept)
+    return out
+
+
+def _end(vs: list[dict[str, Any]], when: datetime) -> None:
+    if vs and vs[-1]["_current"]:
+        vs[-1]["_valid_to"], vs[-1]["_current"] = when, False
+
+
+def _order(vs: list[dict[str, Any]]) -> None:
+    """Versions in commit order, each ending where the next starts unless it ended sooner; only
+    the last may be current."""
+    vs.sort(key=lambda v: v["_commit_ts"])
+    for a, b in zip(vs, vs[1:]):
+        if a["_valid_to"] is None or a["_valid_to"] > b["_valid_from"]:
+            a["_valid_to"] = b["_valid_from"]
+        a["_current"] = False
