@@ -215,6 +215,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if found.equal else 1
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    from .sinks.registry import sink_of
+
+    spec, _ = _stored(args)
+    if sink_of(spec.sink).name != "delta":
+        raise ConfigError(f"feed {spec.name} writes to a {sink_of(spec.sink).name} sink; compact is for Delta sinks",
+                          "nothing to do for this feed")
+    from .sinks.delta.options import DeltaOptions
+    from .sinks.delta.upkeep import compact
+
+    compact(DeltaOptions.parse(spec.sink), spec.name, [tuple(t.split(".", 1)) for t in spec.tables],  # type: ignore[misc]
+            target_size=_option("target-size", _size, args.target_size),
+            vacuum_retain_h=_option("vacuum", parse_duration, args.vacuum) / 3600 if args.vacuum else None)
+    return 0
+
+
+def _size(text: str) -> int:
+    """'128MB', '1GB', '500kB' or a number of bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+)\s*(|b|kb|mb|gb)\s*", text.lower())
+    if not m or int(m[1]) < 1:
+        raise ConfigError(f"not a size: {text!r}", "e.g. 128MB")
+    return int(m[1]) * {"": 1, "b": 1, "kb": 1024, "mb": 1024 ** 2, "gb": 1024 ** 3}[m[2]]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .status import status
 
@@ -383,6 +409,14 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--wait", default="2m", help="how long the feed may take to reach the point (default 2m)")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.set_defaults(func=cmd_verify)
+
+    comp = sub.add_parser("compact", help="Delta sinks: merge each table's small files, write a Delta checkpoint, "
+                                          "and with --vacuum delete files no kept version references")
+    comp.add_argument("--name", required=True)
+    comp.add_argument("--state", default=DEFAULT_STATE)
+    comp.add_argument("--target-size", default="128MB", help="size of the merged files (default 128MB)")
+    comp.add_argument("--vacuum", help="also delete unreferenced files older than this (at least 1h), e.g. 168h")
+    comp.set_defaults(func=cmd_compact)
 
     st = sub.add_parser("status", help="checkpoint, lag and slot state of a feed")
     st.add_argument("--name", required=True)

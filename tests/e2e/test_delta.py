@@ -191,3 +191,38 @@ def test_several_tasks_write_one_batch_and_the_driver_commits_it_once(dbs: Dbs, 
     assert any(max(t["began"] for t in ts) < min(t["ended"] for t in ts) for ts in both), \
         f"the two tasks of a batch did not run at the same time: {both}"
     assert delta_rows(lake, "public.wide", ["id", "v", "n"]) == source_rows(dbs, "public.wide", ["id", "v", "n"])
+
+
+def test_compact_merges_files_keeps_rows_and_vacuum_deletes_orphans(dbs: Dbs, tmp_path: Path, spark: object) -> None:
+    import os
+    import shutil
+
+    from conftest import changefeed_cli
+    from deltalake import DeltaTable
+
+    lake = tmp_path / "lake"
+    with dbs.src() as c:
+        c.execute("CREATE TABLE small (id int PRIMARY KEY, v text)")
+    spec = FeedSpec(dbs.name, dbs.source, f"delta://{lake}?mode=changelog", ("public.small",)).validate()
+    state = FeedState(tmp_path / "state", dbs.name)
+    run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    for i in range(3):  # three runs: at least three batches, each with its own files
+        with dbs.src() as c:
+            c.execute("INSERT INTO small SELECT g, 'v' || g FROM generate_series(%s::int, %s::int) g",
+                      (i * 100 + 1, i * 100 + 100))
+        run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    table = lake / "public.small"
+    before = DeltaTable(str(table))
+    files_before, rows_before = len(before.file_uris()), sorted(r["id"] for r in delta_table(lake, "public.small"))
+    orphan = table / "part-orphan-of-a-crashed-batch.parquet"  # written, never committed
+    shutil.copy(table / pa.table(before.get_add_actions(flatten=True)).column("path")[0].as_py(), orphan)
+    os.utime(orphan, (os.path.getmtime(orphan) - 7200,) * 2)
+    done = changefeed_cli("compact", "--name", dbs.name, "--state", str(tmp_path / "state"), "--vacuum", "1h")
+    assert done.returncode == 0, done.stderr
+    assert "public.small:" in done.stdout and "unreferenced files deleted" in done.stdout, done.stdout
+    after = DeltaTable(str(table))
+    assert files_before >= 3 and len(after.file_uris()) == 1
+    assert sorted(r["id"] for r in delta_table(lake, "public.small")) == rows_before == list(range(1, 301))
+    assert not orphan.exists()
+    bad = changefeed_cli("compact", "--name", dbs.name, "--state", str(tmp_path / "state"), "--vacuum", "5m")
+    assert bad.returncode == 64 and "at least 1h" in bad.stderr
