@@ -251,6 +251,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.sink == "delta":
+        from .demo_delta import demo_delta
+
+        return demo_delta(Path(args.workdir), seconds=args.seconds, master=args.master)
     from .demo import demo
 
     return demo(Path(args.workdir), seconds=args.seconds, master=args.master)
@@ -428,6 +432,9 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", default="./changefeed-demo", help="where the demo keeps its servers and state")
     demo.add_argument("--seconds", type=float, default=45, help="how long the write workload runs")
     demo.add_argument("--master", default="local[*]")
+    demo.add_argument("--sink", choices=("replica", "delta"), default="replica",
+                      help="replica: a second PostgreSQL server (default); delta: a Delta lake (a mirror and a "
+                           "change log) queried with DuckDB")
     demo.set_defaults(func=cmd_demo)
     return p
 
