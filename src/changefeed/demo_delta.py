@@ -18,8 +18,8 @@ from pathlib import Path
 import psycopg
 
 from .config import FeedSpec, FeedState
-from .errors import DefiniteError
 from .demo import ACCOUNTS, SCHEMA, TABLES, _failed, _writer
+from .errors import DefiniteError
 from .local_postgres import LocalPostgres
 from .sinks.delta.duck import connect as duckdb
 from .sinks.delta.ledger import DeltaLedger
@@ -44,7 +44,8 @@ def demo_delta(workdir: Path, *, seconds: float = 45, master: str = "local[*]", 
     try:
         with psycopg.connect(source.uri(), autocommit=True) as c:
             c.execute(SCHEMA)
-        mirror = FeedSpec("demo", source.uri(), f"delta://{lake}?mode=mirror", TABLES, trigger_interval_s=1.0).validate()
+        mirror = FeedSpec("demo", source.uri(), f"delta://{lake}?mode=mirror", TABLES,
+                          trigger_interval_s=1.0).validate()
         # its slot predates every row: the change log needs no snapshot
         log = FeedSpec("demo_log", source.uri(), f"delta://{lake}/log?mode=changelog", TABLES,
                        snapshot="never").validate()
@@ -113,12 +114,13 @@ def _compare(uri: str, lake: Path) -> int:
             shown = [", ".join(str(v) for v in x) for x in (a, b)]
             print(f"  {table:18} source ({shown[0]})  mirror ({shown[1]})  {'equal' if same else 'DIFFERENT'}")
         transfers = c.execute("SELECT count(*) FROM transfers").fetchone()[0]  # type: ignore[index]
-    ops = con.sql(f"SELECT _op, count(*) FROM delta_scan('{lake}/log/public.accounts') GROUP BY 1 ORDER BY 1").fetchall()
+    accounts_log = f"delta_scan('{lake}/log/public.accounts')"
+    ops = con.sql(f"SELECT _op, count(*) FROM {accounts_log} GROUP BY 1 ORDER BY 1").fetchall()
     print(f"demo: change log of public.accounts by operation: {dict(ops)}")
     logged = con.sql(f"SELECT count(*), count(DISTINCT id) FROM delta_scan('{lake}/log/public.transfers') "
                      "WHERE _op = 'c'").fetchone()
     print("demo: the last changes of account 1:")
-    for row in con.sql(f"SELECT _commit_time::varchar, _op, balance FROM delta_scan('{lake}/log/public.accounts') WHERE id = 1 "
+    for row in con.sql(f"SELECT _commit_time::varchar, _op, balance FROM {accounts_log} WHERE id = 1 "
                        "ORDER BY _commit_ts DESC, _seq DESC LIMIT 3").fetchall():
         print(f"  {row[0]}  {row[1]}  balance {row[2]}")
     same = logged == (transfers, transfers)
