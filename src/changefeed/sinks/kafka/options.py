@@ -79,7 +79,7 @@ class KafkaOptions:
     topic_partitions: int = -1  # for topics the sink creates; -1: the broker's default
     replication_factor: int = -1
     create_topics: bool = True
-    timeout_s: float = 30.0  # one request or transaction step; the client's timeouts follow (kafka_client)
+    timeout_s: float = 30.0  # one request or transaction step; the client's timeouts follow (kafka.client)
     client: tuple[tuple[str, str], ...] = field(default=())  # librdkafka settings passed through
 
     @classmethod
@@ -179,7 +179,7 @@ class KafkaOptions:
             check_settings(config, self.refused, producer=producer)
 
     def refused(self, text: str) -> ConfigError:
-        """librdkafka's refusal `text` of these options, naming the user's settings (kafka_client.refused)."""
+        """librdkafka's refusal `text` of these options, naming the user's settings (kafka.client.refused)."""
         from .client import refused
 
         return refused(text, dict(self.client), self.timeout_s, SECRET_KEYS)
