@@ -46,35 +46,41 @@ def split(packed: Iterator[Any], mode: str, buckets: int) -> Iterator[Any]:
                                                  names=["part", "rows", "changes"])
 
 
+def _flags(ops: Any, *values: str) -> Any:
+    """A numpy bool mask of the rows whose op is one of `values`."""
+    return pc.is_in(ops, pa.array(values)).to_numpy(zero_copy_only=False)
+
+
 def _groups(rb: Any, described: dict[tuple[str, str], Any], mode: str, buckets: int) -> Iterator[tuple[int, Any]]:
-    ops = np.asarray(rb.column("op").to_pylist(), dtype=object)
-    relations = np.flatnonzero(ops == ch.RELATION).tolist()
-    progress = np.flatnonzero(ops == ch.PROGRESS)
+    ops = rb.column("op")
+    relations = np.flatnonzero(_flags(ops, ch.RELATION)).tolist()
+    progress = np.flatnonzero(_flags(ops, ch.PROGRESS))
     if len(progress):
         yield PROGRESS_PART, rb.take(pa.array(progress))
-    bounds = sorted({0, *relations, len(ops)})
+    is_data = _flags(ops, *"cudrt")
+    bounds = sorted({0, *relations, len(rb)})
     for lo, hi in zip(bounds, bounds[1:]):
-        if ops[lo] == ch.RELATION:
+        if lo in relations:
             r = rb.slice(lo, 1)
             described[(r.column("schema")[0].as_py(), r.column("table")[0].as_py())] = r
-        seg = np.arange(lo, hi)
-        data = seg[np.isin(ops[lo:hi], list("cudrt"))]
+        data = lo + np.flatnonzero(is_data[lo:hi])
         if not len(data):
             continue
-        names = pc.binary_join_element_wise(rb.column("schema").take(pa.array(data)),
-                                            rb.column("table").take(pa.array(data)), "\x00").to_pylist()
-        for name in dict.fromkeys(names):
+        taken = pa.array(data)
+        names = pc.binary_join_element_wise(rb.column("schema").take(taken), rb.column("table").take(taken),
+                                            "\x00").dictionary_encode()
+        codes = names.indices.to_numpy(zero_copy_only=False)
+        for code, name in enumerate(names.dictionary.to_pylist()):
             schema, table = name.split("\x00")
-            rows = data[np.asarray([n == name for n in names])]
             relation = described.get((schema, table))
             if relation is None:
                 raise ValueError(f"change for {schema}.{table} before its R row")
-            sub = rb.take(pa.array(rows))
+            sub = rb.take(pa.array(data[codes == code]))
             if mode == "changelog":
-                for i in range(0, len(rows), RUN_ROWS):
-                    piece = sub.slice(i, RUN_ROWS)
+                for i in range(0, len(sub), RUN_ROWS):
                     bucket = (i // RUN_ROWS) % buckets
-                    yield part_of(schema, table, bucket), pa.concat_batches([_labelled(relation, bucket), piece])
+                    yield part_of(schema, table, bucket), pa.concat_batches([_labelled(relation, bucket),
+                                                                             sub.slice(i, RUN_ROWS)])
             else:
                 shape = ch.TableShape.from_meta(schema, table, relation.column("meta")[0].as_py())
                 for bucket, piece in by_bucket(sub, shape, buckets):
@@ -90,17 +96,15 @@ def key_columns(shape: ch.TableShape) -> list[int]:
     return [shape.columns.index(k) for k in shape.key]
 
 
-def key_texts(lines: list[bytes | None], keys: list[int]) -> list[bytes]:
-    """Each full-width COPY line's key fields, as one text (fields joined by TAB)."""
-    out = []
-    for line in lines:
-        fields = (line or b"").split(b"\t")
-        out.append(b"\t".join(fields[k] for k in keys) if len(fields) > max(keys) else b"")
-    return out
+def key_texts(lines: Any, keys: list[int]) -> list[bytes]:
+    """Each full-width COPY line's key fields, as one text (fields joined by TAB); b"" for none."""
+    fields = pc.split_pattern(pc.fill_null(lines.cast(pa.binary()), b""), b"\t")
+    short = pc.less_equal(pc.list_value_length(fields), max(keys))
+    fields = pc.if_else(short, pa.scalar([b""] * (max(keys) + 1), fields.type), fields)
+    parts = [pc.list_element(fields, k) for k in keys]
+    joined = parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, b"\t")
+    return joined.to_pylist()
 
-
-def bucket_of(key_text: bytes, buckets: int) -> int:
-    return zlib.crc32(key_text) % buckets
 
 
 def with_columns(rb: Any, **columns: Any) -> Any:
@@ -115,25 +119,20 @@ def by_bucket(rows: Any, shape: ch.TableShape, buckets: int) -> Iterator[tuple[i
     of the old key (op `d`, its `before`, `meta` MOVED) and an upsert of the new row (which keeps
     its `old_key`: an unchanged TOASTed value is the old row's); a truncate goes to every bucket."""
     keys = key_columns(shape)
-    ops = rows.column("op").to_pylist()
-    moved = [i for i, v in enumerate(rows.column("old_key").is_valid().to_pylist()) if v and ops[i] == "u"]
-    if moved:
+    moved = np.flatnonzero(pc.and_(pc.equal(rows.column("op"), "u"), rows.column("old_key").is_valid())
+                           .to_numpy(zero_copy_only=False))
+    if len(moved):
         n = len(moved)
         deletes = with_columns(rows.take(pa.array(moved)), op=pa.array(["d"] * n), after=pa.nulls(n, pa.binary()),
                                old_key=pa.nulls(n, pa.binary()), unchanged=pa.nulls(n, pa.string()),
                                meta=pa.array([MOVED] * n))
         rows = pa.concat_batches([deletes, rows])  # the writer orders by (commit, seq, op): delete first
-        ops = rows.column("op").to_pylist()
-    lines = pc.if_else(pc.equal(rows.column("op"), "d"), rows.column("before"), rows.column("after")).to_pylist()
+    lines = pc.if_else(pc.equal(rows.column("op"), "d"), rows.column("before"), rows.column("after"))
     texts = key_texts(lines, keys)
-    out: dict[int, list[int]] = {}
-    truncates = []
-    for i, (op, text) in enumerate(zip(ops, texts)):
-        if op == "t":
-            truncates.append(i)
-        else:
-            out.setdefault(bucket_of(text, buckets), []).append(i)
-    for b in range(buckets) if truncates else ():
-        out.setdefault(b, [])
-    for bucket, idx in sorted(out.items()):
-        yield bucket, rows.take(pa.array(sorted(idx + truncates), pa.int64()))
+    of = np.fromiter((zlib.crc32(t) % buckets for t in texts), dtype=np.int64, count=len(texts))
+    truncates = np.flatnonzero(_flags(rows.column("op"), "t"))
+    of[truncates] = -1
+    for bucket in range(buckets):
+        idx = np.flatnonzero(of == bucket)
+        if len(idx) or len(truncates):
+            yield bucket, rows.take(pa.array(np.union1d(idx, truncates)))
