@@ -226,3 +226,28 @@ def test_compact_merges_files_keeps_rows_and_vacuum_deletes_orphans(dbs: Dbs, tm
     assert not orphan.exists()
     bad = changefeed_cli("compact", "--name", dbs.name, "--state", str(tmp_path / "state"), "--vacuum", "5m")
     assert bad.returncode == 64 and "at least 1h" in bad.stderr
+
+
+def test_a_renamed_column_stops_the_feed_until_the_table_is_read_again(dbs: Dbs, tmp_path: Path,
+                                                                       spark: object) -> None:
+    """What the WAL cannot tell (RENAME COLUMN or DROP + ADD) stops a Delta feed before the change,
+    as it stops a replica's; `changefeed snapshot --tables` is the way on."""
+    from changefeed.errors import UnfollowableChange
+    from changefeed.lifecycle import request_snapshot
+
+    lake, tables = tmp_path / "lake", ("public.named",)
+    with dbs.src() as c:
+        c.execute("CREATE TABLE named (id int PRIMARY KEY, v text)")
+        c.execute("INSERT INTO named SELECT g, 'v' || g FROM generate_series(1, 5) g")
+    spec = FeedSpec(dbs.name, dbs.source, f"delta://{lake}?mode=mirror&buckets=2", tables).validate()
+    state = FeedState(tmp_path / "state", dbs.name)
+    run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    with dbs.src() as c:
+        c.execute("ALTER TABLE named RENAME COLUMN v TO w")
+        c.execute("INSERT INTO named VALUES (6, 'after rename')")
+    with pytest.raises(UnfollowableChange, match="RENAME COLUMN"):
+        run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    assert sorted(r["id"] for r in delta_table(lake, "public.named")) == [1, 2, 3, 4, 5]  # nothing past it
+    request_snapshot(spec, state, tables)
+    run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+    assert delta_rows(lake, "public.named", ["id", "w"]) == source_rows(dbs, "public.named", ["id", "w"])

@@ -40,8 +40,11 @@ class DeltaLedger(FileLedger):
                                   "give the feed's user write access there, or choose another folder") from None
 
     def prepare(self, tables: list[Any]) -> None:
-        """Nothing to create: each table appears with its first batch."""
+        """Create the tables of `tables` (postgres.source.SourceTable) that are missing, empty."""
+        from .shapes import create_tables
+
         self.check()
+        create_tables(self.opts, tables)
 
     def record_batch(self, app_id: str, batch_id: int, progress: BatchProgress, began: float, done: float) -> None:
         """Append the batch's row unless this application transaction already has it."""

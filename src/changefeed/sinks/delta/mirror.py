@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from ...core import change as ch
 from .columns import decode
-from .rows import DATA_OPS, _typed, _unchanged_names, fills, source_schema, unify
+from .rows import DATA_OPS, fills, source_schema, typed, unchanged_names, unify
 from .split import MOVED
 
 Key = tuple[Any, ...]
@@ -59,7 +59,7 @@ def ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[str
         lines = pc.if_else(pc.equal(op, "d"), rows.column("before"), rows.column("after"))
         key_types = [shape.types[shape.columns.index(k)] for k in shape.key]
         old_key = decode(rows.column("old_key"), key_types) if shape.key else []
-        arrays = [*_typed(lines, shape), op, _unchanged_names(rows.column("unchanged").to_pylist(), shape.columns),
+        arrays = [*typed(lines, shape), op, unchanged_names(rows.column("unchanged").to_pylist(), shape.columns),
                   pa.StructArray.from_arrays(old_key, names=list(shape.key),
                                              mask=rows.column("old_key").is_null().combine_chunks()),
                   pc.fill_null(pc.equal(rows.column("meta"), MOVED), False),

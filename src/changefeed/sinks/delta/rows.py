@@ -46,6 +46,17 @@ def source_schema(shape: ch.TableShape) -> pa.Schema:
     return pa.schema([(c, delta_type(t)) for c, t in zip(shape.columns, shape.types)])
 
 
+def table_schema(mode: str, shape: ch.TableShape, diff: bool = False) -> pa.Schema:
+    """The Delta table's schema in `mode` for a source table of `shape` (partition column included)."""
+    source = source_schema(shape)
+    if mode == "changelog":
+        before = [pa.field("_before", pa.struct(list(source)))] if diff else []
+        return pa.schema([*source, *CHANGELOG_META, *before])
+    from .history import VALIDITY
+
+    return pa.schema([*source, *(VALIDITY if mode == "history" else []), pa.field(BUCKET, pa.int32())])
+
+
 def fills(shape: ch.TableShape) -> dict[str, Any]:
     """The value each column added with a default reads as in rows written before it (PostgreSQL's
     missing value; core.change.TableShape.missing), typed: a Delta file that predates the column
@@ -57,11 +68,11 @@ def fills(shape: ch.TableShape) -> dict[str, Any]:
         return {}
     line = join_line([v.encode() if v is not None else None for v in shape.missing] +
                      [None] * (len(shape.columns) - len(shape.missing)))
-    values = _typed(pa.array([line], pa.binary()), shape)
+    values = typed(pa.array([line], pa.binary()), shape)
     return {shape.columns[i]: values[i][0].as_py() for i, _ in given}
 
 
-def _typed(lines: Any, shape: ch.TableShape) -> list[Any]:
+def typed(lines: Any, shape: ch.TableShape) -> list[Any]:
     try:
         arrays = decode(lines, shape.types)
     except Unrepresentable as e:
@@ -73,7 +84,7 @@ def _typed(lines: Any, shape: ch.TableShape) -> list[Any]:
     return [a.cast(pa.string()) if pa.types.is_time(a.type) else a for a in arrays]
 
 
-def _unchanged_names(texts: list[str | None], columns: Sequence[str]) -> Any:
+def unchanged_names(texts: list[str | None], columns: Sequence[str]) -> Any:
     """`unchanged` int array literals ("{1,3}") -> lists of column names (null where none)."""
     return pa.array([None if not t else [columns[int(i)] for i in t.strip("{}").split(",") if i] for t in texts],
                     pa.list_(pa.string()))
@@ -108,11 +119,11 @@ def changelog(parts: Sequence[tuple[ch.TableShape, Any]], batch_id: int, diff: b
         meta = [rows.column("op"), rows.column("commit_ts"), pc.cast(rows.column("commit_time"), pa.int64()).cast(
                     pa.timestamp("us", tz="UTC")), rows.column("lsn"), rows.column("xid"), seq,
                 pa.array(np.full(n, batch_id, dtype=np.int64)),
-                _unchanged_names(rows.column("unchanged").to_pylist(), shape.columns)]
-        arrays = [*_typed(lines, shape), *meta]
+                unchanged_names(rows.column("unchanged").to_pylist(), shape.columns)]
+        arrays = [*typed(lines, shape), *meta]
         names = [*shape.columns, *CHANGELOG_META.names]
         if diff:
-            before = _typed(rows.column("before"), shape)
+            before = typed(rows.column("before"), shape)
             arrays.append(pa.StructArray.from_arrays(before, names=list(shape.columns),
                                                      mask=rows.column("before").is_null().combine_chunks()))
             names.append("_before")

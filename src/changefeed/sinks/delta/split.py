@@ -3,7 +3,7 @@
 Spark reads a batch as packed chunks of changes in any mix of tables (core.change). The Delta
 sink writes a table's files from several tasks at once, so each chunk is cut into groups that
 one task can write alone: per table and bucket, each group packed with the table's `R` row ahead
-of it (its `seq` set to the bucket), keyed by `part` for the shuffle (`part` -1: the `P` rows, which the driver needs).
+of it (its `xid` set to the bucket), keyed by `part` for the shuffle (`part` -1: the `P` rows, which the driver needs).
 
 In `changelog` mode any split works (rows carry their order): a table's rows are dealt out in
 runs of RUN_ROWS. In `mirror` and `history` mode a bucket is a partition of the Delta table that
@@ -88,8 +88,8 @@ def _groups(rb: Any, described: dict[tuple[str, str], Any], mode: str, buckets: 
 
 
 def _labelled(relation: Any, bucket: int) -> Any:
-    """The group's `R` row carries its bucket in `seq` (unused in `R` rows)."""
-    return relation.set_column(relation.schema.get_field_index("seq"), "seq", pa.array([bucket], pa.int32()))
+    """The group's `R` row carries its bucket in `xid` (its `lsn` and `seq` keep its place in the stream)."""
+    return relation.set_column(relation.schema.get_field_index("xid"), "xid", pa.array([bucket], pa.int64()))
 
 
 def key_columns(shape: ch.TableShape) -> list[int]:

@@ -40,6 +40,7 @@ class Files:
     key: tuple[str, ...] = ()
     departed: dict[Any, dict[str, Any]] = field(default_factory=dict)  # mirror: rows moved out (delta.mirror)
     pending: list[tuple[str, list[Any]]] = field(default_factory=list)  # (file, values it lacks, delta.mirror)
+    shapes: list[tuple[tuple[int, int], Any]] = field(default_factory=list)  # the source shapes seen, by position
 
 
 def open_table(uri: str, storage: dict[str, str]) -> Any:

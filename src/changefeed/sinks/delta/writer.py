@@ -28,6 +28,7 @@ from .history import apply_history
 from .ledger import DeltaLedger
 from .mirror import apply_mirror
 from .options import DeltaOptions
+from .shapes import follow
 from .table import Files, bucket_rows, commit, committed, open_table, write_file
 
 
@@ -53,28 +54,33 @@ class DeltaWriter:
     def __init__(self, options: dict[str, str]) -> None:
         self.feed = options["feed"]
         self.opts = DeltaOptions.parse(options["uri"])
+        self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
 
     def write(self, batch: BatchInput) -> Wrote:
         began = time.time()
         groups: dict[tuple[str, str], dict[int, list[Any]]] = defaultdict(lambda: defaultdict(list))
+        shapes: dict[tuple[str, str], set[tuple[tuple[int, int], ch.TableShape]]] = defaultdict(set)
         for rb in batch.batches():
             if not len(rb) or rb.column("op")[0].as_py() != ch.RELATION:
                 continue  # the P rows: BatchInput noted them
             r = rb.slice(0, 1).to_pylist()[0]
             shape = ch.TableShape.from_meta(r["schema"], r["table"], r["meta"])
-            groups[(shape.schema, shape.table)][int(r["seq"])].append((shape, rb.slice(1)))
+            groups[(shape.schema, shape.table)][int(r["xid"])].append((shape, rb.slice(1)))
+            shapes[(shape.schema, shape.table)].add(((r["lsn"], r["seq"]), shape))
         app = app_id(self.feed, batch.task.query_id)
         out = Wrote(batch.task.query_id, {"partition": batch.task.partition, "attempt": batch.task.attempt,
                                           "pid": os.getpid(), "began": began}, progress=batch.progress_rows)
         for (schema, table), buckets in sorted(groups.items()):
             uri = self.opts.table_uri(schema, table)
             if self.opts.mode == "changelog":
-                out.files.append(self._changelog(uri, buckets, batch.task.batch_id))
+                files = self._changelog(uri, buckets, batch.task.batch_id)
             else:
                 existing = open_table(uri, self.opts.storage)
                 if committed(existing, app, batch.task.batch_id):
                     continue  # a replay: the driver will find the batch there and skip the table
-                out.files.append(self._rewrite(uri, existing, buckets, batch.task.batch_id))
+                files = self._rewrite(uri, existing, buckets, batch.task.batch_id)
+            files.shapes = sorted(shapes[(schema, table)], key=lambda p: p[0])
+            out.files.append(files)
         out.task["ended"] = time.time()
         faults.reach("delta_files_written")
         return out
@@ -122,7 +128,10 @@ class DeltaWriter:
         faults.reach("before_sink_commit")
         for uri, wrote in sorted(by_table.items()):
             tasks = json.dumps([{**task, "files": len(f.adds)} for f, task in wrote])
-            commit([f for f, _ in wrote], app, batch_id, {**info, "changefeed.tasks": tasks}, self.opts.storage)
+            files = [f for f, _ in wrote]
+            shape = follow(self.feed, uri, [s for f in files for s in f.shapes], self.opts, self.resync)
+            commit(files, app, batch_id, {**info, "changefeed.tasks": tasks,
+                                          **({"changefeed.shape": shape} if shape else {})}, self.opts.storage)
         began = min((r.task["began"] for r in results), default=time.time())
         DeltaLedger(self.opts, self.feed).record_batch(app, batch_id, progress, began, time.time())
         faults.reach("after_sink_commit")
