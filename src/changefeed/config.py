@@ -116,6 +116,7 @@ class FeedSpec:
         from .sinks.registry import sink_of, validate_sink
 
         validate_sink(self.sink)
+        sink_of(self.sink).check_feed(self)
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
                               "json (default), debezium (Debezium's change event), text (test_decoding's lines)")

@@ -61,10 +61,24 @@ def spec(sink: str, **kw: object) -> FeedSpec:
     ("webhook-https://h/p", {"format": "xml"}, "--format must be one of json, debezium, text"),
     ("postgresql://h/db", {"format": "debezium"}, "apply to message sinks"),
     ("postgresql://h/db", {"diff": True}, "apply to message sinks"),
+    ("delta:///lake?mode=scd2", {}, "mode must be one of changelog, mirror, history"),
+    ("delta://host/lake", {}, "absolute folder"),
+    ("delta:///lake?mode=mirror&diff=true", {}, "diff=true applies to mode=changelog only"),
+    ("delta:///lake?buckets=0", {}, "buckets must be a whole number >= 1"),
+    ("delta:///lake?table_template=/abs/{table}", {}, "table_template must name"),
+    ("delta:///lake?colour=red", {}, "unknown Delta sink option 'colour'"),
+    ("delta+s3://bucket/prefix", {}, "local or mounted folders only"),
+    ("delta:///lake", {"format": "debezium"}, "apply to message sinks"),
 ])
 def test_bad_sink_options_are_config_errors(sink: str, kw: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         spec(sink, **kw).validate()
+
+
+def test_a_delta_sink_refuses_a_feed_of_several_nodes() -> None:
+    nodes = (("a", "postgresql://h/db"), ("b", "postgresql://h2/db"))
+    with pytest.raises(ConfigError, match="several source nodes"):
+        FeedSpec("f", "", "delta:///lake", ("public.t",), nodes=nodes).validate()  # type: ignore[arg-type]
 
 
 def test_webhook_spec_with_a_format_is_valid() -> None:

@@ -47,10 +47,12 @@ class Sink:
     name = ""
     messages = False  # delivers formatted messages (--format), not rows
     parallel_reads = False  # the arrival order of a batch's input partitions at its writer does not matter
-    examples = ""  # a URI or two, for errors and help
 
     def validate(self, uri: str) -> None:
         """Check the URI and its options without connecting (ConfigError)."""
+
+    def check_feed(self, spec: "FeedSpec") -> None:
+        """Refuse (ConfigError) a feed this sink cannot serve (its URI is valid)."""
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         raise NotImplementedError

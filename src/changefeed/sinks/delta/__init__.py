@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 class DeltaSink(Sink):
     name = "delta"
     parallel_reads = True  # each task orders its rows itself (by commit position)
-    examples = "delta:///ABS/PATH?mode=mirror"
 
     def validate(self, uri: str) -> None:
         from .options import DeltaOptions
@@ -30,6 +29,11 @@ class DeltaSink(Sink):
         if not opts.local:
             raise ConfigError(f"the Delta sink writes to local or mounted folders only so far, got {opts.root}",
                               "mount the store (e.g. s3fs) and use delta:///MOUNTED/PATH")
+
+    def check_feed(self, spec: "FeedSpec") -> None:
+        if spec.multi_node:
+            raise ConfigError("a feed of several source nodes cannot write to the Delta sink yet",
+                              "use a replica, Kafka or webhook sink for it")
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from .ledger import DeltaLedger
@@ -48,9 +52,6 @@ class DeltaSink(Sink):
         from .options import DeltaOptions
         from .split import SPLIT_DDL, split
 
-        if spec.multi_node:
-            raise ConfigError("a feed of several nodes cannot write to the Delta sink yet",
-                              "use a replica, Kafka or webhook sink for it")
         opts = DeltaOptions.parse(spec.sink)
         tasks = opts.tasks or changes.sparkSession.sparkContext.defaultParallelism
         return (changes.mapInArrow(partial(split, mode=opts.mode, buckets=opts.buckets), SPLIT_DDL)

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 class KafkaSink(Sink):
     name = "kafka"
     messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
-    examples = "kafka://HOST:9092"
 
     def validate(self, uri: str) -> None:
         from .options import KafkaOptions

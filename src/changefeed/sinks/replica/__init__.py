@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 class ReplicaSink(Sink):
     name = "replica"
     parallel_reads = True
-    examples = "postgresql://USER:PASSWORD@HOST:5432/DB"
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from ...postgres.connect import connect

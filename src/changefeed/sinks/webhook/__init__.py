@@ -17,7 +17,6 @@ if TYPE_CHECKING:
 class WebhookSink(Sink):
     name = "webhook"
     messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
-    examples = "webhook-https://HOST/PATH"
 
     def validate(self, uri: str) -> None:
         from .client import WebhookOptions
