@@ -382,6 +382,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                                                         "snapshot read: restarting the query without the shuffle"))
                     parallel, resync = wanted
                     _stop(query, state)
+                    if query.exception() is not None:  # it failed before it stopped: a failure like any other
+                        break
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
                                         resync=resync)
             if query.exception() is not None:

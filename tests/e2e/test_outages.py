@@ -151,12 +151,13 @@ def test_an_unforeseen_error_inside_a_task_is_retried(dbs: Dbs, tmp_path: Path) 
     state, log = tmp_path / "state", tmp_path / "feed.log"
     feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
                             "--sink", dbs.sink, "--tables", "public.t", "--retry-max-backoff", "2s", log=log,
-                            env={"CHANGEFEED_FAIL_AT": "read:3", "CHANGEFEED_FAULT_DIR": str(tmp_path)})
+                            # the 12th read: past the query's restart once the first batches' snapshot is read
+                            env={"CHANGEFEED_FAIL_AT": "read:12", "CHANGEFEED_FAULT_DIR": str(tmp_path)})
     with stopped_cleanly(feed, log):
         written = [0]
         with writing(writer, dbs.source, written):
             wait_for("the fault", lambda: (tmp_path / ".fail-read").exists()
-                     and (tmp_path / ".fail-read").stat().st_size >= 3, log)
+                     and (tmp_path / ".fail-read").stat().st_size >= 12, log)
             time.sleep(2)
         wait_for("the replica to equal the source",
                  lambda: fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t"), log, timeout=240)
