@@ -177,6 +177,8 @@ def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: 
                 assert rc == 0 and report["equal"], (err, json.dumps(report)[:3000])
                 acct = next(t for t in report["tables"] if t["table"] == "public.acct")
                 assert acct["source_rows"] == acct["sink_rows"] >= 2990
+        rc, report, err = _verify(*name)  # a point after the last write: the feed delivered all of it
+        assert rc == 0 and report["equal"], (err, json.dumps(report)[:3000])
         # what a consumer would now hold for key 17 is not the source's row: a record after the
         # feed's ones, in the partition that holds them
         topic = f"{prefix}public.acct"
