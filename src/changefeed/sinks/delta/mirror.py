@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from ...core import change as ch
 from .columns import decode
-from .rows import DATA_OPS, fills, source_schema, typed, unchanged_names, unify
+from .rows import data_rows, fills, source_schema, typed, unchanged_names, unify
 from .split import MOVED
 
 Key = tuple[Any, ...]
@@ -51,8 +51,7 @@ def ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[str
     the commit time (Unix µs; null for snapshot rows)."""
     tables = []
     for shape, batch in parts:
-        rows = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
-        rows = rows.filter(pc.is_in(rows.column("op"), pa.array(DATA_OPS)))
+        rows = data_rows(batch)
         if not len(rows):
             continue
         op = rows.column("op")

@@ -105,12 +105,17 @@ def _key_changes_split(rows: pa.Table) -> tuple[pa.Table, Any]:
     return rows, pc.add(pc.multiply(rows.column("seq").cast(pa.int64()), 2), pc.cast(second, pa.int64()))
 
 
+def data_rows(batch: Any) -> pa.Table:
+    """A record batch (or table) of change rows as a table of its data rows (no `R`/`P`/`m` rows)."""
+    rows = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
+    return rows.filter(pc.is_in(rows.column("op"), pa.array(DATA_OPS)))
+
+
 def changelog(parts: Sequence[tuple[ch.TableShape, Any]], batch_id: int, diff: bool) -> pa.Table:
     """The rows a batch appends to a table's change log; `parts`: (shape, change rows) pairs."""
     tables = []
     for shape, batch in parts:
-        rows = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
-        rows = rows.filter(pc.is_in(rows.column("op"), pa.array(DATA_OPS)))
+        rows = data_rows(batch)
         if not len(rows):
             continue
         rows, seq = _key_changes_split(rows)
