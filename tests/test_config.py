@@ -111,3 +111,12 @@ def test_nodes_deliver_to_every_sink_but_have_no_outbox() -> None:
         assert FeedSpec("f", "", sink, ("public.t",), nodes=nodes).validate().multi_node
     with pytest.raises(ConfigError, match="no --outbox"):
         FeedSpec("f", "", KAFKA, ("public.t",), nodes=nodes, outbox="public.outbox").validate()
+
+
+def test_the_wal_reader_is_stored_and_checked() -> None:
+    spec = outbox_feed()
+    assert spec.wal_reader == "peek"  # the default, chosen by bench/wal_readers.py
+    streamed = outbox_feed(wal_reader="stream")
+    assert FeedSpec.from_json(streamed.to_json(), "test").wal_reader == "stream"
+    with pytest.raises(ConfigError, match="--wal-reader must be one of peek, stream, got 'walsender'"):
+        outbox_feed(wal_reader="walsender")

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, FeedSpec, FeedState, parse_duration, parse_node, parse_size, parse_sources, parse_tables
+from .config import (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, WAL_READERS, FeedSpec, FeedState,
+                     parse_duration, parse_node, parse_size, parse_sources, parse_tables)
 from .core.envelope import FORMATS
 from .errors import ChangefeedError, ConfigError
 
@@ -42,7 +43,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "source": source, "nodes": nodes, "sink": args.sink,
         "tables": parse_tables(args.tables) if args.tables else None,
         "max_bytes_per_batch": _option("max-bytes-per-batch", parse_size, args.max_bytes_per_batch),
-        "max_changes_per_batch": args.max_changes_per_batch,
+        "max_changes_per_batch": args.max_changes_per_batch, "wal_reader": args.wal_reader,
         "trigger_interval_s": args.trigger_interval,
         "resolved_interval_s": _option("resolved", parse_duration, args.resolved),
         "snapshot": args.snapshot, "snapshot_chunk_rows": args.snapshot_chunk_rows,
@@ -287,6 +288,10 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--max-bytes-per-batch", help="most WAL bytes per batch, e.g. 64MB (default 64MB; 0 = no limit)")
     cmd.add_argument("--max-changes-per-batch", type=int,
                      help="most decoded messages per batch, >= 0 (exact, costs a server-side decode; 0 = off)")
+    cmd.add_argument("--wal-reader", choices=WAL_READERS,
+                     help="how a batch's WAL is read from the slot: peek (the SQL function "
+                          "pg_logical_slot_peek_binary_changes; default, measured faster) or stream (the streaming "
+                          "replication protocol: bounded memory however large the window)")
     cmd.add_argument("--trigger-interval", type=float,
                      help="seconds between batch starts, >= 0 (default 0: back to back)")
     cmd.add_argument("--resolved", help="close a resolved timestamp at least this often while the captured tables "

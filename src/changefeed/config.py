@@ -20,6 +20,7 @@ SNAPSHOT_MODES = ("initial", "never", "only")
 DEFAULT_CHUNK_ROWS = 50_000
 DEFAULT_CHUNKS_PER_BATCH = 4  # also the snapshot's read parallelism: one Spark task per chunk
 DEFAULT_RETENTION_S = 24 * 3600.0
+WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class FeedSpec:
     nodes: tuple[tuple[str, str], ...] = ()  # (name, URI) of each node; () = one node, n1, at `source`
     renamed: tuple[tuple[str, str], ...] = ()  # (old, new) schema.table renamed on the source (alter --rename-table)
     capture_ddl: bool = False  # DDL of captured tables as messages in the stream (postgres.ddl_capture)
+    wal_reader: str = WAL_READERS[0]
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:
@@ -135,6 +137,9 @@ class FeedSpec:
                                    ("max-retained-wal", self.max_retained_wal)) if v < 0]
         if negative:
             raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
+        if self.wal_reader not in WAL_READERS:
+            raise ConfigError(f"--wal-reader must be one of {', '.join(WAL_READERS)}, got {self.wal_reader!r}",
+                              "peek: the SQL function (default); stream: the streaming replication protocol")
         if self.snapshot not in SNAPSHOT_MODES:
             raise ConfigError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)}, got {self.snapshot!r}",
                               "initial: existing rows, then changes; never: changes only; only: existing rows")

@@ -2,7 +2,9 @@
 
 A writer keeps committing (and bulk-loading: insert runs the replica COPYs straight into its
 table) while the feed is killed again and again; afterwards one clean run must leave replica ==
-source, every batch applied once, and every ledger row and bulk load present once.
+source, every batch applied once, and every ledger row and bulk load present once. The feed reads
+the WAL over the streaming replication protocol (`--wal-reader stream`): a kill after the sink's
+commit and before the slot moves (`after_sink_commit`) leaves a stream that confirmed nothing.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_p
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.ledger,public.accounts,public.bulk",
-                           "--available-now", "--max-changes-per-batch", "400")
+                           "--available-now", "--max-changes-per-batch", "400", "--wal-reader", "stream")
     assert first.returncode == 0, first.stderr
 
     written = [0, 0]

@@ -95,7 +95,8 @@ def free_port() -> int:
 @pytest.mark.parametrize("fault", ["source crash-restart", "replica crash-restart", "backends terminated"])
 def test_a_fault_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
     """A crash-restart hits a server of the test's own (source or replica); `pg_terminate_backend`
-    hits the feed's connections to the source, again and again for 6 s."""
+    hits the feed's connections to the source (its readers' walsenders among them: this feed
+    streams the WAL), again and again for 6 s."""
     own = LocalPostgres.start(tmp_path / "own") if "crash" in fault else None
     component = "sink" if fault.startswith("replica") else "source"
     try:
@@ -107,7 +108,7 @@ def test_a_fault_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
         state, log, port = tmp_path / "state", tmp_path / "feed.log", free_port()
         feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", uri, "--sink", sink,
                                 "--tables", "public.t", "--retry-max-backoff", "2s", "--metrics-port", str(port),
-                                log=log)
+                                *(["--wal-reader", "stream"] if fault == "backends terminated" else []), log=log)
 
         def retrying() -> str | None:
             out = changefeed_cli("status", "--name", dbs.name, "--state", str(state), "--json")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Any
+
 import psycopg
 import pytest
 from conftest import Dbs, fingerprint
@@ -56,7 +58,7 @@ def workload(c: psycopg.Connection) -> None:
     c.execute("UPDATE kinds SET t = 'toast updated after alter' WHERE id = 2000")
 
 
-def feed_once(dbs: Dbs, tmp_path: Path, **limits: int) -> None:
+def feed_once(dbs: Dbs, tmp_path: Path, **limits: Any) -> None:
     spec = FeedSpec(dbs.name, dbs.source, dbs.sink, TABLES, **limits).validate()  # type: ignore[arg-type]
     run(spec, FeedState(tmp_path / "state", dbs.name), available_now=True, master="local[2]",
         handle_signals=False, report=lambda s: None)
@@ -67,9 +69,10 @@ def assert_replica_equal(dbs: Dbs) -> None:
         assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table), table
 
 
-@pytest.mark.parametrize("limits", [{}, {"max_changes_per_batch": 20, "max_bytes_per_batch": 0}],
-                         ids=["one-batch", "many-small-batches"])
-def test_mixed_workload_reaches_replica(dbs: Dbs, tmp_path: Path, spark: object, limits: dict[str, int]) -> None:
+@pytest.mark.parametrize("limits", [{}, {"max_changes_per_batch": 20, "max_bytes_per_batch": 0},
+                                    {"wal_reader": "stream", "max_bytes_per_batch": 65536}],
+                         ids=["one-batch", "many-small-batches", "streamed-byte-batches"])
+def test_mixed_workload_reaches_replica(dbs: Dbs, tmp_path: Path, spark: object, limits: dict[str, Any]) -> None:
     with dbs.src() as c:
         c.execute(SCHEMA)
     feed_once(dbs, tmp_path, **limits)  # creates slot, publication and (empty) target tables

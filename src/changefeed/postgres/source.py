@@ -1,8 +1,9 @@
 """The source database: checks, publication, replication slot, and reading decoded changes.
 
-Reading uses the SQL interface of logical decoding (`pg_logical_slot_peek_binary_changes`): it
-decodes inside the server, faster than the walsender, over an ordinary connection, and it never
-consumes the slot. The slot moves only through `advance`, called once the sink has committed.
+`peek` reads with the SQL interface of logical decoding (`pg_logical_slot_peek_binary_changes`):
+it decodes inside the server, faster than the walsender (see postgres/wal_reader.py, which also
+has the streaming reader), over an ordinary connection, and it never consumes the slot. The slot
+moves only through `advance`, called once the sink has committed.
 """
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
               .option("max_changes_per_batch", str(spec.max_changes_per_batch))
+              .option("wal_reader", spec.wal_reader)
               .option("resolved_interval_s", str(spec.resolved_interval_s))
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))

@@ -23,6 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ from ..postgres import pgoutput as po
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
 from ..postgres import twophase
+from ..postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
+from ..postgres.wal_reader import WalReader, wal_reader
 from ..postgres.connect import connect, lost_connection
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
@@ -60,8 +63,9 @@ class BatchPartition(InputPartition):
     its `P` row names both, so that a sink can tell a whole batch from one cut short. It reads
     node `node`; `positions` (a feed of several nodes) is the batch's end on every node."""
 
-    def __init__(self, node: SourceNode, start: Offset, end: Offset, rows_per_batch: int, multi_node: bool) -> None:
-        self.node, self.start, self.end, self.rows_per_batch = node, start, end, rows_per_batch
+    def __init__(self, node: SourceNode, start: Offset, end: Offset, rows_per_batch: int, multi_node: bool,
+                 wal: str = DEFAULT_WAL_READER) -> None:
+        self.node, self.start, self.end, self.rows_per_batch, self.wal = node, start, end, rows_per_batch, wal
         self.hold = end.holds.get(node.name)  # where its two-phase slot reads from (<= start)
         self.positions = dict(end.lsns) if multi_node else None
         self.part, self.parts = 0, 1
@@ -92,7 +96,8 @@ class ChangefeedSource(DataSource):
     """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
     snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (snapshot requests, see
-    core.requests), barrier_file (see core.barrier)."""
+    core.requests), barrier_file (see core.barrier), wal_reader (peek or stream, see
+    postgres/wal_reader.py)."""
 
     @classmethod
     def name(cls) -> str:
@@ -113,6 +118,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
+        self.wal: WalReader = wal_reader(options.get("wal_reader") or DEFAULT_WAL_READER)
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
         tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
@@ -123,7 +129,6 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
-        self._block = 0
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
         self._available_now: tuple[dict[str, int], dict[str, Frontier]] | None = None  # an AvailableNow run's end
         self._two_phase: dict[str, tuple[int, bool, bool]] = {}  # node -> (its connection's id, slot, scanned)
@@ -190,7 +195,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         out = {}
         for name in self.nodes:
             with self._on(name):
-                out[name] = Frontier(*src.heartbeat(self.conn(name), ch.HEARTBEAT_PREFIX))
+                out[name] = Frontier(*self.wal.heartbeat(self.conn(name)))
         return out
 
     def _boundary_key(self, entry: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
@@ -296,21 +301,16 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
 
     def _cut(self, node: str, start: int, lsn: int, limit: ReadLimit) -> int:
         """Where node `node`'s window [start, lsn) ends under the read limit (per node)."""
-        if lsn <= start:
-            return lsn
         with self._on(node):
-            if isinstance(limit, ReadMaxBytes) and lsn - start > limit.max_bytes:
-                self._block = self._block or src.wal_block_size(self.conn(node))
-                return min(lsn, src.page_cut(start, limit.max_bytes, self._block))
-            if isinstance(limit, ReadMaxRows):
-                n = self.nodes[node]
-                return src.lsn_after_changes(self.conn(node), n.slot, n.publication, start, lsn, limit.max_rows)
-        return lsn
+            return self.wal.cut(self.conn(node), self.nodes[node], start, lsn,
+                                max_bytes=limit.max_bytes if isinstance(limit, ReadMaxBytes) else 0,
+                                max_changes=limit.max_rows if isinstance(limit, ReadMaxRows) else 0)
 
     def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
         start, end = Offset.from_json(start_json), Offset.from_json(end_json)
         # (a batch planned before a node was removed from the feed is replayed without that node)
-        parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node)
+        parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node,
+                                                       self.wal.name)
                                        for n in sorted(end.lsns) if end.lsns[n] > start.lsns.get(n, 0)
                                        and n in self.nodes]
         for c in end.chunks:
@@ -367,7 +367,7 @@ def reader(began: float) -> dict[str, Any]:
 
 
 def _read_window(partition: WindowPartition) -> Iterator[Any]:
-    """A node's changes in its WAL window of the batch, peeked from its slot."""
+    """A node's changes in its WAL window of the batch, read from its slot."""
     from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
 
     node, began = partition.node, time.time()
@@ -380,18 +380,19 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
             # is committed downstream, so moving the slot there is always safe. A two-phase slot
             # stays at its hold instead: the prepared parts after it are read again.
             start, end = partition.start_lsn, partition.end_lsn
+            at = start if partition.hold is None else partition.hold
             src.reach(conn, end, ch.HEARTBEAT_PREFIX)
-            src.advance(conn, node.slot, start if partition.hold is None else partition.hold)
+            src.advance(conn, node.slot, at)
             conn.commit()
             builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,
                                     lambda rel: src.column_catalog(conn, rel), part=partition.part,
                                     parts=partition.parts, node=node.name, positions=partition.positions,
                                     read=reader(began))
-            blocks = src.peek(conn, node.slot, node.publication, end)
-            for rb in builder.batches(blocks, partition.rows_per_batch):
-                yield ch.pack(rb)
-                yield from _push_through()
-                faults.reach("read")
+            with closing(wal_reader(partition.wal).window(conn, node, role, at, end)) as blocks:
+                for rb in builder.batches(blocks, partition.rows_per_batch):
+                    yield ch.pack(rb)
+                    yield from _push_through()
+                    faults.reach("read")
             if builder.held:
                 faults.reach("held")  # crash tests: a prepared part waits for its outcome
     except po.DecodeError as e:

@@ -1,0 +1,91 @@
+"""How a feed reads its slots' WAL: one protocol, two ways of receiving a window.
+
+The change builder (postgres/changes.py) consumes a window `[start, end)` as blocks of pgoutput
+messages; the planner cuts windows (a byte or change limit) and closes idle ones with heartbeats.
+`PeekReader` (`--wal-reader peek`, the default) asks the SQL function
+`pg_logical_slot_peek_binary_changes`, which decodes the whole window in the server before its
+first row comes back. `StreamReader` (`--wal-reader stream`) receives a window over the streaming
+replication protocol (postgres/replication.py): messages arrive while the server still decodes,
+and neither side holds more than a bounded part of the window. The peek is the default because it
+measured faster on every window size (bench/wal_readers.py): the walsender sends each message on
+its own, which costs the server several times what decoding does. Both read from the slot's
+position and confirm nothing: the slot moves only when the driver advances it after a sink commit.
+
+Cutting and heartbeats are the same for both: a change limit is counted server-side (only LSNs
+come back, see source.lsn_after_changes), a byte limit is a WAL page boundary, found without
+decoding anything.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import psycopg
+
+from ..config import WAL_READERS, SourceNode
+from ..core.change import HEARTBEAT_PREFIX
+from ..errors import ConfigError
+from . import source as src
+
+
+class WalReader:
+    """One node's WAL as the change builder and the planner need it."""
+
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._block = 0  # the server's WAL page size, once asked
+
+    def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
+               end: int) -> Iterator[list[bytes]]:
+        """Message blocks of what starts before `end`, from the slot's position `at` on (the
+        caller moved the slot there: the window's start, or its two-phase hold). `conn` is an
+        ordinary connection to the node, `role` names it in errors."""
+        raise NotImplementedError
+
+    def cut(self, conn: psycopg.Connection[Any], node: SourceNode, start: int, upto: int, *,
+            max_bytes: int = 0, max_changes: int = 0) -> int:
+        """Where a window from `start` ends under a change limit (exact, wins) or a byte limit,
+        at most at `upto` (a flushed position)."""
+        if upto <= start:
+            return upto
+        if max_changes:
+            return src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes)
+        if max_bytes and upto - start > max_bytes:
+            self._block = self._block or src.wal_block_size(conn)
+            return min(upto, src.page_cut(start, max_bytes, self._block))
+        return upto
+
+    def heartbeat(self, conn: psycopg.Connection[Any], pad: int = 0) -> tuple[int, int]:
+        """A flushed record boundary past everything written so far, and the server's clock then."""
+        return src.heartbeat(conn, HEARTBEAT_PREFIX, pad)
+
+
+class PeekReader(WalReader):
+    name = "peek"
+
+    def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
+               end: int) -> Iterator[list[bytes]]:
+        return src.peek(conn, node.slot, node.publication, end)
+
+
+class StreamReader(WalReader):
+    name = "stream"
+
+    def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
+               end: int) -> Iterator[list[bytes]]:
+        from .replication import WindowStream
+
+        return WindowStream(node.uri, role, node.slot, node.publication, at, end).blocks()
+
+
+READERS: dict[str, type[WalReader]] = {r.name: r for r in (PeekReader, StreamReader)}
+assert tuple(READERS) == WAL_READERS
+DEFAULT = WAL_READERS[0]
+
+
+def wal_reader(name: str) -> WalReader:
+    """A new reader of kind `name` (a ConfigError names the kinds there are)."""
+    if name not in READERS:
+        raise ConfigError(f"--wal-reader {name!r} is not a WAL reader", f"use one of: {', '.join(READERS)}")
+    return READERS[name]()
