@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import Counter
 import json
 import os
 import secrets
@@ -216,17 +217,23 @@ def build(s: Stream, start: int, end: int, start_ts: int = 0, end_ts: int | None
     return out
 
 
-def build_one_by_one(builder: ChangeBuilder, messages: list[bytes], rows_per_batch: int) -> list[pa.RecordBatch]:
-    """The reference for `batches`: each message through `feed`, batches cut as `batches` cuts them."""
+def build_one_by_one(builder: ChangeBuilder, messages: list[bytes], rows_per_batch: int,
+                     cuts: Any = ()) -> list[pa.RecordBatch]:
+    """The reference for `batches`: each message through `feed`, batches cut as `batches` cuts them
+    (blocks cut before the indexes in `cuts`: a large open transaction goes out at a block's end)."""
     out = []
     size = max(1, rows_per_batch // 16)
-    for d in messages:
+    ends = {c for c in cuts if 0 < c < len(messages)} | {len(messages)}
+    for i, d in enumerate(messages, 1):
         builder.feed(d)
         if builder.done:
             break
         if builder.pending() >= size:
             out.append(builder.take())
             size = min(size * 4, rows_per_batch)
+        if i in ends and builder._large_open(rows_per_batch):
+            builder._part_out()
+            out.append(builder.take())
     out.append(builder.finish())
     return out
 
@@ -658,17 +665,24 @@ def test_messages(stream: Stream, whole: list[dict[str, Any]]) -> None:
     assert progress.changes == len(data_rows(whole))
 
 
-def test_batches_never_split_a_transaction(stream: Stream) -> None:
+@pytest.mark.parametrize("rows_per_batch", [1, 7, 65536])
+def test_batches_split_only_transactions_larger_than_a_batch(stream: Stream, rows_per_batch: int) -> None:
+    """A transaction goes out whole, or, if it holds more rows than a batch, in parts cut at block
+    ends (here: every 5 messages); the parts' rows are the transaction's rows, `seq` and all."""
     one = build(stream, stream.start_lsn, stream.end_lsn, 3, 10**15)
     builder = ChangeBuilder(stream.start_lsn, stream.end_lsn, 3, 10**15)
-    batches = list(builder.batches([stream.raw], rows_per_batch=1))
-    assert len(batches) > 10
+    batches = list(builder.batches(blocks_of(stream.raw, range(0, len(stream.raw), 5)), rows_per_batch))
     assert [r for rb in batches for r in rb.to_pylist()] == one
+    size = Counter(r["lsn"] for r in one)
     seen: set[int] = set()
+    split = 0
     for rb in batches:
         lsns = set(rb.column("lsn").to_pylist())
-        assert not lsns & seen, "a transaction's rows spread over two batches"
+        for lsn in lsns & seen:
+            assert size[lsn] > rows_per_batch, "a transaction no larger than a batch spread over two"
+            split += 1
         seen |= lsns
+    assert (split > 0) == (rows_per_batch < 65536)
 
 
 def test_batches_stop_reading_after_the_window(stream: Stream) -> None:
@@ -782,7 +796,7 @@ def test_blocks_build_exactly_what_messages_one_by_one_build(stream: Stream, dat
     with pytest.MonkeyPatch.context() as m:
         m.setattr(changes, "_SHORT_RUN", data.draw(st.sampled_from([1, 3, SHORT_RUN]), label="short run"))
         got = list(ChangeBuilder(start, end, 5, 1 << 60).batches(blocks_of(messages, cuts), rows_per_batch))
-    want = build_one_by_one(ChangeBuilder(start, end, 5, 1 << 60), messages, rows_per_batch)
+    want = build_one_by_one(ChangeBuilder(start, end, 5, 1 << 60), messages, rows_per_batch, cuts)
     assert [rb.num_rows for rb in got] == [rb.num_rows for rb in want]
     for g, w in zip(got, want):
         assert g.schema == w.schema == ch.arrow_schema()

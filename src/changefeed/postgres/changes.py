@@ -113,7 +113,11 @@ class ChangeBuilder:
         self.done = False  # a transaction past the window's end was seen: nothing more can belong
         self._rows = Rows()
         self._sparse: dict[str, dict[int, Any]] = {"old_key": {}, "unchanged": {}, "meta": {}}
-        self._txns: list[tuple[int, int, int, int | None, int]] = []  # closed: rows, lsn, xid, commit_time, ts
+        # closed rows by transaction (or part of one): rows, lsn, xid, commit_time, ts, seq of its first row
+        self._txns: list[tuple[int, int, int, int | None, int, int]] = []
+        self._open_ts: int | None = None  # the open transaction's commit ts, once some of its rows went out
+        self._open_seq = 0  # rows of the open transaction that went out already
+        self._prepared = False  # the open transaction is a prepared one (its outcome comes later)
         self._closed = 0  # rows of closed transactions (the first rows)
         self._mark = 0
         self._open_relation_rows = 0  # R rows from `_mark` on: not changes
@@ -303,8 +307,9 @@ class ChangeBuilder:
         self._mark = len(self._rows)
         self._open_relation_rows = 0
 
-    def _open(self, begin: po.Begin) -> None:
-        self._begin = begin
+    def _open(self, begin: po.Begin, prepared: bool = False) -> None:
+        self._begin, self._prepared = begin, prepared
+        self._open_ts, self._open_seq = None, 0
         self._set_mark()
         if begin.final_lsn >= self.end_lsn:
             self.done = True  # its commit starts past the window, and so does every later one
@@ -320,8 +325,28 @@ class ChangeBuilder:
             if begin.final_lsn >= self.end_lsn:
                 self.done = True
         else:
-            self._close(begin.final_lsn, begin.xid, self._stamp(msg.commit_time_us), msg.commit_time_us)
+            ts = self._stamp(msg.commit_time_us) if self._open_ts is None else self._open_ts
+            self._close(begin.final_lsn, begin.xid, ts, msg.commit_time_us, self._open_seq)
+        self._open_ts, self._open_seq = None, 0
         self._flush_deferred()
+
+    def _part_out(self) -> None:
+        """Let the open transaction's rows so far go out ahead of its commit (a large transaction:
+        the builder's memory stays bounded). Only for a plain transaction that belongs to the
+        window: its Begin already says where and when it commits, and that it is not dropped."""
+        begin = self._begin
+        assert begin is not None and not self._prepared and self.start_lsn <= begin.final_lsn < self.end_lsn
+        if self._open_ts is None:
+            self._open_ts = self._stamp(begin.commit_time_us)
+        n = len(self._rows) - self._mark
+        self._close(begin.final_lsn, begin.xid, self._open_ts, begin.commit_time_us, self._open_seq)
+        self._open_seq += n
+
+    def _large_open(self, rows: int) -> bool:
+        """Whether the open transaction holds `rows` rows or more and may go out in parts."""
+        begin = self._begin
+        return (begin is not None and not self._prepared and len(self._rows) - self._mark >= rows
+                and self.start_lsn <= begin.final_lsn < self.end_lsn)
 
     def _stamp(self, commit_time_us: int) -> int:
         """The commit timestamp of the window's next transaction."""
@@ -338,7 +363,7 @@ class ChangeBuilder:
 
     def _two_phase(self, msg: po.TwoPhase) -> None:
         if isinstance(msg, po.BeginPrepare):
-            self._open(po.Begin(msg.prepare_lsn, msg.prepare_time_us, msg.xid))
+            self._open(po.Begin(msg.prepare_lsn, msg.prepare_time_us, msg.xid), prepared=True)
         elif isinstance(msg, po.Prepare):
             if self._begin is None:
                 raise po.DecodeError(f"Prepare of {msg.gid!r} without Begin Prepare")
@@ -382,11 +407,12 @@ class ChangeBuilder:
             self._described.clear()  # R rows it carried were dropped with it: describe again
         self._open_relation_rows = 0
 
-    def _close(self, lsn: int, xid: int, ts: int, commit_time: int | None) -> None:
-        """The rows from `_mark` on are one transaction committed at `lsn`: record its columns."""
+    def _close(self, lsn: int, xid: int, ts: int, commit_time: int | None, seq: int = 0) -> None:
+        """The rows from `_mark` on are one transaction committed at `lsn` (or its part from row
+        `seq` on): record its columns."""
         n = len(self._rows) - self._mark
         if n:
-            self._txns.append((n, lsn, xid, commit_time, ts))
+            self._txns.append((n, lsn, xid, commit_time, ts, seq))
             self._closed += n
         self.changes += n - self._open_relation_rows
         self._set_mark()
@@ -426,7 +452,7 @@ class ChangeBuilder:
                                gids=self.gids or None, held=self.held or None)
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
-        self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts))
+        self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts, 0))
         self._closed += 1
         self._set_mark()
         return self.take()
@@ -436,6 +462,9 @@ class ChangeBuilder:
 
         The first batches are smaller (from 1/16 of it, growing fourfold), so that a consumer
         can start working on them early. Reading stops at the first transaction past the window.
+        A transaction larger than `rows_per_batch` goes out in parts (its rows keep their `seq`
+        and their transaction's columns): memory holds about a block and `rows_per_batch` rows,
+        however large the transaction.
         """
         size = max(1, rows_per_batch // 16)
         for messages in blocks:
@@ -447,6 +476,9 @@ class ChangeBuilder:
                     size = min(size * 4, rows_per_batch)
             if self.done:
                 break
+            if self._large_open(rows_per_batch):
+                self._part_out()
+                yield self.take()
         yield self.finish()
 
 
@@ -463,14 +495,15 @@ def _names(names: list[str | None], ids: np.ndarray) -> pa.Array:
     return pa.array(names, pa.string()).take(pa.array(ids))
 
 
-def _per_txn(txns: list[tuple[int, int, int, int | None, int]], n: int) -> dict[str, pa.Array]:
-    """The per-transaction columns of `n` rows, from (rows, lsn, xid, commit_time, ts) per transaction."""
+def _per_txn(txns: list[tuple[int, int, int, int | None, int, int]], n: int) -> dict[str, pa.Array]:
+    """The per-transaction columns of `n` rows, from (rows, lsn, xid, commit_time, ts, first seq) per
+    transaction or part of one."""
     rows = np.array([t[0] for t in txns], np.int64)
 
     def each(field: int) -> np.ndarray:
         return np.repeat(np.array([t[field] or 0 for t in txns], np.int64), rows)
 
-    seq = np.arange(n) - np.repeat(np.cumsum(rows) - rows, rows)  # minus the transaction's first row
+    seq = np.arange(n) - np.repeat(np.cumsum(rows) - rows - np.array([t[5] for t in txns], np.int64), rows)
     no_commit_time = np.repeat(np.array([t[3] is None for t in txns], bool), rows)
     return {"lsn": pa.array(each(1)), "seq": pa.array(seq.astype(np.int32)), "xid": pa.array(each(2)),
             "commit_time": pa.array(each(3), mask=no_commit_time), "commit_ts": pa.array(each(4))}

@@ -1,0 +1,210 @@
+"""Commit-to-visible latency of a running feed at fixed change rates (see bench/README.md).
+
+A feed runs (`changefeed run`, a subprocess) from a source table `lat (id bigint primary key, v
+text)` to a replica, or to Kafka (`--sink kafka`: a local broker, exactly-once delivery, read by a
+`read_committed` consumer). A writer commits transactions of consecutive ids at a fixed pace and
+stamps each at its commit (the wall time COMMIT returned); a watcher sees them arrive: on the
+replica it polls `max(id)` every --poll-ms (the replica applies in commit order, whole batches at
+once, so max(id) >= n means transaction n is visible); on Kafka it stamps each message as the
+consumer gets it. Per rate: a warm-up, then --seconds measured, then the tail is waited for.
+Prints one line per rate and run (`10000/s ... p50 0.21 p99 0.44`, seconds), then medians over
+the runs with their spread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replica_throughput import bench_setup, fmt_ratio, log, spread  # noqa: E402
+
+TXNS_PER_S = 1000  # the writer's pace: rates above it put more rows in each transaction
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class Writer(threading.Thread):
+    """Commits `rate` rows/s in transactions of consecutive ids; `commits` is (last id, wall time
+    its COMMIT returned) per transaction, measured ones only."""
+
+    def __init__(self, uri: str, first: int, rate: int, warmup: float, seconds: float) -> None:
+        super().__init__(daemon=True)
+        self.uri, self.next_id, self.rate, self.warmup, self.seconds = uri, first, rate, warmup, seconds
+        self.commits: list[tuple[int, float]] = []
+        self.sustained = 0.0
+
+    def run(self) -> None:
+        txns = min(TXNS_PER_S, self.rate)
+        rows = max(1, self.rate // txns)
+        with psycopg.connect(self.uri, autocommit=True) as c:
+            began = time.monotonic()
+            i = 0
+            measured_rows, measured_from = 0, began + self.warmup
+            while (now := time.monotonic()) < measured_from + self.seconds:
+                due = began + i / txns
+                if due > now:
+                    time.sleep(due - now)
+                last = self.next_id + rows - 1
+                c.execute("INSERT INTO lat SELECT g, 'x' FROM generate_series(%s::bigint, %s::bigint) g",
+                          (self.next_id, last))
+                stamp = time.time()
+                if time.monotonic() >= measured_from:
+                    self.commits.append((last, stamp))
+                    measured_rows += rows
+                self.next_id, i = last + 1, i + 1
+            self.sustained = measured_rows / (time.monotonic() - measured_from)
+
+
+class ReplicaWatcher(threading.Thread):
+    """Polls the replica's max(id): `seen` is (wall time, max id) at each change."""
+
+    def __init__(self, uri: str, poll_s: float) -> None:
+        super().__init__(daemon=True)
+        self.uri, self.poll_s, self.stop = uri, poll_s, threading.Event()
+        self.seen: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        with psycopg.connect(self.uri, autocommit=True) as c:
+            last = -1
+            while not self.stop.wait(self.poll_s):
+                top = c.execute("SELECT coalesce(max(id), -1) FROM lat").fetchone()[0]  # type: ignore[index]
+                if top != last:
+                    self.seen.append((time.time(), top))
+                    last = top
+
+    def visible_at(self, commits: list[tuple[int, float]]) -> list[float | None]:
+        out, j = [], 0
+        for last, _ in commits:
+            while j < len(self.seen) and self.seen[j][1] < last:
+                j += 1
+            out.append(self.seen[j][0] if j < len(self.seen) else None)
+        return out
+
+
+class KafkaWatcher(threading.Thread):
+    """A read_committed consumer of the table's topic: `arrived` maps an id to the wall time its
+    message was consumed."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        from confluent_kafka import Consumer
+
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "latency", "auto.offset.reset": "earliest",
+                                  "isolation.level": "read_committed", "enable.auto.commit": False,
+                                  "fetch.wait.max.ms": 5})
+        self.consumer.subscribe([topic])
+        self.stop, self.arrived = threading.Event(), {}  # type: ignore[var-annotated]
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for m in self.consumer.consume(10000, 0.01):
+                if m.error() is None and m.key():
+                    self.arrived[int(json.loads(m.key())[0])] = time.time()
+        self.consumer.close()
+
+    def visible_at(self, commits: list[tuple[int, float]]) -> list[float | None]:
+        return [self.arrived.get(last) for last, _ in commits]
+
+
+def measure(watcher: ReplicaWatcher | KafkaWatcher, source: str, first: int, rate: int, args: argparse.Namespace
+            ) -> tuple[dict[str, float], int]:
+    writer = Writer(source, first, rate, args.warmup, args.seconds)
+    writer.start()
+    writer.join()
+    deadline = time.monotonic() + 120
+    while None in watcher.visible_at(writer.commits[-1:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    seen = watcher.visible_at(writer.commits)
+    lat = [v - c for (_, c), v in zip(writer.commits, seen) if v is not None]
+    missing = sum(v is None for v in seen)
+    if not lat:
+        raise SystemExit(f"nothing arrived at {rate}/s: see the feed's log")
+    return ({"sustained": writer.sustained, "p50": quantile(lat, 0.5), "p90": quantile(lat, 0.9),
+             "p99": quantile(lat, 0.99), "max": max(lat), "missing": missing}, writer.next_id)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", default="1000,10000,50000", help="changes/s, comma-separated")
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per rate")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds at each rate before measuring")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--sink", choices=("replica", "kafka"), default="replica")
+    ap.add_argument("--poll-ms", type=float, default=5.0, help="replica: how often max(id) is polled")
+    ap.add_argument("--workdir")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--feed-arg", action="append", default=[], help="extra argument for `changefeed run` (repeatable)")
+    args = ap.parse_args()
+    rates = [int(r) for r in args.rates.split(",")]
+    began = time.monotonic()
+    work, _, (source, replica) = bench_setup(ap, args.workdir, args.keep, "latency-bench-", ("source", "replica"),
+                                             {"fsync": "off", "synchronous_commit": "off"})
+    src_uri = source.uri()
+    with psycopg.connect(src_uri, autocommit=True) as c:
+        c.execute("CREATE TABLE lat (id bigint PRIMARY KEY, v text)")
+    kafka = None
+    if args.sink == "kafka":
+        from changefeed.local_kafka import LocalKafka
+
+        kafka = LocalKafka.start(work / "kafka")
+        sink = f"kafka://{kafka.bootstrap}?delivery=exactly_once"
+    else:
+        sink = replica.uri()
+    feed_log = work / "logs" / "feed.log"
+    import subprocess
+
+    feed = subprocess.Popen([sys.executable, "-m", "changefeed", "run", "--name", "lat", "--source", src_uri,
+                             "--sink", sink, "--tables", "public.lat", "--state", str(work / "state"), *args.feed_arg],
+                            stdout=open(feed_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    watcher: ReplicaWatcher | KafkaWatcher
+    watcher = KafkaWatcher(kafka.bootstrap, "public.lat") if kafka else ReplicaWatcher(replica.uri(), args.poll_ms / 1000)
+    try:
+        deadline = time.monotonic() + 120
+        while ": running (" not in feed_log.read_text():
+            if feed.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the feed did not start:\n{feed_log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        time.sleep(2)
+        watcher.start()
+        results: dict[int, list[dict[str, float]]] = {r: [] for r in rates}
+        # a first trickle, not measured, until it arrives: the consumer has joined, the feed is warm
+        _, next_id = measure(watcher, src_uri, 0, 100, argparse.Namespace(warmup=0.0, seconds=2.0))
+        for run in range(args.runs):
+            for rate in rates:
+                got, next_id = measure(watcher, src_uri, next_id, rate, args)
+                results[rate].append(got)
+                log(f"run {run + 1} {rate}/s  sustained {got['sustained']:,.0f}/s  p50 {got['p50']:.3f} "
+                    f"p90 {got['p90']:.3f} p99 {got['p99']:.3f} max {got['max']:.3f}"
+                    + (f"  ({got['missing']:.0f} transactions never seen)" if got["missing"] else ""))
+        print(f"\n{'=' * 90}\ncommit-to-visible on the {args.sink}, seconds, median [min - max] over {args.runs} "
+              f"run(s) of {args.seconds:.0f} s; feed args {' '.join(args.feed_arg) or '(defaults)'}"
+              + (f"; replica polled every {args.poll_ms:.0f} ms" if args.sink == "replica" else ""))
+        for rate, runs in results.items():
+            line = "  ".join(f"{k} {fmt_ratio(spread([r[k] for r in runs]))}" for k in ("p50", "p90", "p99", "max"))
+            print(f"{rate}/s  sustained {statistics.median(r['sustained'] for r in runs):,.0f}/s  {line}")
+    finally:
+        watcher.stop.set()
+        feed.terminate()
+        try:
+            feed.wait(60)
+        except subprocess.TimeoutExpired:
+            feed.kill()
+        if kafka:
+            kafka.stop()
+    print(f"total benchmark time {(time.monotonic() - began) / 60:.1f} min; feed log {feed_log}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
