@@ -6,7 +6,9 @@ text)` to a replica, or to Kafka (`--sink kafka`: a local broker, exactly-once d
 stamps each at its commit (the wall time COMMIT returned); a watcher sees them arrive: on the
 replica it polls `max(id)` every --poll-ms (the replica applies in commit order, whole batches at
 once, so max(id) >= n means transaction n is visible); on Kafka it stamps each message as the
-consumer gets it. Per rate: a warm-up, then --seconds measured, then the tail is waited for.
+consumer gets it. Per rate: VACUUM, ANALYZE and CHECKPOINT on both servers (the previous phase's
+rows would keep autovacuum busy on the 2 cores), a warm-up, then --seconds measured, then the
+tail is waited for.
 Prints one line per rate and run (`10000/s ... p50 0.21 p99 0.44`, seconds), then medians over
 the runs with their spread.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -100,9 +103,9 @@ class KafkaWatcher(threading.Thread):
         super().__init__(daemon=True)
         from confluent_kafka import Consumer
 
-        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "latency", "auto.offset.reset": "earliest",
-                                  "isolation.level": "read_committed", "enable.auto.commit": False,
-                                  "fetch.wait.max.ms": 5})
+        self.consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "latency",
+                                  "auto.offset.reset": "earliest", "isolation.level": "read_committed",
+                                  "enable.auto.commit": False, "fetch.wait.max.ms": 5})
         self.consumer.subscribe([topic])
         self.stop, self.arrived = threading.Event(), {}  # type: ignore[var-annotated]
 
@@ -117,14 +120,24 @@ class KafkaWatcher(threading.Thread):
         return [self.arrived.get(last) for last, _ in commits]
 
 
+def quiet(*uris: str) -> None:
+    """Vacuum, analyze and checkpoint now, so that a phase does not pay for the previous one's
+    rows in autovacuum and checkpoints running meanwhile (2 cores)."""
+    for uri in uris:
+        with psycopg.connect(uri, autocommit=True) as c:
+            if c.execute("SELECT to_regclass('public.lat')").fetchone()[0]:  # type: ignore[index]
+                c.execute("VACUUM (ANALYZE) lat")
+            c.execute("CHECKPOINT")
+
+
 def measure(watcher: ReplicaWatcher | KafkaWatcher, source: str, first: int, rate: int, args: argparse.Namespace
             ) -> tuple[dict[str, float], int]:
     writer = Writer(source, first, rate, args.warmup, args.seconds)
     writer.start()
     writer.join()
-    deadline = time.monotonic() + 120
-    while None in watcher.visible_at(writer.commits[-1:]) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    deadline = time.monotonic() + 120  # every transaction (Kafka partitions are consumed at their own pace)
+    while None in watcher.visible_at(writer.commits) and time.monotonic() < deadline:
+        time.sleep(0.2)
     seen = watcher.visible_at(writer.commits)
     lat = [v - c for (_, c), v in zip(writer.commits, seen) if v is not None]
     missing = sum(v is None for v in seen)
@@ -162,13 +175,12 @@ def main() -> int:
     else:
         sink = replica.uri()
     feed_log = work / "logs" / "feed.log"
-    import subprocess
-
     feed = subprocess.Popen([sys.executable, "-m", "changefeed", "run", "--name", "lat", "--source", src_uri,
                              "--sink", sink, "--tables", "public.lat", "--state", str(work / "state"), *args.feed_arg],
                             stdout=open(feed_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     watcher: ReplicaWatcher | KafkaWatcher
-    watcher = KafkaWatcher(kafka.bootstrap, "public.lat") if kafka else ReplicaWatcher(replica.uri(), args.poll_ms / 1000)
+    watcher = (KafkaWatcher(kafka.bootstrap, "public.lat") if kafka
+               else ReplicaWatcher(replica.uri(), args.poll_ms / 1000))
     try:
         deadline = time.monotonic() + 120
         while ": running (" not in feed_log.read_text():
@@ -182,6 +194,7 @@ def main() -> int:
         _, next_id = measure(watcher, src_uri, 0, 100, argparse.Namespace(warmup=0.0, seconds=2.0))
         for run in range(args.runs):
             for rate in rates:
+                quiet(src_uri, *([] if kafka else [replica.uri()]))
                 got, next_id = measure(watcher, src_uri, next_id, rate, args)
                 results[rate].append(got)
                 log(f"run {run + 1} {rate}/s  sustained {got['sustained']:,.0f}/s  p50 {got['p50']:.3f} "
