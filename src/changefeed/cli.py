@@ -291,7 +291,7 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--wal-reader", choices=WAL_READERS,
                      help="how a batch's WAL is read from the slot: peek (the SQL function "
                           "pg_logical_slot_peek_binary_changes; default, measured faster) or stream (the streaming "
-                          "replication protocol: bounded memory however large the window)")
+                          "replication protocol: the server never holds a whole window's output)")
     cmd.add_argument("--trigger-interval", type=float,
                      help="seconds between batch starts, >= 0 (default 0: back to back)")
     cmd.add_argument("--resolved", help="close a resolved timestamp at least this often while the captured tables "
