@@ -1,5 +1,5 @@
 """insert_runs: how the replica applier cuts a table's change rows into insert runs (COPYed
-straight into the target) and the rows between them (merged), checked against a plain loop."""
+straight into the target: inserts and snapshot reads) and the rows between them (merged), checked against a plain loop."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +14,7 @@ from changefeed.sinks.replica.apply import insert_runs
 def _reference(ops: list[str], min_rows: int) -> list[tuple[int, int, bool]]:
     runs: list[tuple[int, int, bool]] = []
     at = 0
-    for is_insert, group in itertools.groupby(ops, key=lambda op: op == "c"):
+    for is_insert, group in itertools.groupby(ops, key=lambda op: op in "cr"):
         n = len(list(group))
         if is_insert and n >= min_rows:
             runs.append((at, at + n, True))
@@ -37,3 +37,4 @@ def test_examples() -> None:
     assert insert_runs(ops, 6) == [(0, 12, False)]
     assert insert_runs(pa.array(["c"] * 4, pa.string()), 4) == [(0, 4, True)]
     assert insert_runs(pa.array([], pa.string()), 1) == []
+    assert insert_runs(pa.array(list("rrcrru"), pa.string()), 5) == [(0, 5, True), (5, 6, False)]

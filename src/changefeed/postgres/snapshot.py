@@ -131,10 +131,9 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
         size = 0
         first = True
         with conn.cursor().copy(query) as copy:
-            for data in copy:
-                line = bytes(data)
-                lines.append(line[:-1] if line.endswith(b"\n") else line)
-                size += len(line)
+            for data in copy:  # a row of COPY's text format, with its newline (which `after` leaves out)
+                lines.append(bytes(data[:-1]))
+                size += len(data)
                 if len(lines) >= rows_per_batch or size >= bytes_per_batch:
                     yield _rows(shape, lines, lsn, ts, result.rows, first)
                     result.rows += len(lines)

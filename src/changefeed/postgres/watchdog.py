@@ -54,34 +54,42 @@ class WatchedConnection(psycopg.Connection[Any]):
 
 
 @dataclass
-class _Awaited:
-    conn: WatchedConnection
-    thread: int  # the waiting thread, to tell it why its connection broke
-    since: float
+class _Probing:
+    """The watchdog thread's own record of one long wait."""
+
     next_probe: float
     not_busy: int = 0  # probes in a row that found the backend gone or idle
 
 
 class Watchdog:
-    """One per process: a daemon thread that probes long waits (restarted in a forked child)."""
+    """One per process: a daemon thread that probes long waits (started again in a forked child).
+
+    `begin` and `end` run for every awaited answer, a COPY's every row included, so they only put
+    and remove one entry of a dict (atomic under the GIL); the thread reads a copy of it."""
 
     def __init__(self) -> None:
+        self._forked()
+        os.register_at_fork(after_in_child=self._forked)  # PySpark's workers: no thread there yet
+
+    def _forked(self) -> None:
         self._lock = threading.Lock()
-        self._awaited: dict[int, _Awaited] = {}
+        self._awaited: dict[int, tuple[WatchedConnection, int, float]] = {}  # id(conn) -> (conn, thread, since)
         self._cut: dict[int, str] = {}  # thread -> why its connection was cut
-        self._pid = 0
+        self._started = False
 
     def begin(self, conn: WatchedConnection) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._pid != os.getpid():  # first use, or a forked child (PySpark's workers): no thread here yet
-                self._pid, self._awaited, self._cut = os.getpid(), {}, {}
-                threading.Thread(target=self._run, name="changefeed-watchdog", daemon=True).start()
-            self._awaited[id(conn)] = _Awaited(conn, threading.get_ident(), now, now + PROBE_AFTER_S)
+        if not self._started:
+            self._start()
+        self._awaited[id(conn)] = (conn, threading.get_ident(), time.monotonic())
 
     def end(self, conn: WatchedConnection) -> None:
+        self._awaited.pop(id(conn), None)
+
+    def _start(self) -> None:
         with self._lock:
-            self._awaited.pop(id(conn), None)
+            if not self._started:
+                threading.Thread(target=self._run, name="changefeed-watchdog", daemon=True).start()
+                self._started = True
 
     def cut_reason(self) -> str | None:
         """Why the calling thread's connection was cut, once (None: it was not)."""
@@ -89,26 +97,32 @@ class Watchdog:
             return self._cut.pop(threading.get_ident(), None)
 
     def _run(self) -> None:
+        probing: dict[tuple[int, float], _Probing] = {}  # (id(conn), since) of the long waits
         while True:
             time.sleep(_TICK_S)
             now = time.monotonic()
-            with self._lock:
-                due = [a for a in self._awaited.values() if a.next_probe <= now]
-            for a in due:
-                verdict = probe(a.conn)
-                a.next_probe = time.monotonic() + PROBE_EVERY_S
+            awaited = self._awaited.copy()
+            long = {(key, since): (conn, thread) for key, (conn, thread, since) in awaited.items()
+                    if now - since >= PROBE_AFTER_S}
+            probing = {k: probing.get(k) or _Probing(now) for k in long}
+            for (key, since), p in probing.items():
+                if p.next_probe > now:
+                    continue
+                conn, thread = long[(key, since)]
+                verdict = probe(conn)
+                p.next_probe = time.monotonic() + PROBE_EVERY_S
                 if verdict is None:
-                    a.not_busy = 0
+                    p.not_busy = 0
                     continue
                 unreachable, reason = verdict
-                a.not_busy += 1
-                if unreachable or a.not_busy >= 2:
-                    waited = time.monotonic() - a.since
+                p.not_busy += 1
+                if unreachable or p.not_busy >= 2:
+                    waited = time.monotonic() - since
                     with self._lock:
-                        if self._awaited.get(id(a.conn)) is not a:
+                        if self._awaited.get(key) is not awaited[key]:
                             continue  # the answer came meanwhile
-                        self._cut[a.thread] = f"no answer for {waited:.0f}s and {reason}: the connection stalled"
-                    cut(a.conn)
+                        self._cut[thread] = f"no answer for {waited:.0f}s and {reason}: the connection stalled"
+                    cut(conn)
 
 
 def probe(conn: WatchedConnection) -> tuple[bool, str] | None:

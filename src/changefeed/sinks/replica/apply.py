@@ -4,9 +4,10 @@ A batch (one Spark micro-batch, one writer task) is applied by one `BatchApplier
 transaction: it takes the feed's lock, reads how far the replica already is, then, chunk by
 chunk as the change rows stream in, COPYs each table's rows into a temporary staging table and
 merges them set-based (TRUNCATE first where one occurred, unchanged TOAST values resolved, per
-key only the last change, columns the source added). Long runs of consecutive inserts skip the
-staging table: they are COPYed straight into the target (see `insert_runs`), which costs the
-target database about a third of an upsert. Rows before the replica's position (the
+key only the last change, columns the source added). Long runs of consecutive inserts (and of
+snapshot reads, which insert a key the replica lacks) skip the staging table: they are COPYed
+straight into the target (see `insert_runs`), which costs the target database about a third of an
+upsert. Rows before the replica's position (the
 end of the last batch it applied) are skipped, so a replayed batch changes nothing. The progress
 row goes into the same transaction. So the replica moves from one source commit boundary to the
 next, never between, and merging overlaps with reading the rest of the batch.
@@ -41,6 +42,9 @@ APPLIED_OPS = ("c", "u", "r", "d", "t")
 # An insert run at least this long is COPYed straight into the target (shorter ones are merged
 # with their neighbours: a statement per run would cost more than it saves).
 INSERT_RUN_ROWS = 500
+# Ops that may start a run: an insert, and a snapshot read (`r`: the key's whole row, an insert
+# where the replica lacks the key, which is what the COPY finds out).
+INSERT_OPS = ("c", "r")
 # Each direct COPY runs in a savepoint (a subtransaction, so that a conflicting row can fall back
 # to the merge). PostgreSQL caches 64 subtransactions per transaction; past that, every reader of
 # the replica pays for looking them up while the batch is open. So a batch makes at most this many.
@@ -414,13 +418,15 @@ class BatchApplier:
 
 def insert_runs(ops: Any, min_rows: int) -> list[tuple[int, int, bool]]:
     """Cut a table's change rows, in order, into [lo, hi) runs that cover them: runs of at least
-    `min_rows` consecutive inserts (True) and the rows between them (False).
+    `min_rows` consecutive inserts or snapshot reads (True, see INSERT_OPS) and the rows between
+    them (False).
 
     Applied one after the other, in order, the runs do what the rows do, whatever their keys. An
-    insert run needs no last-change-per-key step: its keys are new (inserting a key again takes a
-    delete in between), and one already on the replica fails its COPY, so that the run is merged.
+    insert run needs no last-change-per-key step: a COPY that succeeds found every key new and
+    each once (a key twice, or one already on the replica, fails the COPY, and the run is merged),
+    and for a new key an insert and an upsert are the same.
     """
-    is_insert = pc.equal(ops, "c").to_numpy(zero_copy_only=False)
+    is_insert = pc.is_in(ops, value_set=_INSERT_OPS).to_numpy(zero_copy_only=False)
     n = len(is_insert)
     edges = np.flatnonzero(is_insert[1:] != is_insert[:-1]) + 1
     starts = np.concatenate(([0], edges)).astype(np.int64)
@@ -449,6 +455,7 @@ def _copy_lines(conn: psycopg.Connection[Any], copy_sql: sql.Composed, lines: An
 
 _CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS, ch.MESSAGE])
 _APPLIED_OPS = pa.array(APPLIED_OPS)
+_INSERT_OPS = pa.array(INSERT_OPS)
 _TAB, _NL, _EMPTY = (pa.scalar(b, pa.large_binary()) for b in (b"\t", b"\n", b""))
 
 
