@@ -1,5 +1,6 @@
 """insert_runs: how the replica applier cuts a table's change rows into insert runs (COPYed
-straight into the target: inserts and snapshot reads) and the rows between them (merged), checked against a plain loop."""
+straight into the target: inserts and snapshot reads) and the rows between them (merged),
+checked against a plain loop."""
 from __future__ import annotations
 
 import itertools
