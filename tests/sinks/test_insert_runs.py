@@ -9,7 +9,7 @@ import pyarrow as pa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from changefeed.sinks.replica.apply import insert_runs
+from changefeed.sinks.replica.insert_run import insert_runs
 
 
 def _reference(ops: list[str], min_rows: int) -> list[tuple[int, int, bool]]:

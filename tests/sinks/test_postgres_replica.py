@@ -19,6 +19,7 @@ from changefeed.errors import IncompleteBatch
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.sinks.replica import apply as replica
+from changefeed.sinks.replica import insert_run
 
 from conftest import Dbs, fingerprint
 
@@ -146,15 +147,17 @@ def test_batch_missing_a_partition_commits_nothing(dbs: Dbs) -> None:
         assert d.execute("SELECT count(*) FROM changefeed.progress").fetchone() == (0,)
 
 
+@pytest.mark.parametrize("held", [1, 2500])
 def test_insert_run_that_meets_a_row_of_the_replica_falls_back_to_the_merge(
-        dbs: Dbs, monkeypatch: pytest.MonkeyPatch) -> None:
+        dbs: Dbs, held: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A replica row in the way of an insert run (here one the replica held before) is upserted,
-    as the merge does, and nothing of the failed COPY stays: each key once, the source's values."""
+    as the merge does, and nothing of the failed COPY stays: each key once, the source's values.
+    Held 2500: the run has taken several chunks when its COPY fails, and all of them are merged."""
     monkeypatch.setattr(replica, "INSERT_RUN_ROWS", 40)
     batches, tables = _stream(dbs)
     _prepare_sink(dbs, tables)
     with dbs.dst() as d:
-        d.execute("INSERT INTO t VALUES (1, 'held by the replica', NULL)")
+        d.execute("INSERT INTO t VALUES (%s, 'held by the replica', NULL)", (held,))
     _, direct = _applied(dbs, batches, 0)
     assert 0 < direct < _inserts(batches)  # `gone` still went straight in; `t` did not after the conflict
     _assert_replica_equals_source(dbs)
@@ -163,11 +166,16 @@ def test_insert_run_that_meets_a_row_of_the_replica_falls_back_to_the_merge(
 def test_insert_runs_per_batch_are_capped(dbs: Dbs, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past INSERT_RUNS_PER_BATCH savepoints, runs are merged: same replica, fewer direct rows."""
     monkeypatch.setattr(replica, "INSERT_RUN_ROWS", 40)
-    monkeypatch.setattr(replica, "INSERT_RUNS_PER_BATCH", 1)
+    monkeypatch.setattr(insert_run, "INSERT_RUNS_PER_BATCH", 1)
     batches, tables = _stream(dbs)
     _prepare_sink(dbs, tables)
     _, direct = _applied(dbs, batches, 0)
-    assert 40 <= direct <= max(rb.num_rows for rb in batches)  # one run, within one chunk
+    # one run: the first inserts of one table, across the chunks they come in, up to a row of
+    # another kind (a P row between chunks does not end it)
+    rows = [(r["op"], r["table"]) for rb in batches for r in rb.to_pylist() if r["op"] != ch.PROGRESS]
+    first = next(i for i, (op, _) in enumerate(rows) if op == "c")
+    run = next(i for i in range(first, len(rows)) if rows[i] != ("c", rows[first][1])) - first
+    assert run >= 1000 and direct == run
     _assert_replica_equals_source(dbs)
 
 

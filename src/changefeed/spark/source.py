@@ -52,6 +52,10 @@ from ..postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from ..postgres.wal_reader import WalReader, wal_reader
 from ..postgres.connect import connect, lost_connection
 
+# A snapshot chunk travels in pieces of about this size, so that the sink applies one while the
+# next is being read (the replica streams a chunk's pieces into one COPY: sinks.replica.insert_run).
+SNAPSHOT_PIECE_BYTES = 2 << 20
+
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 except ImportError:  # pragma: no cover
@@ -410,10 +414,11 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     table = snapshot.node_of(chunk.table, node.name)[1]
     with connect(node.uri, role) as conn, lost_connection(role):
         found = snap_pg.ChunkRead()
+        # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
         for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
-                                     part.rows_per_batch):
+                                     part.rows_per_batch, SNAPSHOT_PIECE_BYTES):
             yield ch.pack(rb)
-            yield from _push_through()
+        yield from _push_through()
     read = {**reader(began), "ended": time.time()}
     done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows,
                        {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,

@@ -6,7 +6,7 @@ chunk as the change rows stream in, COPYs each table's rows into a temporary sta
 merges them set-based (TRUNCATE first where one occurred, unchanged TOAST values resolved, per
 key only the last change, columns the source added). Long runs of consecutive inserts (and of
 snapshot reads, which insert a key the replica lacks) skip the staging table: they are COPYed
-straight into the target (see `insert_runs`), which costs the target database about a third of an
+straight into the target (see insert_run), which costs the target database about a third of an
 upsert. Rows before the replica's position (the
 end of the last batch it applied) are skipped, so a replayed batch changes nothing. The progress
 row goes into the same transaction. So the replica moves from one source commit boundary to the
@@ -19,7 +19,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -35,21 +34,11 @@ from ...errors import ChangefeedError, SinkError
 from ...postgres.ddl_capture import PREFIX as DDL_PREFIX
 from ..ledger import RATE_WINDOW_S, LastBatch
 from . import shape as replica_shape
+from .insert_run import INSERT_RUN_ROWS, DirectCopy, insert_runs, terminated, write_lines
 
 META_SCHEMA = "changefeed"
 SESSION_MEMORY = "256MB"
 APPLIED_OPS = ("c", "u", "r", "d", "t")
-# An insert run at least this long is COPYed straight into the target (shorter ones are merged
-# with their neighbours: a statement per run would cost more than it saves).
-INSERT_RUN_ROWS = 500
-# Ops that may start a run: an insert, and a snapshot read (`r`: the key's whole row, an insert
-# where the replica lacks the key, which is what the COPY finds out).
-INSERT_OPS = ("c", "r")
-# Each direct COPY runs in a savepoint (a subtransaction, so that a conflicting row can fall back
-# to the merge). PostgreSQL caches 64 subtransactions per transaction; past that, every reader of
-# the replica pays for looking them up while the batch is open. So a batch makes at most this many.
-INSERT_RUNS_PER_BATCH = 48
-
 
 def ident(*names: str) -> sql.Identifier:
     return sql.Identifier(*names)
@@ -254,9 +243,7 @@ class BatchApplier:
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._parts: dict[ch.TableShape, _Part] = {}
         self._progress: list[ch.Progress] = []
-        self._insert_runs_left = INSERT_RUNS_PER_BATCH
-        self._no_insert_runs: set[ch.TableShape] = set()  # a run conflicted: merge the rest
-        self.inserted_directly = 0  # rows COPYed straight into their target
+        self._direct = DirectCopy(conn)  # runs of new rows COPYed straight into their target
 
     def begin(self) -> None:
         # Session memory for the staging tables and the per-chunk sorts: spilling them to disk
@@ -285,6 +272,8 @@ class BatchApplier:
             if i == rb.num_rows:
                 break
             op, schema, table, meta = (rb.column(n)[i].as_py() for n in ("op", "schema", "table", "meta"))
+            if op != ch.PROGRESS:
+                self._end_run()  # a shape or a schema change may alter the table
             new = self.in_stream_order or rb.column("lsn")[i].as_py() >= self.done  # not applied before
             if op == ch.MESSAGE:
                 if new and json.loads(meta).get("prefix") == DDL_PREFIX:
@@ -303,6 +292,7 @@ class BatchApplier:
         """Record progress and commit; a batch the replica already covers commits nothing new."""
         try:
             p = ch.BatchProgress.of(self._progress)
+            self._end_run()
         except ChangefeedError:
             self.rollback()
             raise
@@ -327,6 +317,7 @@ class BatchApplier:
 
     def rollback(self) -> None:
         if not self.conn.closed:
+            self._direct.abandon()
             self.conn.execute("ROLLBACK")
 
     def _apply_segment(self, rows: Any) -> None:
@@ -348,7 +339,7 @@ class BatchApplier:
             mine = rows if len(tables) == 1 else rows.filter(pc.equal(names, name))
             part = self._parts.get(shape) or self._new_part(shape)
             if part.columns != shape.columns:
-                self._no_insert_runs.add(shape)  # (a direct COPY writes every column of the shape)
+                self._direct.refused.add(shape)  # (a direct COPY writes every column of the shape)
             for lo, hi, inserts in insert_runs(mine.column("op"), INSERT_RUN_ROWS):
                 run = mine.slice(lo, hi - lo)
                 if not (inserts and self._insert(part, run)):
@@ -356,6 +347,7 @@ class BatchApplier:
 
     def _merge(self, part: _Part, rows: Any) -> None:
         """Stage the rows and merge them into the target."""
+        self._end_run()
         self._copy(part, rows)
         _apply_part(self.conn, part, has_truncate=bool(pc.any(pc.equal(rows.column("op"), "t")).as_py()),
                     has_unchanged=rows.column("unchanged").null_count < rows.num_rows,
@@ -363,25 +355,23 @@ class BatchApplier:
         self.conn.execute(sql.SQL("TRUNCATE {}").format(part.staging))
 
     def _insert(self, part: _Part, rows: Any) -> bool:
-        """COPY a run of inserts straight into the target; False (nothing done) if the batch has
-        no savepoint left for it, or a row's key is there already (the replica held rows of its
-        own, or a snapshot read got there first): the merge then upserts the run, and the table's
-        later runs of this batch."""
-        if self._insert_runs_left <= 0 or part.shape in self._no_insert_runs:
-            return False
-        self._insert_runs_left -= 1
-        self.conn.execute("SAVEPOINT changefeed_insert_run")
-        try:
-            _copy_lines(self.conn, part.insert_sql,
-                        _terminated(_large(rows.column("after"))))
-        except psycopg.errors.UniqueViolation:
-            self.conn.execute("ROLLBACK TO SAVEPOINT changefeed_insert_run")
-            self._no_insert_runs.add(part.shape)
-            return False
-        faults.reach("insert_run")
-        self.conn.execute("RELEASE SAVEPOINT changefeed_insert_run")
-        self.inserted_directly += rows.num_rows
-        return True
+        """COPY a run of inserts straight into the target, in the open run if it is this table's
+        (see insert_run); False (nothing done) when it must be merged."""
+        if not self._direct.continues(part.shape):
+            self._end_run()
+        return self._direct.add(part.shape, part.insert_sql, rows)
+
+    def _end_run(self) -> None:
+        """End the open insert run; if its COPY met a key there already, merge its rows instead."""
+        failed = self._direct.close()
+        if failed is not None:
+            for rows in failed[1]:
+                self._merge(self._parts[failed[0]], rows)
+
+    @property
+    def inserted_directly(self) -> int:
+        """Rows COPYed straight into their target."""
+        return self._direct.rows
 
     def _new_part(self, shape: ch.TableShape) -> _Part:
         staging = ident(f"changefeed_stage_{len(self._parts)}")
@@ -411,61 +401,24 @@ class BatchApplier:
             _text(rows.column("lsn")), _text(rows.column("seq")), _text(rows.column("op")),
             _text(pc.fill_null(rows.column("unchanged"), NULL.decode())),
             pc.coalesce(_large(rows.column("after")), _large(rows.column("before")), part.nulls),
-            _terminated(pc.coalesce(_large(rows.column("old_key")), part.key_nulls)),
+            terminated(pc.coalesce(_large(rows.column("old_key")), part.key_nulls)),
             _TAB)
         _copy_lines(self.conn, part.copy_sql, lines)
 
 
-def insert_runs(ops: Any, min_rows: int) -> list[tuple[int, int, bool]]:
-    """Cut a table's change rows, in order, into [lo, hi) runs that cover them: runs of at least
-    `min_rows` consecutive inserts or snapshot reads (True, see INSERT_OPS) and the rows between
-    them (False).
-
-    Applied one after the other, in order, the runs do what the rows do, whatever their keys. An
-    insert run needs no last-change-per-key step: a COPY that succeeds found every key new and
-    each once (a key twice, or one already on the replica, fails the COPY, and the run is merged),
-    and for a new key an insert and an upsert are the same.
-    """
-    is_insert = pc.is_in(ops, value_set=_INSERT_OPS).to_numpy(zero_copy_only=False)
-    n = len(is_insert)
-    edges = np.flatnonzero(is_insert[1:] != is_insert[:-1]) + 1
-    starts = np.concatenate(([0], edges)).astype(np.int64)
-    ends = np.concatenate((edges, [n])).astype(np.int64)
-    long = np.flatnonzero(is_insert[starts] & (ends - starts >= min_rows)) if n else []
-    runs: list[tuple[int, int, bool]] = []
-    at = 0
-    for i in long:
-        lo, hi = int(starts[i]), int(ends[i])
-        if lo > at:
-            runs.append((at, lo, False))
-        runs.append((lo, hi, True))
-        at = hi
-    if at < n:
-        runs.append((at, n, False))
-    return runs
-
-
 def _copy_lines(conn: psycopg.Connection[Any], copy_sql: sql.Composed, lines: Any) -> None:
-    """COPY a large_binary array of complete lines, from its data buffer as it is."""
-    offsets = lines.buffers()[1]
-    first, last = (int.from_bytes(offsets[i * 8:i * 8 + 8], "little") for i in (lines.offset, lines.offset + len(lines)))
+    """COPY a large_binary array of complete lines."""
     with conn.cursor().copy(copy_sql) as copy:
-        copy.write(memoryview(lines.buffers()[2])[first:last])
+        write_lines(copy, lines)
 
 
 _CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS, ch.MESSAGE])
 _APPLIED_OPS = pa.array(APPLIED_OPS)
-_INSERT_OPS = pa.array(INSERT_OPS)
-_TAB, _NL, _EMPTY = (pa.scalar(b, pa.large_binary()) for b in (b"\t", b"\n", b""))
+_TAB = pa.scalar(b"\t", pa.large_binary())
 
 
 def _large(col: Any) -> Any:
     return col.cast(pa.large_binary())
-
-
-def _terminated(col: Any) -> Any:
-    """Each value of a large_binary column with a newline after it: complete COPY lines."""
-    return pc.binary_join_element_wise(col, _EMPTY, _NL)
 
 
 def _text(col: Any) -> Any:
