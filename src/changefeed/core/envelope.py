@@ -61,6 +61,7 @@ import base64
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, NamedTuple, Protocol
 
 from .. import __version__
@@ -68,7 +69,7 @@ from ..errors import ConfigError
 from .change import TableShape
 from .copytext import split_line
 from .hlc import physical_ms
-from .pgvalue import base_name, to_json
+from .pgvalue import Convert, base_name, converter
 
 FORMATS = ("json", "debezium", "text")
 
@@ -153,13 +154,25 @@ def resolved(ts: int) -> bytes:
 
 
 # -- typed values -----------------------------------------------------------------------------
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)  # one for all: per-change
+
+
 def _dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return _ENCODER.encode(value).encode()
+
+
+@lru_cache(maxsize=256)
+def _converters(shape: TableShape) -> tuple[tuple[str, Convert], ...]:
+    """Per column of the shape: its name and its value converter (looked up once per shape)."""
+    return tuple((c, converter(t)) for c, t in zip(shape.columns, shape.types))
 
 
 def _row(change: Change, values: Values, skip: frozenset[int] = frozenset()) -> dict[str, Any]:
-    shape = change.table_shape
-    return {c: to_json(v, t) for i, (c, t, v) in enumerate(zip(shape.columns, shape.types, values)) if i not in skip}
+    columns = _converters(change.table_shape)
+    if not skip:
+        return {c: None if v is None else conv(v.decode("utf-8")) for (c, conv), v in zip(columns, values)}
+    return {c: None if v is None else conv(v.decode("utf-8"))
+            for i, ((c, conv), v) in enumerate(zip(columns, values)) if i not in skip}
 
 
 def _after(change: Change) -> dict[str, Any] | None:
@@ -178,14 +191,19 @@ def _before(change: Change) -> dict[str, Any] | None:
 
 def _key_values(change: Change, old: bool = False) -> list[Any]:
     """The key's values: of the new row, the deleted row, or (`old`) before a key change."""
-    shape = change.table_shape
-    types = {c: t for c, t in zip(shape.columns, shape.types)}
+    keys = _key_converters(change.table_shape)
     if old:
         assert change.old_key is not None
-        return [to_json(v, types[c]) for c, v in zip(shape.key, change.old_key)]
+        return [None if v is None else conv(v.decode("utf-8")) for (_, conv), v in zip(keys, change.old_key)]
     values = change.before if change.op == "d" else change.after
     assert values is not None, f"a {change.op!r} change without its row"
-    return [to_json(values[shape.columns.index(c)], types[c]) for c in shape.key]
+    return [None if values[i] is None else conv(values[i].decode("utf-8")) for i, conv in keys]  # type: ignore[union-attr]
+
+
+@lru_cache(maxsize=256)
+def _key_converters(shape: TableShape) -> tuple[tuple[int, Convert], ...]:
+    """Per key column: its index among the columns, and its value converter."""
+    return tuple((shape.columns.index(k), converter(shape.types[shape.columns.index(k)])) for k in shape.key)
 
 
 def _json_key(change: Change) -> bytes | None:

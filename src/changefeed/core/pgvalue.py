@@ -64,6 +64,8 @@ _DATE_ONLY = re.compile(_DATE + r"( BC)?")
 def _iso_year(digits: str, bc: str | None) -> str:
     """ISO 8601 year: astronomical numbering for BC (1 BC is 0000, 2 BC is -0001), and the
     expanded form (a sign) beyond 9999."""
+    if not bc and len(digits) == 4:
+        return digits  # the common case: 0001-9999 AD, as it is
     year = 1 - int(digits) if bc else int(digits)
     if year < 0:
         return f"-{-year:04d}"

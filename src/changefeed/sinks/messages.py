@@ -12,6 +12,7 @@ other changes nothing. Pure: no I/O.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -39,14 +40,16 @@ class MessageStream:
                  tombstones: bool = False, outbox: OutboxSpec | None = None,
                  event_record: Callable[[OutboxEvent], Record] = OutboxEvent.record,
                  event_topic: Callable[[str], str] = str) -> None:
-        self.formatter, self.topic_of, self.tombstones = formatter, topic_of, tombstones
+        self.formatter, self.tombstones = formatter, tombstones
+        self.topic_of = functools.lru_cache(maxsize=1024)(topic_of)  # asked once per change
         self.outbox = OutboxRouter(outbox) if outbox is not None else None
         self.event_record, self.event_topic = event_record, event_topic
         self._shapes: dict[tuple[str, str], ch.TableShape] = {}
         self._progress: list[ch.Progress] = []
 
     def messages(self, rb: Any) -> Iterator[Message]:
-        for row in rb.to_pylist():
+        names = rb.schema.names  # rows from column lists: faster than RecordBatch.to_pylist
+        for row in (dict(zip(names, values)) for values in zip(*(c.to_pylist() for c in rb.columns))):
             op = row["op"]
             if op == ch.RELATION:
                 self._shapes[(row["schema"], row["table"])] = ch.TableShape.from_meta(
