@@ -8,13 +8,11 @@ interleaved so that every run's figures come from the same moment:
   b      a plain `COPY (SELECT * FROM snap_t ORDER BY id) TO STDOUT` on the source, streamed
          into `COPY snap_copy_K FROM STDIN` (a fresh table with the same columns and key, in a
          fresh sink database): what the two servers alone can do for a bulk copy;
-  c-par  `changefeed run --snapshot only` (a Spark process) on a fresh feed, sink database and
-         state folder: a batch's chunks are read as parallel Spark tasks and shuffled to the one
-         writer task (`repartition(1)`), as the runner does while chunks are pending;
-  c-seq  the same feed with the chunks read one after the other by the writer task itself
-         (`coalesce(1)`). BENCH-ONLY SWITCH: the feed has no option for this; the script runs
-         it through `python -c` with `changefeed.feed.chunks_to_read` replaced by a function
-         that always says "no chunks pending", so the runner never asks for parallel reads.
+  c-par  `changefeed run --snapshot only --snapshot-reads parallel` (a Spark process) on a fresh
+         feed, sink database and state folder: a batch's chunks are read as parallel Spark tasks
+         and shuffled to the one writer task (`repartition(1)`);
+  c-seq  the same with `--snapshot-reads sequential`: the writer task reads the batch's chunks
+         itself, one after the other, as one input partition (no shuffle).
 
 A feed run is timed four ways: its whole-process wall time (JVM and Spark start-up included);
 "snapshot only", from the start of the first batch that carried chunks (its progress row's
@@ -60,17 +58,8 @@ SOURCE_DB = "snap"
 COLUMNS = "id bigint PRIMARY KEY, a int, b text, c timestamptz"
 COPY_ROWS = 100_000  # rows per COPY statement while writing the table
 
-# The sequential mode: the same `changefeed run`, with the runner told that no snapshot chunks
-# are pending, so it starts the query with coalesce(1) (the writer task reads the chunks itself)
-# instead of repartition(1). A bench-only switch, not a feed option.
-SEQUENTIAL = ("import sys\n"
-              "import changefeed.feed as f\n"
-              "f.chunks_to_read = lambda *a: False  # bench only: never read chunks as parallel tasks\n"
-              "from changefeed.cli import main\n"
-              "sys.exit(main(sys.argv[1:]))\n")
-
 MODES = ("par", "seq")
-MODE_TEXT = {"par": "parallel chunk reads (repartition(1))", "seq": "sequential chunk reads (coalesce(1))"}
+MODE_TEXT = {"par": "--snapshot-reads parallel (repartition(1))", "seq": "--snapshot-reads sequential"}
 # how a feed run is timed: (key, label); rows/s = rows / seconds
 WAYS = (("whole", "whole process (incl. JVM/Spark start-up)"),
         ("snap", "snapshot only (1st chunk batch began -> last applied)"),
@@ -142,8 +131,9 @@ class FeedRun:
 
 def run_feed(mode: str, name: str, src_uri: str, sink_uri: str, state: Path, logdir: Path, chunk_rows: int,
              timeout: float, extra: list[str]) -> FeedRun:
-    head = [sys.executable, "-m", "changefeed"] if mode == "par" else [sys.executable, "-c", SEQUENTIAL]
-    cmd = [*head, "run", "--name", name, "--source", src_uri, "--sink", sink_uri, "--tables", f"public.{TABLE}",
+    reads = "parallel" if mode == "par" else "sequential"
+    cmd = [sys.executable, "-m", "changefeed", "run", "--snapshot-reads", reads, "--name", name,
+           "--source", src_uri, "--sink", sink_uri, "--tables", f"public.{TABLE}",
            "--snapshot", "only", "--snapshot-chunk-rows", str(chunk_rows), "--state", str(state), *extra]
     rc, wall, stamped, tail = run_stamped(cmd, logdir / f"{name}.out", timeout)
     running_at = next((at for _, at, ln in stamped if ": running (" in ln), None)

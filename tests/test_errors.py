@@ -294,11 +294,12 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--snapshot": "sometimes"}, ["--snapshot", "'sometimes'", "initial"]),
     ({"--snapshot-chunk-rows": "0"}, ["--snapshot-chunk-rows", "at least 1"]),
     ({"--snapshot-chunks-per-batch": "0"}, ["--snapshot-chunks-per-batch", "at least 1"]),
+    ({"--snapshot-reads": "fast"}, ["--snapshot-reads", "'fast'", "auto"]),
     ({"--metrics-port": "70000"}, ["metrics", "127.0.0.1:70000", "0-65535"]),
     ({"--metrics-port": "http"}, ["--metrics-port", "'http'"]),
 ], ids=["upper-name", "space-name", "digit-name", "long-name", "three-part-table", "table-twice", "kafka-sink",
         "kafka-source", "empty-sink", "all-missing", "negative-changes", "negative-interval", "bytes-lots",
-        "bytes-negative", "resolved-soon", "resolved-negative", "retention-negative", "wal-abc", "snapshot-mode", "snapshot-chunk-rows", "snapshot-chunks-per-batch", "metrics-port-range",
+        "bytes-negative", "resolved-soon", "resolved-negative", "retention-negative", "wal-abc", "snapshot-mode", "snapshot-chunk-rows", "snapshot-chunks-per-batch", "snapshot-reads", "metrics-port-range",
         "metrics-port-word"])
 def test_malformed_options(fresh: Dbs, tmp_path: Path, change: dict[str, str | None], problem: list[str]) -> None:
     opts = {"--name": fresh.name, "--source": fresh.source, "--sink": fresh.sink, "--tables": "public.items",

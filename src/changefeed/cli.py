@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SNAPSHOT_MODES, WAL_READERS, FeedSpec, FeedState,
+from .config import (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, PARALLEL_READ_SLOTS, SNAPSHOT_MODES,
+                     SNAPSHOT_READS, WAL_READERS, FeedSpec, FeedState,
                      parse_duration, parse_node, parse_size, parse_sources, parse_tables)
 from .core.envelope import FORMATS
 from .errors import ChangefeedError, ConfigError
@@ -47,7 +48,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "trigger_interval_s": args.trigger_interval,
         "resolved_interval_s": _option("resolved", parse_duration, args.resolved),
         "snapshot": args.snapshot, "snapshot_chunk_rows": args.snapshot_chunk_rows,
-        "snapshot_chunks_per_batch": args.snapshot_chunks_per_batch,
+        "snapshot_chunks_per_batch": args.snapshot_chunks_per_batch, "snapshot_reads": args.snapshot_reads,
         "retention_s": _option("retention", parse_duration, args.retention),
         "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
         "format": args.format, "diff": args.diff,
@@ -304,6 +305,10 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--snapshot-chunks-per-batch", type=int,
                      help="snapshot chunks per batch, >= 1, each read by a Spark task of its own "
                           f"(default {DEFAULT_CHUNKS_PER_BATCH})")
+    cmd.add_argument("--snapshot-reads", choices=SNAPSHOT_READS,
+                     help="how a batch's snapshot chunks are read: parallel (a Spark task each, shuffled to the "
+                          "writer), sequential (by the writer's task, one after the other, no shuffle) or auto "
+                          f"(default: parallel with {PARALLEL_READ_SLOTS} or more Spark task slots)")
     cmd.add_argument("--retention", help="stop when the checkpoint is older than this, e.g. 24h, 90m "
                                          "(default 24h; 0 = no limit)")
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "

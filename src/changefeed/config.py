@@ -19,6 +19,11 @@ DEFAULT_RESOLVED_S = 1.0
 SNAPSHOT_MODES = ("initial", "never", "only")
 DEFAULT_CHUNK_ROWS = 50_000
 DEFAULT_CHUNKS_PER_BATCH = 4  # also the snapshot's read parallelism: one Spark task per chunk
+# How a batch's snapshot chunks are read: `auto` reads them in parallel tasks (shuffled to the
+# writer) when Spark has at least PARALLEL_READ_SLOTS task slots, else in the writer's task one
+# after the other (measured faster with 2: bench/snapshot_throughput.py).
+SNAPSHOT_READS = ("auto", "parallel", "sequential")
+PARALLEL_READ_SLOTS = 4
 DEFAULT_RETENTION_S = 24 * 3600.0
 WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
 
@@ -58,6 +63,7 @@ class FeedSpec:
     snapshot: str = "initial"  # existing rows first (initial), not at all (never), or only them (only)
     snapshot_chunk_rows: int = DEFAULT_CHUNK_ROWS
     snapshot_chunks_per_batch: int = DEFAULT_CHUNKS_PER_BATCH
+    snapshot_reads: str = SNAPSHOT_READS[0]
     retention_s: float = DEFAULT_RETENTION_S  # most checkpoint age the slot may hold WAL for; 0 = no limit
     max_retained_wal: int = 0  # most WAL bytes the slot may hold; 0 = no limit
     format: str = "json"  # envelope of a message sink (core.envelope.FORMATS)
@@ -146,6 +152,10 @@ class FeedSpec:
         if self.snapshot_chunk_rows < 1:
             raise ConfigError(f"--snapshot-chunk-rows must be at least 1, got {self.snapshot_chunk_rows}",
                               f"the default is {DEFAULT_CHUNK_ROWS}")
+        if self.snapshot_reads not in SNAPSHOT_READS:
+            raise ConfigError(f"--snapshot-reads must be one of {', '.join(SNAPSHOT_READS)}, "
+                              f"got {self.snapshot_reads!r}",
+                              "auto: parallel with 4 or more Spark task slots, else sequential")
         if self.snapshot_chunks_per_batch < 1:
             raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
                               f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from . import errors, faults, retention
-from .config import FeedSpec, FeedState, SourceNode
+from .config import PARALLEL_READ_SLOTS, FeedSpec, FeedState, SourceNode
 from .core import distributed as dist
 from .core import snapshot
 from .core.hlc import physical_ms
@@ -348,7 +348,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     meter.snapshot = SnapshotMeter(report, prepared.source_conn, prepared.ledger)
     meter.gauges = Gauges(metrics, prepared) if metrics else None
     cleanup = _outbox_cleanup(prepared, attempt)
-    parallel, resync = _parallel_reads(spec, state), resyncing(state)
+    parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync)
     batches_at_start = meter.batches
     try:
@@ -374,7 +374,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     raise NodesChanged(stored)
                 if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
                     follow_renames(stored or spec, state, conns=prepared.sources)
-                wanted = (_parallel_reads(spec, state), resyncing(state))  # (a snapshot request taken in:
+                wanted = (_parallel_reads(spec, state, spark), resyncing(state))  # (a snapshot request taken in:
                 if query.isActive and (parallel, resync) != wanted:       # its tables follow only what they can)
                     if parallel != wanted[0]:
                         report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read "
@@ -516,11 +516,16 @@ def _logged_end(state: FeedState) -> tuple[Offset | None, bool]:
     return end, (state.checkpoint / "commits" / path.name).exists()
 
 
-def _parallel_reads(spec: FeedSpec, state: FeedState) -> bool:
-    """Whether the query should read a batch's partitions in parallel tasks: the sink allows it
-    (see sinks.registry) and there are snapshot chunks to read, or always on a feed of several
-    nodes (see spark.job.start_query)."""
-    return spec.multi_node or sink_of(spec.sink).parallel_reads and chunks_to_read(spec, state)
+def _parallel_reads(spec: FeedSpec, state: FeedState, spark: Any) -> bool:
+    """Whether the query should read a batch's partitions in parallel tasks: always on a feed of
+    several nodes (see spark.job.start_query); else while there are snapshot chunks to read, if
+    the sink allows it (see sinks.registry) and `--snapshot-reads` asks for it (auto: Spark has
+    PARALLEL_READ_SLOTS task slots, asked each time, as a cluster's executors may come later)."""
+    if spec.multi_node:
+        return True
+    if spec.snapshot_reads == "sequential" or not (sink_of(spec.sink).parallel_reads and chunks_to_read(spec, state)):
+        return False
+    return spec.snapshot_reads == "parallel" or spark.sparkContext.defaultParallelism >= PARALLEL_READ_SLOTS
 
 
 def chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:

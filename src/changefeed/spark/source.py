@@ -96,12 +96,22 @@ class ChunkPartition(BatchPartition):
         self.chunk = chunk
 
 
+class GroupPartition(InputPartition):
+    """A batch's partitions read one after the other by one task, when the query reads them
+    sequentially: Spark starts a Python read of its own for each input partition, which costs
+    more than a small chunk's rows (see bench/README.md, snapshot_throughput.py)."""
+
+    def __init__(self, parts: list[BatchPartition]) -> None:
+        self.parts = parts
+
+
 class ChangefeedSource(DataSource):
     """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
     snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (snapshot requests, see
     core.requests), barrier_file (see core.barrier), wal_reader (peek or stream, see
-    postgres/wal_reader.py)."""
+    postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
+    as one GroupPartition)."""
 
     @classmethod
     def name(cls) -> str:
@@ -123,6 +133,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
         self.wal: WalReader = wal_reader(options.get("wal_reader") or DEFAULT_WAL_READER)
+        self.parallel_reads = options.get("parallel_reads", "true") != "false"
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
         tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
@@ -323,15 +334,16 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                 parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
-        return parts
+        return parts if self.parallel_reads or len(parts) < 2 else [GroupPartition(parts)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:  # type: ignore[override]
         with carried("source"):
-            if isinstance(partition, ChunkPartition):
-                yield from _read_chunk(partition)
-            else:
-                assert isinstance(partition, WindowPartition)
-                yield from _read_window(partition)
+            for part in partition.parts if isinstance(partition, GroupPartition) else [partition]:
+                if isinstance(part, ChunkPartition):
+                    yield from _read_chunk(part)
+                else:
+                    assert isinstance(part, WindowPartition)
+                    yield from _read_window(part)
 
     @carried("source")
     @lost_connection("source")
