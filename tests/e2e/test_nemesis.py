@@ -181,8 +181,9 @@ def test_a_seeded_nemesis_loses_and_doubles_nothing(dbs: Dbs, tmp_path: Path) ->
         acked: list[int] = []
         with writing(writer, source.uri(), acked):
             nemesis.start_feed("--source", source.uri(), "--sink", replica.uri(),
-                               "--tables", "public.ledger,public.accounts", "--max-changes-per-batch", "1000")
-            # first, a fault inside the query's restart after the initial snapshot
+                               "--tables", "public.ledger,public.accounts", "--max-changes-per-batch", "1000",
+                               "--snapshot-reads", "parallel")
+            # first, a fault inside the query's restart after the initial snapshot (read in parallel)
             wait_for("the snapshot phase to end", lambda: "without the shuffle" in nemesis.log.read_text(),
                      nemesis.log)
             nemesis.replica = nemesis.crash(nemesis.replica, 3)

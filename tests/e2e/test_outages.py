@@ -293,7 +293,7 @@ def test_the_retention_budget_holds_while_retrying(dbs: Dbs, tmp_path: Path) -> 
         state, log = tmp_path / "state", tmp_path / "feed.log"
         feed = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
                                 "--sink", own.uri(), "--tables", "public.t", "--retention", "20s",
-                                "--retry-max-backoff", "2s", log=log)
+                                "--retry-max-backoff", "2s", "--snapshot-reads", "parallel", log=log)
         written = [0]
         with writing(writer, dbs.source, written):
             wait_for("changes streaming", lambda: rows_on(own.uri()) > 100, log)
