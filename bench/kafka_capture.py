@@ -32,8 +32,8 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replica_throughput import (PUBLICATION, SOURCE_DB, TABLE, bench_args, bench_paths, bench_setup,  # noqa: E402
-                                feed_failure, fmt_rate, fmt_ratio, log, run_feed, run_recvlogical, spread, verdict,
+from replica_throughput import (PUBLICATION, SOURCE_DB, TABLE, bench_paths, bench_setup, feed_failure,  # noqa: E402
+                                fmt_rate, fmt_ratio, log, run_feed, run_recvlogical, spread, verdict, workload_args,
                                 write_workload)
 
 from changefeed.local_kafka import LocalKafka, read_partition  # noqa: E402
@@ -96,13 +96,7 @@ def run_producer(bootstrap: str, topic: str, messages: list[Message], per_txn: i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--changes", type=int, default=1_000_000, help="changes in the workload (default 1,000,000)")
-    ap.add_argument("--runs", type=int, default=3, help="measured runs of each system (default 3)")
-    bench_args(ap, "the work directory", "--max-bytes-per-batch=128MB")
-    args = ap.parse_args()
-    if args.changes < 10 or args.runs < 1:
-        ap.error("need --changes >= 10 and --runs >= 1")
+    ap, args = workload_args(__doc__, "--max-bytes-per-batch=128MB")
 
     t_start = time.monotonic()
     work, remove_work, (source,) = bench_setup(ap, args.workdir, args.keep, "kafka-bench-", ("source",))

@@ -419,14 +419,20 @@ def verdict(total_s: float, logdir: Path, removed: bool, failures: list[str], ok
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_args(doc: str, feed_arg_example: str) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line of a bench that runs this workload: --changes, --runs and bench_args."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--changes", type=int, default=1_000_000, help="changes in the workload (default 1,000,000)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs of each system (default 3)")
-    bench_args(ap, "the work directory", "--max-bytes-per-batch=256MB")
+    bench_args(ap, "the work directory", feed_arg_example)
     args = ap.parse_args()
     if args.changes < 10 or args.runs < 1:
         ap.error("need --changes >= 10 and --runs >= 1")
+    return ap, args
+
+
+def main() -> int:
+    ap, args = workload_args(__doc__, "--max-bytes-per-batch=256MB")
 
     t_start = time.monotonic()
     work, remove_work, (source, replica) = bench_setup(ap, args.workdir, args.keep, "replica-bench-",
