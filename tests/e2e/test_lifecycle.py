@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -83,7 +84,23 @@ def test_create_list_pause_resume_remove(dbs: Dbs, tmp_path: Path) -> None:
         assert d.execute("SELECT count(*) FROM t").fetchone() == (150,)  # the replica's data stays
 
 
-def test_paused_feed_past_its_wal_budget_fails_with_the_documented_error(dbs: Dbs, tmp_path: Path) -> None:
+@pytest.fixture
+def quiet_source(servers: tuple[LocalPostgres, LocalPostgres], tmp_path: Path) -> Iterator[Dbs]:
+    """A source server of its own: a slot holds the whole server's WAL, and on the shared source
+    other tests' databases add to it (autovacuum after a big load writes megabytes), which a
+    budget of 1MB cannot tell from this test's own."""
+    source = LocalPostgres.start(tmp_path / "quiet")
+    try:
+        name = f"quiet_{os.getpid()}"
+        with psycopg.connect(servers[1].uri(), autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {name}")
+        yield Dbs(source.uri(), servers[1].uri(name), name)
+    finally:
+        source.stop("immediate")
+
+
+def test_paused_feed_past_its_wal_budget_fails_with_the_documented_error(quiet_source: Dbs, tmp_path: Path) -> None:
+    dbs = quiet_source
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
     state = str(tmp_path / "state")
