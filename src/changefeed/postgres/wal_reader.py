@@ -36,6 +36,11 @@ class WalReader:
     def __init__(self) -> None:
         self._block = 0  # the server's WAL page size, once asked
 
+    @property
+    def block_size(self) -> int:
+        """The server's WAL page size, once a byte limit cut a window (else 0)."""
+        return self._block
+
     def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
                end: int) -> Iterator[list[bytes]]:
         """Message blocks of what starts before `end`, from the slot's position `at` on (the

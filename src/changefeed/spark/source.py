@@ -22,7 +22,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
@@ -45,6 +45,7 @@ from ..core.resolved import Frontier, resolved_ts
 from ..core.requests import SnapshotRequests
 from ..errors import carried
 from ..postgres import pgoutput as po
+from ..postgres import read_ahead
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
 from ..postgres import twophase
@@ -71,6 +72,7 @@ class BatchPartition(InputPartition):
                  wal: str = DEFAULT_WAL_READER) -> None:
         self.node, self.start, self.end, self.rows_per_batch, self.wal = node, start, end, rows_per_batch, wal
         self.hold = end.holds.get(node.name)  # where its two-phase slot reads from (<= start)
+        self.ahead: int | None = None  # where the next window will end, if certain (postgres/read_ahead.py)
         self.positions = dict(end.lsns) if multi_node else None
         self.part, self.parts = 0, 1
 
@@ -147,6 +149,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
         self._available_now: tuple[dict[str, int], dict[str, Frontier]] | None = None  # an AvailableNow run's end
         self._two_phase: dict[str, tuple[int, bool, bool]] = {}  # node -> (its connection's id, slot, scanned)
+        self._seen: dict[str, tuple[int, bool]] = {}  # node -> (the last plan's frontier, fixed for the run)
 
     def conn(self, node: str) -> Any:
         """The driver's connection to `node` (a ConnectionFailed names the node)."""
@@ -259,6 +262,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             # slots (and the WAL they hold) and the resolved ts keep moving.
             frontiers = self._frontiers()
         lsns = {n: f.lsn for n, f in frontiers.items()}
+        fixed = not chunks and self._available_now is not None
+        self._seen = {n: (lsn, fixed) for n, lsn in lsns.items()}
         if all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):  # (never with chunks: fresh heartbeats)
             return start_json
         for n, lsn in lsns.items():
@@ -334,6 +339,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                 parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
+            seen = self._seen.get(part.node.name)
+            if isinstance(part, WindowPartition) and part.hold is None and part.wal == "peek" and seen:
+                frontier, fixed = seen
+                part.ahead = read_ahead.predict(part.end_lsn, frontier, 0 if self.max_changes else self.max_bytes,
+                                                self.wal.block_size, fixed)
         return parts if self.parallel_reads or len(parts) < 2 else [GroupPartition(parts)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:  # type: ignore[override]
@@ -400,11 +410,15 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
             src.reach(conn, end, ch.HEARTBEAT_PREFIX)
             src.advance(conn, node.slot, at)
             conn.commit()
+            spooled = read_ahead.take(node, start, end) if partition.hold is None else None
             builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,
                                     lambda rel: src.column_catalog(conn, rel), part=partition.part,
                                     parts=partition.parts, node=node.name, positions=partition.positions,
-                                    read=reader(began))
-            with closing(wal_reader(partition.wal).window(conn, node, role, at, end)) as blocks:
+                                    read={**reader(began), "ahead": spooled is not None})
+            blocks = spooled or wal_reader(partition.wal).window(conn, node, role, at, end)
+            if partition.ahead is not None:  # the next window, once the server answered this one
+                blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, partition.ahead))
+            with closing(blocks):  # type: ignore[type-var]
                 for rb in builder.batches(blocks, partition.rows_per_batch):
                     yield ch.pack(rb)
                     yield from _push_through()
@@ -417,6 +431,19 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
         raise
     finally:
         conn.close()
+
+
+def _then(blocks: Iterator[list[bytes]], begin: Callable[[], object]) -> Iterator[list[bytes]]:
+    """`blocks`, calling `begin` when the first one is there (or there are none)."""
+    begun = False
+    with closing(blocks):  # type: ignore[type-var]
+        for block in blocks:
+            if not begun:
+                begin()
+                begun = True
+            yield block
+    if not begun:
+        begin()
 
 
 def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
