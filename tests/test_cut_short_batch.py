@@ -20,7 +20,7 @@ from pyspark import cloudpickle
 
 from changefeed.core import change as ch
 from changefeed.sinks.replica import apply as replica
-from changefeed.spark import source as feed_source
+from changefeed.spark import reads as feed_reads
 
 from conftest import Dbs
 
@@ -50,7 +50,7 @@ def _read(options: dict[str, str], part: int) -> Any:
     if part == 0:
         yield ch.pack(pa.concat_batches([_rows(ch.RELATION, range(0, 1), SHAPE.to_meta()), _rows("c", range(0, 1)),
                                          _progress(0, 1)]))
-        yield from feed_source._push_through()
+        yield from feed_reads._push_through()
         return
     chunks = int(options.get("chunks") or 0)
     yield ch.pack(_rows(ch.RELATION, range(0, 1), SHAPE.to_meta()))
@@ -58,7 +58,7 @@ def _read(options: dict[str, str], part: int) -> Any:
     while not chunks or n < chunks:
         n += 1
         yield ch.pack(_rows("c", range(n * CHUNK_ROWS, (n + 1) * CHUNK_ROWS)))
-        yield from feed_source._push_through()
+        yield from feed_reads._push_through()
         if n == 5:
             (Path(options["dir"]) / "streaming").touch()
         time.sleep(0.01)

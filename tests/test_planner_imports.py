@@ -8,7 +8,7 @@ import pytest
 HEAVY = ("numpy", "pyarrow")
 
 
-@pytest.mark.parametrize("module", ["changefeed.spark.source", "changefeed.spark.writer",
+@pytest.mark.parametrize("module", ["changefeed.spark.source", "changefeed.spark.reads", "changefeed.spark.writer",
                                     "changefeed.sinks.registry"])
 def test_data_source_module_imports_no_numpy_or_arrow(module: str) -> None:
     code = f"import sys, {module}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"

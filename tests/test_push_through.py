@@ -15,7 +15,7 @@ import pyarrow as pa
 from pyspark import cloudpickle
 
 from changefeed.core import change as ch
-from changefeed.spark import source as feed_source
+from changefeed.spark import reads as feed_reads
 
 WAIT_S = 8.0
 
@@ -30,7 +30,7 @@ def _read(options: dict[str, str]) -> Any:
     marker = Path(options["dir"]) / "got-1"
     yield _chunk(1)
     if options["push"] == "1":
-        yield from feed_source._push_through()
+        yield from feed_reads._push_through()
     t0 = time.monotonic()
     while not marker.exists() and time.monotonic() - t0 < WAIT_S:
         time.sleep(0.02)

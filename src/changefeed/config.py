@@ -155,7 +155,7 @@ class FeedSpec:
         if self.snapshot_reads not in SNAPSHOT_READS:
             raise ConfigError(f"--snapshot-reads must be one of {', '.join(SNAPSHOT_READS)}, "
                               f"got {self.snapshot_reads!r}",
-                              "auto: parallel with 4 or more Spark task slots, else sequential")
+                              f"auto: parallel with {PARALLEL_READ_SLOTS} or more Spark task slots, else sequential")
         if self.snapshot_chunks_per_batch < 1:
             raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
                               f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")

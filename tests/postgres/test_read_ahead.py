@@ -43,8 +43,8 @@ def test_blocks_come_back_as_they_were_written(blocks: list[list[bytes]]) -> Non
     assert list(read_ahead.read_blocks(io.BytesIO(out.getvalue()))) == blocks
 
 
-@given(end=st.integers(0, 1 << 40), more=st.integers(0, 1 << 30), later=st.integers(0, 1 << 30),
-       max_bytes=st.sampled_from([0, 1, 8191, 8192, 65536, 1 << 20, 64 << 20]), fixed=st.booleans())
+@given(end=st.integers(0, 1 << 40), more=st.integers(0, 1 << 31), later=st.integers(0, 1 << 30),
+       max_bytes=st.sampled_from([0, 1, 8191, 8192, 65536, 1 << 20, 64 << 20, 1 << 30]), fixed=st.booleans())
 def test_a_prediction_is_the_cut_the_planner_makes_next(end: int, more: int, later: int, max_bytes: int,
                                                         fixed: bool) -> None:
     """Whatever the planner sees next (a frontier at least as far on, the same one in an
@@ -58,7 +58,7 @@ def test_a_prediction_is_the_cut_the_planner_makes_next(end: int, more: int, lat
     seen_next = frontier if fixed else frontier + later
     cut = reader.cut(None, NODE, end, seen_next, max_bytes=max_bytes)  # type: ignore[arg-type]
     assert predicted == cut
-    assert end < predicted <= frontier
+    assert end < predicted <= frontier and predicted - end <= read_ahead.MAX_WINDOW_BYTES
 
 
 def test_no_prediction_without_a_certain_cut() -> None:
@@ -66,6 +66,9 @@ def test_no_prediction_without_a_certain_cut() -> None:
     assert read_ahead.predict(100, 5000, 8192, 8192, False) is None  # the next frontier decides
     assert read_ahead.predict(100, 5000, 0, 8192, False) is None  # no limit: the same
     assert read_ahead.predict(100, 5000, 8192, 0, False) is None  # page size not known yet
+    huge = read_ahead.MAX_WINDOW_BYTES + 8192
+    assert read_ahead.predict(0, 2 * huge, huge, 8192, False) is None  # too long a window to spool
+    assert read_ahead.predict(0, huge, 0, 8192, True) is None
 
 
 def test_only_the_exact_whole_window_is_taken_and_only_once(spool: Path) -> None:

@@ -36,6 +36,7 @@ from . import source as src
 from .connect import connect
 
 SPOOL = Path(tempfile.gettempdir()) / "changefeed-read-ahead"
+MAX_WINDOW_BYTES = 512 << 20  # a longer window (of WAL) is read by its own task: a spool file stays small
 _HEADER = struct.Struct("<II")  # a block: its message count and their total bytes
 _running = threading.Lock()  # one read-ahead at a time in a process
 
@@ -44,14 +45,15 @@ def predict(end: int, frontier: int, max_bytes: int, block: int, fixed: bool) ->
     """Where the window after one ending at `end` will end, if the planner's cut is certain:
     more than `max_bytes` (a page cut, see source.page_cut) before `frontier` (the latest flushed
     position the planner saw; later ones are further on), or `frontier` itself when it is
-    `fixed` (an AvailableNow run plans every batch up to the same one). Else None."""
+    `fixed` (an AvailableNow run plans every batch up to the same one). Else, or for a window
+    longer than MAX_WINDOW_BYTES, None."""
     if frontier <= end:
         return None
     if max_bytes and block and frontier - end > max_bytes:
         page = src.page_cut(end, max_bytes, block)  # (past `frontier` if less than a page is left)
         if page <= frontier:
-            return page
-    return frontier if fixed else None
+            return page if page - end <= MAX_WINDOW_BYTES else None
+    return frontier if fixed and frontier - end <= MAX_WINDOW_BYTES else None
 
 
 def _key(node: SourceNode) -> str:

@@ -1,0 +1,187 @@
+"""What a Spark task of a changefeed batch reads (its input partition) and how, on executors.
+
+A batch's input partitions (planned by spark/source.py on the driver) are one node's WAL window
+each (`WindowPartition`) and one snapshot chunk each (`ChunkPartition`), or all of them read by
+one task one after the other (`GroupPartition`). A window is read from the node's slot, or from
+the spool file a read-ahead left (postgres/read_ahead.py), into packed Arrow batches of change
+rows; a chunk is read in pieces of SNAPSHOT_PIECE_BYTES and ends with a `P` row naming it.
+
+Spark imports this module with the planner, in processes that never read: the decoder and its
+numpy/Arrow imports are imported by the read functions alone.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from typing import Any
+
+from pyspark import TaskContext
+from pyspark.sql.datasource import InputPartition
+
+from .. import faults
+from ..config import SourceNode, node_role
+from ..core import change as ch
+from ..core import snapshot
+from ..core.lsn import format_lsn
+from ..core.offsets import Offset
+from ..errors import carried
+from ..postgres import pgoutput as po
+from ..postgres import read_ahead
+from ..postgres import snapshot as snap_pg
+from ..postgres import source as src
+from ..postgres.connect import connect, lost_connection
+from ..postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
+from ..postgres.wal_reader import wal_reader
+
+# A snapshot chunk travels in pieces of about this size, so that the sink applies one while the
+# next is being read (the replica streams a chunk's pieces into one COPY: sinks.replica.insert_run).
+SNAPSHOT_PIECE_BYTES = 2 << 20
+
+
+class BatchPartition(InputPartition):
+    """Input partition `part` of a batch's `parts`, labelled with the batch's offsets [start, end);
+    its `P` row names both, so that a sink can tell a whole batch from one cut short. It reads
+    node `node`; `positions` (a feed of several nodes) is the batch's end on every node."""
+
+    def __init__(self, node: SourceNode, start: Offset, end: Offset, rows_per_batch: int, multi_node: bool,
+                 wal: str = DEFAULT_WAL_READER) -> None:
+        self.node, self.start, self.end, self.rows_per_batch, self.wal = node, start, end, rows_per_batch, wal
+        self.hold = end.holds.get(node.name)  # where its two-phase slot reads from (<= start)
+        self.ahead: int | None = None  # where the next window will end, if certain (postgres/read_ahead.py)
+        self.positions = dict(end.lsns) if multi_node else None
+        self.part, self.parts = 0, 1
+
+    @property
+    def start_lsn(self) -> int:
+        return self.start.lsns.get(self.node.name, 0)
+
+    @property
+    def end_lsn(self) -> int:
+        return self.end.lsns[self.node.name]
+
+
+class WindowPartition(BatchPartition):
+    """One node's share of a batch: what starts in its WAL [start, end)."""
+
+
+class ChunkPartition(BatchPartition):
+    """One snapshot chunk of a batch: existing rows of one key range of a table on one node."""
+
+    def __init__(self, node: SourceNode, chunk: snapshot.Chunk, start: Offset, end: Offset, rows_per_batch: int,
+                 multi_node: bool) -> None:
+        super().__init__(node, start, end, rows_per_batch, multi_node)
+        self.chunk = chunk
+
+
+class GroupPartition(InputPartition):
+    """A batch's partitions read one after the other by one task, when the query reads them
+    sequentially: Spark starts a Python read of its own for each input partition, which costs
+    more than a small chunk's rows (see bench/README.md, snapshot_throughput.py)."""
+
+    def __init__(self, parts: list[BatchPartition]) -> None:
+        self.parts = parts
+
+
+def read_partition(partition: InputPartition) -> Iterator[Any]:
+    """The packed rows of a batch's input partition (ChangeStreamReader.read)."""
+    with carried("source"):
+        for part in partition.parts if isinstance(partition, GroupPartition) else [partition]:
+            if isinstance(part, ChunkPartition):
+                yield from _read_chunk(part)
+            else:
+                assert isinstance(part, WindowPartition)
+                yield from _read_window(part)
+
+
+@functools.cache
+def _push_through() -> list[Any]:
+    """What to yield right after a chunk so that the sink gets it at once (see ch.push_through):
+    rows bigger than the worker's output buffer (`spark.buffer.size`, passed as SPARK_BUFFER_SIZE).
+    Built once per worker process: every chunk yields the same rows."""
+    return ch.push_through(int(os.environ.get("SPARK_BUFFER_SIZE") or 65536) + 1)
+
+
+def reader(began: float) -> dict[str, Any]:
+    """Which Spark task reads a partition (its attempt id; the Python worker's host, pid and
+    working directory, which on a cluster is its executor's own), from when."""
+    task = TaskContext.get()
+    return {"task": task.taskAttemptId() if task else None, "host": socket.gethostname(), "pid": os.getpid(),
+            "cwd": os.getcwd(), "began": began}
+
+
+def _read_window(partition: WindowPartition) -> Iterator[Any]:
+    """A node's changes in its WAL window of the batch, read from its slot."""
+    from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
+
+    node, began = partition.node, time.time()
+    role = node_role(node.name, partition.positions is not None)
+    conn = connect(node.uri, role, autocommit=False)
+    try:
+        with lost_connection(role):
+            # The slot is at `start` already (latestOffset released it before planning); a slot
+            # behind it would re-send a message that straddles `start`. Everything before `start`
+            # is committed downstream, so moving the slot there is always safe. A two-phase slot
+            # stays at its hold instead: the prepared parts after it are read again.
+            start, end = partition.start_lsn, partition.end_lsn
+            at = start if partition.hold is None else partition.hold
+            src.reach(conn, end, ch.HEARTBEAT_PREFIX)
+            src.advance(conn, node.slot, at)
+            conn.commit()
+            spooled = read_ahead.take(node, start, end) if partition.hold is None else None
+            builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,
+                                    lambda rel: src.column_catalog(conn, rel), part=partition.part,
+                                    parts=partition.parts, node=node.name, positions=partition.positions,
+                                    read={**reader(began), "ahead": spooled is not None})
+            blocks = spooled or wal_reader(partition.wal).window(conn, node, role, at, end)
+            if partition.ahead is not None:  # the next window, once the server answered this one
+                blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, partition.ahead))
+            with closing(blocks):  # type: ignore[type-var]
+                for rb in builder.batches(blocks, partition.rows_per_batch):
+                    yield ch.pack(rb)
+                    yield from _push_through()
+                    faults.reach("read")
+            if builder.held:
+                faults.reach("held")  # crash tests: a prepared part waits for its outcome
+    except po.DecodeError as e:
+        e.message = (f"cannot decode the WAL of slot {node.slot} between {format_lsn(partition.start_lsn)} "
+                     f"and {format_lsn(partition.end_lsn)}: {e.message}")
+        raise
+    finally:
+        conn.close()
+
+
+def _then(blocks: Iterator[list[bytes]], begin: Callable[[], object]) -> Iterator[list[bytes]]:
+    """`blocks`, calling `begin` when the first one is there (or there are none)."""
+    begun = False
+    with closing(blocks):  # type: ignore[type-var]
+        for block in blocks:
+            if not begun:
+                begin()
+                begun = True
+            yield block
+    if not begun:
+        begin()
+
+
+def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
+    """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
+    chunk, node, began = part.chunk, part.node, time.time()
+    role = node_role(node.name, part.positions is not None)
+    table = snapshot.node_of(chunk.table, node.name)[1]
+    with connect(node.uri, role) as conn, lost_connection(role):
+        found = snap_pg.ChunkRead()
+        # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
+        for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
+                                     part.rows_per_batch, SNAPSHOT_PIECE_BYTES):
+            yield ch.pack(rb)
+        yield from _push_through()
+    read = {**reader(began), "ended": time.time()}
+    done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows,
+                       {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
+                        "task": read["task"]}, part.part, part.parts, node.name, part.positions, read)
+    yield ch.pack(ch.progress_batch(done))
+    faults.reach("snapshot_chunk")
