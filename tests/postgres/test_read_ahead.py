@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,13 @@ def test_only_the_exact_whole_window_is_taken_and_only_once(spool: Path) -> None
     assert read_ahead.take(NODE, 200, 300) is None
     assert not old.exists() and new.exists()
 
+    # any feed's reads sweep away files nobody took for STALE_S (a feed stopped or removed since)
+    other = read_ahead._path(SourceNode("n2", "postgresql://u@h/other", "s2", "p2"), 100, 200)
+    other.write_bytes(b"")
+    assert read_ahead.take(NODE, 300, 400) is not None and other.exists()  # (an empty window)
+    os.utime(other, (time.time() - read_ahead.STALE_S - 1,) * 2)
+    assert read_ahead.take(NODE, 400, 500) is None and not other.exists()
+
 
 def test_a_failed_read_ahead_leaves_nothing_and_the_next_one_starts(spool: Path) -> None:
     dead = SourceNode("n1", "postgresql://u@127.0.0.1:9/db", "s", "p")  # nobody listens there
@@ -106,7 +115,6 @@ def test_a_failed_read_ahead_leaves_nothing_and_the_next_one_starts(spool: Path)
 
 def test_a_window_being_written_is_waited_for(spool: Path) -> None:
     import threading
-    import time
 
     spool.mkdir()
     path = read_ahead._path(NODE, 100, 200)

@@ -24,6 +24,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 from array import array
 from collections.abc import Iterator
 from contextlib import suppress
@@ -36,6 +37,7 @@ from . import source as src
 from .connect import connect
 
 SPOOL = Path(tempfile.gettempdir()) / "changefeed-read-ahead"
+STALE_S = 600.0  # a spool file this old is nobody's any more
 MAX_WINDOW_BYTES = 512 << 20  # a longer window (of WAL) is read by its own task: a spool file stays small
 _HEADER = struct.Struct("<II")  # a block: its message count and their total bytes
 _running = threading.Lock()  # one read-ahead at a time in a process
@@ -65,11 +67,14 @@ def _path(node: SourceNode, start: int, end: int) -> Path:
 
 
 def _forget_before(node: SourceNode, start: int) -> None:
-    """Remove the node's spool files of windows before `start`: no later batch reads them."""
+    """Remove the node's spool files of windows before `start` (no later batch reads them), and
+    any file left longer than STALE_S (a feed stopped or removed after its read-ahead)."""
+    key, stale = _key(node), time.time() - STALE_S
     with suppress(OSError):
-        for p in SPOOL.glob(f"{_key(node)}-*"):
-            with suppress(ValueError, OSError):
-                if int(p.name.split("-")[1].split(".")[0], 16) < start:
+        for p in SPOOL.iterdir():
+            with suppress(ValueError, OSError, IndexError):
+                mine = p.name.startswith(key) and int(p.name.split("-")[1].split(".")[0], 16) < start
+                if mine or p.stat().st_mtime < stale:
                     p.unlink()
 
 
