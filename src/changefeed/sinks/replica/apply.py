@@ -325,18 +325,24 @@ class BatchApplier:
         keep = pc.is_in(rows.column("op"), value_set=_APPLIED_OPS)
         if self.done and not self.in_stream_order:
             keep = pc.and_(keep, pc.greater_equal(rows.column("lsn"), self.done))  # applied before: skip
-        rows = rows.filter(keep)
+        if not pc.all(keep).as_py():  # (a filter copies every column: only when it drops rows)
+            rows = rows.filter(keep)
         if rows.num_rows == 0:
             return
-        names = pc.binary_join_element_wise(rows.column("schema"), rows.column("table"), "\0")  # no name holds NUL
-        tables = names.unique().to_pylist()
+        schemas, names_ = rows.column("schema"), rows.column("table")
+        first = (schemas[0].as_py(), names_[0].as_py())
+        if pc.all(pc.equal(schemas, first[0])).as_py() and pc.all(pc.equal(names_, first[1])).as_py():
+            names, tables = None, ["\0".join(first)]  # one table (the common case: no per-row join)
+        else:
+            names = pc.binary_join_element_wise(schemas, names_, "\0")  # no name holds NUL
+            tables = names.unique().to_pylist()
         for name in tables:
             key: tuple[str, str] = tuple(name.split("\0", 1))  # type: ignore[assignment]
             shape = self._shapes.get(key)
             if shape is None:
                 raise SinkError(f"change for {key[0]}.{key[1]} before its description (R row)",
                                 "this is a bug in the change stream; report it")
-            mine = rows if len(tables) == 1 else rows.filter(pc.equal(names, name))
+            mine = rows if names is None or len(tables) == 1 else rows.filter(pc.equal(names, name))
             part = self._parts.get(shape) or self._new_part(shape)
             if part.columns != shape.columns:
                 self._direct.refused.add(shape)  # (a direct COPY writes every column of the shape)
