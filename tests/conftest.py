@@ -88,6 +88,23 @@ def fingerprint(uri: str, table: str) -> tuple[int, str]:
     return int(row[0]), str(row[1])
 
 
+def decoded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Change rows of a window as two reads of it must agree on: pgoutput sends a table's
+    Relation message again, unchanged, after a relcache invalidation that reaches the decoding
+    backend while it decodes (autovacuum's ANALYZE of the table, at any moment), so a second
+    read may hold one more `R` row, which also takes a `seq` number in its transaction. Such
+    repeats are dropped and `seq` left out; any changed shape stays."""
+    out, shapes = [], {}
+    for row in rows:
+        if row["op"] == "R":
+            table = (row["schema"], row["table"])
+            if shapes.get(table) == row["meta"]:
+                continue
+            shapes[table] = row["meta"]
+        out.append({k: v for k, v in row.items() if k != "seq"})
+    return out
+
+
 def wait_for(what: str, check: Callable[[], Any], log: Path, timeout: float = 180) -> Any:
     """Poll `check` until it returns something truthy (returned); past `timeout`, fail with the feed's log."""
     deadline = time.monotonic() + timeout

@@ -22,7 +22,7 @@ from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.connect import connect
 from changefeed.postgres.wal_reader import wal_reader
 
-from conftest import Dbs
+from conftest import Dbs, decoded
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -137,7 +137,7 @@ def test_a_window_being_written_is_waited_for(spool: Path) -> None:
 def _rows(conn: Any, blocks: Any, start: int, end: int) -> list[dict[str, Any]]:
     builder = ChangeBuilder(start, end, 0, 1 << 62, lambda rel: src.column_catalog(conn, rel))
     try:
-        return [r for rb in builder.batches(blocks, 512) for r in rb.to_pylist()]
+        return decoded([r for rb in builder.batches(blocks, 512) for r in rb.to_pylist()])
     finally:
         blocks.close()
         conn.commit()

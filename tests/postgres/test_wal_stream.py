@@ -26,7 +26,7 @@ from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.connect import connect
 from changefeed.postgres.wal_reader import wal_reader
 
-from conftest import Dbs
+from conftest import Dbs, decoded
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -79,7 +79,7 @@ def _rows(conn: Any, node: SourceNode, reader: str, start: int, end: int) -> lis
     finally:
         blocks.close()  # type: ignore[attr-defined]
     conn.commit()
-    return rows
+    return decoded(rows)
 
 
 @pytest.fixture

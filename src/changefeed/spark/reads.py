@@ -137,7 +137,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                                     parts=partition.parts, node=node.name, positions=partition.positions,
                                     read={**reader(began), "ahead": spooled is not None})
             blocks = spooled or wal_reader(partition.wal).window(conn, node, role, at, end)
-            if partition.ahead is not None:  # the next window, once the server answered this one
+            if partition.ahead is not None and _outlives_task():  # the next window, once the server answered this one
                 blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, partition.ahead))
             with closing(blocks):  # type: ignore[type-var]
                 for rb in builder.batches(blocks, partition.rows_per_batch):
@@ -152,6 +152,12 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
         raise
     finally:
         conn.close()
+
+
+def _outlives_task() -> bool:
+    """Whether this Python worker stays for later tasks (`spark.python.worker.reuse`, Spark's
+    default): a read-ahead thread in a worker that exits with its task would die unfinished."""
+    return bool(os.environ.get("SPARK_REUSE_WORKER"))
 
 
 def _then(blocks: Iterator[list[bytes]], begin: Callable[[], object]) -> Iterator[list[bytes]]:
