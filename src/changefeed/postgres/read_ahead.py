@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..config import SourceNode
-from ..core.lsn import format_lsn
 from . import source as src
 from .connect import connect
 
@@ -164,9 +163,8 @@ def _spool(conn: Any, node: SourceNode, start: int, end: int, out: IO[bytes]) ->
     at = src.slot_state(conn, copy)
     if at is None or at.confirmed_flush is None or at.confirmed_flush > start:
         raise RuntimeError("the slot is past the window: the read-ahead is of no use")
-    if at.confirmed_flush < start:
-        conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (copy, format_lsn(start)))
-        at = src.slot_state(conn, copy)
+    src.advance(conn, copy, start)
+    at = src.slot_state(conn, copy)
     if at is None or at.confirmed_flush != start:
         raise RuntimeError("the copy did not reach the window's start")
     write_blocks(out, src.peek(conn, copy, node.publication, end))
