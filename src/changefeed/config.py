@@ -37,6 +37,11 @@ class SourceNode:
     slot: str
     publication: str
 
+    @property
+    def prepare_slot(self) -> str:
+        """The node's prepare slot on a feed of several nodes (postgres/twophase.py), beside `slot`."""
+        return "cf2pc_" + self.slot.removeprefix("changefeed_")
+
 
 def node_role(node: str, multi_node: bool) -> str:
     """How messages name a source node: just "source" on a one-node feed."""
@@ -272,10 +277,24 @@ class FeedState:
         self.retrying_file = self.dir / "retrying"  # while a running feed waits out a fault (retry)
         self.barrier_file = self.dir / "barrier.json"  # where a verify wants the batches to stop (core.barrier)
         self.verified_file = self.dir / "verified.json"  # the last verification's outcome (verify)
+        self.joining_file = self.dir / "joining"  # nodes being added to a running feed (lifecycle.add_node)
 
     @property
     def paused(self) -> bool:
         return self.paused_file.exists()
+
+    def joining(self) -> list[str]:
+        """Nodes being added to the running feed (postgres/cut.py plans nothing until it reads them)."""
+        try:
+            return self.joining_file.read_text().split()
+        except OSError:
+            return []
+
+    def set_joining(self, names: list[str]) -> None:
+        if names:
+            self.joining_file.write_text("".join(f"{n}\n" for n in names))
+        else:
+            self.joining_file.unlink(missing_ok=True)
 
     def record_failure(self, error: Exception) -> None:
         """Note why the last run of a stored feed stopped on an error (`status` and `list` show it)."""

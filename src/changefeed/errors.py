@@ -70,6 +70,16 @@ class SlotLost(DefiniteError):
     """The replication slot is missing or invalidated while a checkpoint depends on it."""
 
 
+class TornTransaction(DefiniteError):
+    """A distributed transaction would reach the sink in part (or a planned part of it is not in
+    the WAL where the plan saw it): the feed stops before delivering any of the batch."""
+
+
+class TransactionInDoubt(TransientError):
+    """A distributed transaction is committed on some nodes and still prepared on others: what was
+    committed after it on those nodes cannot be delivered before it is decided."""
+
+
 class IncompleteBatch(TransientError):
     """A sink's input lacks some of the batch's partitions: its task was cut short."""
 

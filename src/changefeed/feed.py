@@ -18,13 +18,12 @@ from psycopg import sql
 
 from . import errors, faults, retention
 from .config import PARALLEL_READ_SLOTS, FeedSpec, FeedState, SourceNode
-from .core import distributed as dist
 from .core import snapshot
 from .core.hlc import physical_ms
 from .core.offsets import Offset
 from .core.requests import SnapshotRequests
-from .errors import (ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, SourceNotReady,
-                     TransientError)
+from .errors import (ChangefeedError, ConfigError, DefiniteError, FeedBusy, QueryFailed, SlotLost, SourceNotReady,
+                     TransientError, start_over_hint)
 from .meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from .postgres import ddl_capture
 from .postgres import source as src
@@ -85,9 +84,11 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
             if state.has_checkpoint() or c.slot is not None:
                 with _about(spec, c.node):
                     src.check_slot_usable(c.slot, c.node.slot, checkpoint.get(c.node.name), spec.name)
+                    if spec.multi_node:
+                        _check_prepare_slot(spec, c)
         ledger.check()
     # -- nothing was created up to here --
-    created: list[tuple[_Checked, bool, bool]] = []  # (node, publication created, slot created)
+    created: list[tuple[_Checked, bool, list[str]]] = []  # (node, publication created, slots created)
     try:
         _create(spec, checked, created)
         with lost_connection("sink"):
@@ -146,7 +147,7 @@ def add_source(spec: FeedSpec, node: SourceNode, report: Callable[[str], None] =
             conn = stack.enter_context(connect(first.uri, spec.role(first.name)))
             _check_same_tables(spec, [_Checked(first, conn, src.describe_tables(conn, list(spec.tables)), None),
                                       checked])
-        created: list[tuple[_Checked, bool, bool]] = []
+        created: list[tuple[_Checked, bool, list[str]]] = []
         try:
             _create(spec, [checked], created)
         except Exception:
@@ -154,18 +155,39 @@ def add_source(spec: FeedSpec, node: SourceNode, report: Callable[[str], None] =
             raise
 
 
-def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checked, bool, bool]]) -> None:
-    """Create what is missing on each checked node, noting in `created` what was (for _undo)."""
+def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checked, bool, list[str]]]) -> None:
+    """Create what is missing on each checked node, noting in `created` what was (for _undo). A
+    node of a feed of several nodes gets its prepare slot first (postgres/twophase.py), so that
+    it has seen everything the node's slot will deliver."""
     for c in checked:
         with _about(spec, c.node):
             publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
-            created.append((c, publication, False))
+            slots: list[str] = []
+            created.append((c, publication, slots))
             if c.slot is None:
-                src.create_slot(c.conn, c.node.slot, two_phase=spec.multi_node)
-                created[-1] = (c, publication, True)
+                if spec.multi_node and src.slot_state(c.conn, c.node.prepare_slot) is None:  # (a run that died
+                    src.create_slot(c.conn, c.node.prepare_slot, two_phase=True)            # may have left it)
+                    slots.append(c.node.prepare_slot)
+                src.create_slot(c.conn, c.node.slot)
+                slots.append(c.node.slot)
             if spec.capture_ddl:
                 ddl_capture.install(c.conn, spec.name, c.node.publication)
             faults.reach("node_created")
+
+
+def _check_prepare_slot(spec: FeedSpec, c: _Checked) -> None:
+    """A node of a feed of several nodes reads its slot without two-phase decoding and needs its
+    prepare slot beside it (postgres/twophase.py)."""
+    assert c.slot is not None
+    if c.slot.two_phase:
+        raise SlotLost(f"replication slot {c.node.slot} decodes prepared transactions at their PREPARE: it was "
+                       "created by an older changefeed, which read distributed transactions another way",
+                       start_over_hint(spec.name))
+    state = src.slot_state(c.conn, c.node.prepare_slot)
+    if state is None:
+        raise SlotLost(f"replication slot {c.node.prepare_slot} is missing: without it the feed cannot tell which "
+                       "commits are parts of one distributed transaction", start_over_hint(spec.name))
+    src.check_slot_usable(state, c.node.prepare_slot, None, spec.name)
 
 
 def _check_same_tables(spec: FeedSpec, checked: list[_Checked]) -> None:
@@ -194,13 +216,13 @@ def _about(spec: FeedSpec, node: SourceNode) -> Iterator[None]:
         raise
 
 
-def _undo(spec: FeedSpec, created: list[tuple[_Checked, bool, bool]]) -> None:
+def _undo(spec: FeedSpec, created: list[tuple[_Checked, bool, list[str]]]) -> None:
     """Drop the slots and publications this attempt created (best effort: a node that is gone
     now keeps its slot, and the next run's checks find it again)."""
-    for c, publication, slot in created:
+    for c, publication, slots in created:
         with suppress(psycopg.Error):
-            if slot:
-                c.conn.execute("SELECT pg_drop_replication_slot(%s)", (c.node.slot,))
+            for slot in slots:
+                c.conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
             if publication:
                 c.conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(c.node.publication)))
 
@@ -348,6 +370,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     meter.snapshot = SnapshotMeter(report, prepared.source_conn, prepared.ledger)
     meter.gauges = Gauges(metrics, prepared) if metrics else None
     cleanup = _outbox_cleanup(prepared, attempt)
+    state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
     parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync)
     batches_at_start = meter.batches
@@ -438,6 +461,8 @@ def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
             with _about(spec, node):
                 slot = src.slot_state(conn, node.slot)
                 src.check_slot_usable(slot, node.slot, checkpoint.get(node.name), spec.name)
+                if spec.multi_node:
+                    src.check_slot_usable(src.slot_state(conn, node.prepare_slot), node.prepare_slot, None, spec.name)
                 assert slot is not None
                 if slot.restart_lsn is None:
                     continue
@@ -559,12 +584,10 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
             for node in prepared.spec.sources:
                 if node.name in end.lsns:
                     with _about(prepared.spec, node):
-                        conn, lsn = prepared.sources[node.name], end.release(node.name)
-                        if node.name in end.holds:  # a two-phase slot: past every part decided by `end`
-                            at = end.lsns[node.name]
-                            events = twophase.events(conn, node.slot, node.publication, at)
-                            lsn = dist.hold(dist.NodeWindow(lsn, at, at, at, events))
+                        conn, lsn = prepared.sources[node.name], end.lsns[node.name]
                         src.advance(conn, node.slot, lsn)
+                        if prepared.spec.multi_node:
+                            src.advance(conn, node.prepare_slot, lsn)
             return
 
 

@@ -116,7 +116,14 @@ def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
                           "create the feed with named nodes (--source NAME=URI ...), which may be one")
     grown = FeedSpec(**{**spec.__dict__, "nodes": spec.nodes + ((name, uri),)}).validate()
     node = next(n for n in grown.sources if n.name == name)
-    add_source(grown, node)
+    # A running query plans no batch from here until it reads the new node: a distributed
+    # transaction with a part there would look whole without it (postgres/cut.py).
+    state.set_joining([*state.joining(), name])
+    try:
+        add_source(grown, node)
+    except BaseException:
+        state.set_joining([n for n in state.joining() if n != name])
+        raise
     state.save(grown)
     if spec.snapshot != "never":
         SnapshotRequests(state.requests).add([snapshot.on_node(name, t) for t in spec.tables])
@@ -186,6 +193,7 @@ def remove_node(spec: FeedSpec, state: FeedState, name: str) -> tuple[FeedSpec, 
     with ExitStack() as stack:
         conn, slot = _held_for_removal(spec, node, stack)
         state.save(shrunk)  # before anything is dropped: a crash leaves a slot behind, never a node without one
+        state.set_joining([n for n in state.joining() if n != name])
         return shrunk, _drop(conn, spec.name, node, slot)
 
 
@@ -207,6 +215,9 @@ def _drop(conn: Any, feed: str, node: SourceNode, slot: src.SlotState | None, on
     if slot is not None:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
         gone.append(f"slot {node.slot}{on}")
+    if src.slot_state(conn, node.prepare_slot) is not None:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (node.prepare_slot,))
+        gone.append(f"slot {node.prepare_slot}{on}")
     if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
         conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
         gone.append(f"publication {node.publication}{on}")

@@ -29,7 +29,7 @@ from conftest import (
 )
 
 from changefeed.config import FeedSpec, FeedState
-from changefeed.errors import SourceNotReady
+from changefeed.errors import SourceNotReady, TransactionInDoubt
 from changefeed.feed import run
 from changefeed.local_kafka import LocalKafka, committed, read_partition
 from changefeed.local_postgres import LocalPostgres
@@ -100,19 +100,31 @@ def union(nodes: dict[str, str]) -> dict[int, int]:
     return {k: v for uri in nodes.values() for k, v in balances(uri).items()}
 
 
-def run_once(dbs: Dbs, nodes: dict[str, str], tmp_path: Path, sink: str | None = None, **options: object) -> None:
+def run_once(dbs: Dbs, nodes: dict[str, str], tmp_path: Path, sink: str | None = None, in_doubt: bool = False,
+             **options: object) -> None:
+    """An --available-now run; with `in_doubt`, one that must end (after a few seconds of retries)
+    with TransactionInDoubt: changes committed before it wait for a transaction in doubt."""
     spec = FeedSpec(dbs.name, "", sink or dbs.sink, ("public.accounts",), nodes=tuple(nodes.items()),
                     **options).validate()  # type: ignore[arg-type]
-    run(spec, FeedState(tmp_path / "state", spec.name), available_now=True, master="local[2]",
-        handle_signals=False, report=lambda s: None)
+    state = FeedState(tmp_path / "state", spec.name)
+    if not in_doubt:
+        run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=lambda s: None)
+        return
+    said: list[str] = []
+    with pytest.raises(TransactionInDoubt) as e:
+        run(spec, state, available_now=True, master="local[2]", handle_signals=False, report=said.append,
+            retry_max_backoff_s=0.5, give_up_after_s=3)
+    assert "'t1' committed on node n1, still prepared on node n2" in e.value.message or "'k1'" in e.value.message, \
+        e.value.message
+    assert any("retrying" in line or "next attempt" in line for line in said), said
 
 
 def test_parts_wait_for_each_other_and_a_rollback_delivers_nothing(dbs: Dbs, nodes: dict[str, str], tmp_path: Path,
                                                                    spark: object) -> None:
     run_once(dbs, nodes, tmp_path)
-    with psycopg.connect(nodes["n1"]) as c:
-        assert c.execute("SELECT two_phase FROM pg_replication_slots WHERE database = current_database()"
-                         ).fetchone() == (True,)
+    with psycopg.connect(nodes["n1"]) as c:  # the feed's slot, and the prepare slot with two-phase decoding
+        assert c.execute("SELECT slot_name LIKE 'cf2pc%', two_phase FROM pg_replication_slots "
+                         "WHERE database = current_database() ORDER BY 1").fetchall() == [(False, False), (True, True)]
     # t1 moves 10 from n1 to n2; it is committed on n1 only, and n1 goes on with a local change after it
     prepare(nodes["n1"], "t1", 1001, -10)
     prepare(nodes["n2"], "t1", 2001, 10)
@@ -124,7 +136,9 @@ def test_parts_wait_for_each_other_and_a_rollback_delivers_nothing(dbs: Dbs, nod
     with psycopg.connect(nodes["n1"], autocommit=True) as c:
         c.execute("UPDATE accounts SET balance = balance - 1 WHERE id = 1003")
         c.execute("UPDATE accounts SET balance = balance + 1 WHERE id = 1004")
-    run_once(dbs, nodes, tmp_path)
+    with psycopg.connect(nodes["n2"], autocommit=True) as c:  # later on n2: it waits too (one cut in time)
+        c.execute("UPDATE accounts SET balance = balance + 0 WHERE id = 2003")
+    run_once(dbs, nodes, tmp_path, in_doubt=True)  # never exits 0 with t1's node behind
     replica = balances(dbs.sink)
     assert sum(replica.values()) == TOTAL
     # n1 waits before t1's commit: neither t1's part nor what n1 committed after it is applied
@@ -160,7 +174,7 @@ def test_kafka_gets_a_distributed_transaction_in_one_batch_with_one_commit_ts(
     decide(nodes["n1"], "k2", "ROLLBACK")
     decide(nodes["n2"], "k2", "ROLLBACK")
     decide(nodes["n1"], "k1")
-    run_once(dbs, nodes, tmp_path, sink)
+    run_once(dbs, nodes, tmp_path, sink, in_doubt=True)
     assert changes() == []  # k1 waits for its part on n2; k2 sends nothing
     decide(nodes["n2"], "k1")
     run_once(dbs, nodes, tmp_path, sink)
@@ -244,7 +258,7 @@ def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: di
     writer.start()
     sampler.start()
     try:
-        kills = ({"CHANGEFEED_KILL_AT": "read:3"}, {"CHANGEFEED_KILL_AT": "held:2"},
+        kills = ({"CHANGEFEED_KILL_AT": "read:3"}, {"CHANGEFEED_KILL_AT": "pending:2"},
                  {"CHANGEFEED_KILL_AT": "after_sink_commit:3"}, {})
         for i, env in enumerate(kills):
             fault_dir = tmp_path / f"faults{i}"
@@ -274,10 +288,10 @@ def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: di
     batches_of: dict[str, set[int]] = {}  # gid -> the batches that delivered a part of it
     for batch_id, _, reads in batches:
         for r in reads:
-            for gid in r.get("gids") or ():
+            for gid, _ in r.get("gids") or ():
                 batches_of.setdefault(gid, set()).add(batch_id)
     assert len(batches_of) > 50 and all(len(b) == 1 for b in batches_of.values()), batches_of
-    assert any(r.get("held") for _, _, reads in batches for r in reads)  # parts did wait for their partners
+    assert any(r.get("pending") for _, _, reads in batches for r in reads)  # parts did wait for their partners
     assert len(samples) > 20 and set(samples) == {3 * ACCOUNTS * BALANCE}, sorted(set(samples))  # never half a transfer
 
 

@@ -108,8 +108,8 @@ def test_three_nodes_make_one_replica_read_by_parallel_tasks(dbs: Dbs, nodes: di
     run_once(spec, tmp_path)  # the existing rows of every node, by snapshot
     assert union(nodes, "accounts") == sorted(psycopg.connect(dbs.sink).execute("SELECT * FROM accounts"), key=repr)
     for node, uri in nodes.items():
-        expected = f"changefeed_{dbs.name}" + ("" if node == "n1" else f"_{node}")
-        assert slots(uri) == [expected]
+        expected = f"{dbs.name}" + ("" if node == "n1" else f"_{node}")
+        assert slots(uri) == [f"cf2pc_{expected}", f"changefeed_{expected}"]  # the prepare slot, the feed's
 
     written = {n: [0] for n in nodes}
     with writing(transfers(1), nodes["n1"], written["n1"]), writing(transfers(2), nodes["n2"], written["n2"]), \
@@ -190,7 +190,7 @@ def test_one_node_with_a_name_of_its_own(dbs: Dbs, tmp_path: Path, spark: object
     run_once(spec, tmp_path)
     for table in TABLES:
         assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table)
-    assert slots(dbs.source) == [f"changefeed_{dbs.name}_main"]
+    assert slots(dbs.source) == [f"cf2pc_{dbs.name}_main", f"changefeed_{dbs.name}_main"]
     shown = status(spec, FeedState(tmp_path / "state", spec.name))
     assert list(shown.nodes) == ["main"] and shown.nodes["main"]["lag_bytes"] == 0, shown
 
@@ -233,13 +233,13 @@ def test_a_node_added_to_a_running_feed_and_removed_from_a_stopped_one(dbs: Dbs,
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
     assert_no_traceback(log.read_text())
-    assert slots(nodes["n3"]) == [f"changefeed_{dbs.name}_n3"]
+    assert slots(nodes["n3"]) == [f"cf2pc_{dbs.name}_n3", f"changefeed_{dbs.name}_n3"]
 
     busy = changefeed_cli("alter", "--name", dbs.name, "--state", state, "--remove-node", "n9")
     assert busy.returncode != 0 and "has no node n9" in busy.stderr
     removed = changefeed_cli("alter", "--name", dbs.name, "--state", state, "--remove-node", "n3")
     assert removed.returncode == 0, removed.stderr
-    assert slots(nodes["n3"]) == [] and "slot changefeed_" in removed.stdout
+    assert slots(nodes["n3"]) == [] and "slot changefeed_" in removed.stdout and "slot cf2pc_" in removed.stdout
     with psycopg.connect(nodes["n3"], autocommit=True) as c:
         c.execute("INSERT INTO events VALUES ('n3', -1, 'after removal')")
     with psycopg.connect(nodes["n1"], autocommit=True) as c:

@@ -145,7 +145,8 @@ class Progress:
     (the Spark task attempt that read it). It is partition `part` of the batch's `parts`;
     `positions` (a feed of several nodes) is the batch's end position on every node; `read` says
     which task read it, and when; `gids` the distributed (prepared) transactions whose parts on
-    the node it delivered, `held` those it left for a later batch."""
+    the node it delivered ([gid, xid] each), `pending` the gids still prepared (or committed past
+    its end) on the node: never one it delivered elsewhere in the batch (see sinks/batch_input)."""
 
     end_lsn: int
     resolved_ts: int
@@ -157,8 +158,8 @@ class Progress:
     node: str = DEFAULT_NODE
     positions: dict[str, int] | None = None
     read: dict[str, Any] | None = None  # who read it: {"task" (attempt id), "pid", "began", "ended" (Unix s)}
-    gids: dict[str, int] | None = None  # prepared transactions it delivered: gid -> xid
-    held: list[str] | None = None  # gids of prepared transactions it saw undecided (read again next batch)
+    gids: list[list[Any]] | None = None  # prepared parts it delivered: [gid, xid]
+    pending: list[str] | None = None  # gids with a part prepared on the node, undecided at its end
 
     def to_meta(self) -> str:
         return json.dumps(self.__dict__)
@@ -185,7 +186,7 @@ class BatchProgress:
     chunks: tuple[dict[str, Any], ...]
     positions: dict[str, int] | None = None
     reads: tuple[dict[str, Any], ...] = ()  # per input partition read: {"node", "part", **Progress.read,
-    #                                         "gids" and "held" where it has them}
+    #                                         "gids" and "pending" where it has them}
 
     @property
     def nodes(self) -> dict[str, int]:
@@ -215,7 +216,8 @@ class BatchProgress:
         resolved, chunks = max(p.resolved_ts for p in parts), tuple(p.chunk for p in parts if p.chunk)
         positions = parts[0].positions
         reads = tuple({"node": p.node, "part": p.part, **p.read, **({"gids": p.gids} if p.gids else {}),
-                       **({"held": p.held} if p.held else {})} for p in sorted(parts, key=lambda p: p.part) if p.read)
+                       **({"pending": p.pending} if p.pending else {})}
+                      for p in sorted(parts, key=lambda p: p.part) if p.read)
         if positions is None:
             return cls(max(p.end_lsn for p in parts), resolved, max(times) if times else None,
                        sum(p.changes for p in parts), chunks, None, reads)

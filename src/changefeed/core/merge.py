@@ -7,16 +7,21 @@ into partitions (`split`), then `ordered` puts the rows of all nodes in one orde
 
 * a node's snapshot rows first (they hold the rows as of the window's start, and the window's
   changes go on top of them, as on a one-node feed, see postgres/snapshot.py);
-* then the transactions of all nodes by commit timestamp (HLC), ties broken by node name, then
-  LSN; a transaction's rows (and the `R` rows describing its tables) keep their order.
+* then the transactions of all nodes by commit time, ties broken by node name, then LSN; a
+  transaction's rows (and the `R` rows describing its tables) keep their order.
 
-Within a node that is its commit order: its timestamps grow with its LSNs (core.hlc). Across
-nodes it is the order of the servers' commit clocks.
+A transaction's place is the latest commit time among it and every transaction before it on its
+node: that keeps each node's commit order (a commit's time is taken just before its record is
+written, so two concurrent commits may land in the other order by a few microseconds), and it
+still puts a transaction after every one it read on another node (that one was visible before
+it committed, so it and all before it on its node have earlier times). core.distributed makes
+every batch a cut in commit time, so this order continues from batch to batch.
 
 The parts of one distributed transaction (core.distributed: always all in one batch) keep their
 places in their nodes' orders, which is what each key's order needs (a key lives on one node),
 but carry one commit timestamp and commit time: the latest of their parts', when the last part
-committed. Pure: Arrow only.
+committed. Commit timestamps then never go back along a node's order: a transaction after a
+part takes at least the part's timestamp. Pure: Arrow only.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import IncompleteBatch, UnfollowableChange
+from ..errors import IncompleteBatch, TornTransaction, UnfollowableChange
 from . import change as ch
 
 
@@ -75,11 +80,13 @@ def ordered(parts: list[Part], renumber: bool = True) -> Any:
         if not rows:
             continue
         t = pa.Table.from_batches(rows)
-        snapshot = part.progress.chunk is not None
-        # snapshot rows sort before every transaction: their group timestamp is -1
-        keys.append(np.full(t.num_rows, -1, np.int64) if snapshot else
-                    t.column("commit_ts").to_numpy(zero_copy_only=False).astype(np.int64))
-        tables.append(_label(t, part.progress.gids, labels) if part.progress.gids else t)
+        if part.progress.chunk is not None:  # snapshot rows sort before every transaction
+            keys.append(np.full(t.num_rows, -1, np.int64))
+        else:
+            times = pc.fill_null(t.column("commit_time"), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+            keys.append(np.maximum.accumulate(times))
+            t = _label(t, part.progress.gids or [], labels)
+        tables.append(t)
         nodes.append(np.full(t.num_rows, part.progress.node, dtype=object))
     if not tables:
         return pa.Table.from_batches([], schema=ch.arrow_schema())
@@ -100,7 +107,7 @@ def _latest(parts: list[Part]) -> dict[str, tuple[int, int]]:
     """gid -> (latest commit ts, latest commit time) over its parts in `parts`."""
     out: dict[str, tuple[int, int]] = {}
     for part in parts:
-        gid_of = {x: g for g, x in (part.progress.gids or {}).items()}
+        gid_of = {int(x): str(g) for g, x in part.progress.gids or ()}
         for rb in part.rows if gid_of else ():
             xids, inverse = np.unique(rb.column("xid").to_numpy(zero_copy_only=False), return_inverse=True)
             latest = []
@@ -115,20 +122,37 @@ def _latest(parts: list[Part]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _label(t: Any, gids: dict[str, int], labels: dict[str, tuple[int, int]]) -> Any:
-    """`t` (one part's rows) with its distributed transactions' commit ts and time set to theirs."""
+def _label(t: Any, gids: list[list[Any]], labels: dict[str, tuple[int, int]]) -> Any:
+    """`t` (one window's rows, in its node's order) with its distributed transactions' commit ts
+    and time set to theirs, and every commit ts at least the one before it."""
+    if not gids:
+        return t
     xid = t.column("xid").to_numpy(zero_copy_only=False)
     mask = np.zeros(t.num_rows, bool)
-    ts, at = np.zeros(t.num_rows, np.int64), np.zeros(t.num_rows, np.int64)
-    for g, x in gids.items():
-        if g in labels:
-            m = xid == x
-            mask |= m
-            ts[m], at[m] = labels[g]
-    for name, values in (("commit_ts", ts), ("commit_time", at)):
-        t = t.set_column(t.schema.get_field_index(name), name,
-                         pc.if_else(pa.array(mask), pa.array(values), t.column(name).combine_chunks()))
-    return t
+    ts = t.column("commit_ts").to_numpy(zero_copy_only=False).astype(np.int64)
+    at = np.zeros(t.num_rows, np.int64)
+    for g, x in gids:
+        m = xid == int(x)
+        mask |= m
+        ts[m], at[m] = labels[str(g)]
+    t = t.set_column(t.schema.get_field_index("commit_ts"), "commit_ts", pa.array(np.maximum.accumulate(ts)))
+    return t.set_column(t.schema.get_field_index("commit_time"), "commit_time",
+                        pc.if_else(pa.array(mask), pa.array(at), t.column("commit_time").combine_chunks()))
+
+
+def refuse_torn(parts: list[Part]) -> None:
+    """The safety net under core.distributed: a batch that delivers a part of a gid while a part
+    of that gid is pending (prepared, or committed past its window) on a node stops the feed
+    before anything of it is delivered."""
+    pending = {g: p.progress.node for p in parts for g in p.progress.pending or ()}
+    for part in parts:
+        for g, _ in part.progress.gids or ():
+            if g in pending:
+                raise TornTransaction(
+                    f"distributed transaction {g!r}: this batch holds its part on source node {part.progress.node} "
+                    f"while its part on source node {pending[g]} is not decided within the batch",
+                    "nothing of the batch was delivered; this is a bug in changefeed: report it with "
+                    "`changefeed status --name NAME --json`")
 
 
 def refuse_truncate(parts: list[Part]) -> None:

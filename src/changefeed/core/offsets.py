@@ -6,10 +6,11 @@ one); the snapshot cursor after it; and the snapshot chunks it carries. Spark st
 JSON and tells "new data" from "none" by comparing them, so a one-node feed's JSON keeps the
 shape every checkpoint written before nodes existed holds (version 1: `lsn`, `ts`, `snap`,
 `chunks`), and reading and writing it again gives the same JSON. A feed of several nodes writes
-version 2: `v`, `nodes` (name -> LSN) in place of `lsn`, and `holds` for nodes read with
-two-phase decoding: where that node's slot stays while the batch is read (at or before its
-start, see core.distributed), which is also as far as the slot may move once the batch is
-committed (a later PREPARE may still wait for its outcome).
+version 3: `v`, `nodes` (name -> LSN) in place of `lsn`, the batch's cut time `theta` (Unix µs,
+see core.distributed), per node the prepared parts its windows deliver (`parts`: gid, xid and the
+start of their COMMIT PREPARED) and those still open at its end (`open`, which the next plan
+starts from). Version 2 (two-phase slots read from a hold) is refused: its feed must be created
+again.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import DefiniteError
+from .distributed import Part
 from .nodes import DEFAULT_NODE
 from .snapshot import Chunk, Cursor
 
-VERSION = 2  # the newest shape this code writes (a one-node offset is still written as version 1)
+VERSION = 3  # the newest shape this code writes (a one-node offset is still written as version 1)
 
 
 class OffsetError(DefiniteError, ValueError):
@@ -39,11 +41,9 @@ class Offset:
     ts: int = 0  # resolved commit timestamp (HLC)
     cursor: Cursor = field(default_factory=Cursor)
     chunks: tuple[Chunk, ...] = ()
-    holds: Mapping[str, int] = field(default_factory=dict)  # node -> where its slot stays (two-phase nodes)
-
-    def release(self, node: str) -> int:
-        """How far node `node`'s slot may move once the batch up to here is committed downstream."""
-        return self.holds.get(node, self.lsns.get(node, 0))
+    theta: int = 0  # a feed of several nodes: the batch's cut time (Unix µs)
+    parts: Mapping[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)  # node -> (gid, xid, lsn)
+    open: Mapping[str, tuple[Part, ...]] = field(default_factory=dict)  # node -> parts prepared, undecided at its end
 
     @property
     def lsn(self) -> int:
@@ -65,8 +65,12 @@ class Offset:
                    "snap": self.cursor.to_json()}
         if self.chunks:
             out["chunks"] = [c.to_json() for c in self.chunks]
-        if self.holds:
-            out["holds"] = dict(sorted(self.holds.items()))
+        if self.theta:
+            out["theta"] = self.theta
+        if any(self.parts.values()):
+            out["parts"] = {n: [list(p) for p in v] for n, v in sorted(self.parts.items()) if v}
+        if any(self.open.values()):
+            out["open"] = {n: [p.to_json() for p in v] for n, v in sorted(self.open.items()) if v}
         return out
 
     @classmethod
@@ -78,10 +82,15 @@ class Offset:
             if version > VERSION:
                 raise OffsetError(f"offset version {version} was written by a newer changefeed (this one reads up to "
                                   f"{VERSION})")
+            if version == 2:
+                raise OffsetError("the feed's checkpoint was written by an older changefeed that read its nodes' "
+                                  "prepared transactions from two-phase slots",
+                                  "remove the feed (changefeed remove --name NAME) and create it again")
             lsns = {DEFAULT_NODE: int(d["lsn"])} if version == 1 else {str(k): int(v) for k, v in d["nodes"].items()}
+            parts = {str(n): tuple((str(g), int(x), int(at)) for g, x, at in v) for n, v in (d.get("parts") or {}).items()}
+            opened = {str(n): tuple(Part.from_json(p) for p in v) for n, v in (d.get("open") or {}).items()}
             return cls(lsns, int(d.get("ts", 0)), Cursor.from_offset(d),
-                       tuple(Chunk.from_json(c) for c in d.get("chunks", ())),
-                       {str(k): int(v) for k, v in (d.get("holds") or {}).items()})
+                       tuple(Chunk.from_json(c) for c in d.get("chunks", ())), int(d.get("theta", 0)), parts, opened)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, OffsetError):
                 raise

@@ -31,6 +31,8 @@ import pyarrow.compute as pc
 from ..core import change as ch
 from ..core.change import HEARTBEAT_PREFIX
 from ..core.hlc import next_commit_ts
+from ..core.lsn import format_lsn
+from ..errors import TornTransaction
 from . import pgoutput as po
 from . import tuple_block as tb
 from .pgoutput import RelationInfo
@@ -62,17 +64,8 @@ _OP_OF_KIND = np.zeros(256, np.uint8)  # a plain change's message kind -> its ro
 _OP_OF_KIND[[_I, _U, _D]] = [_INSERT, _UPDATE, _DELETE]
 _NO_TABLE = 0  # table id of rows that have none (messages, progress)
 _SHORT_RUN = 12  # fewer plain changes in a row cost less one by one than as arrays
-
-
-@dataclass
-class _Held:
-    """A prepared transaction's rows, kept aside until its COMMIT PREPARED (see ChangeBuilder)."""
-
-    rows: Chunk
-    sparse: dict[str, dict[int, Any]]  # as ChangeBuilder._sparse, indexes from the part's first row
-    relation_rows: int
-    xid: int
-    prepare_lsn: int
+_TORN_HINT = ("nothing of the batch was delivered; this is a bug in changefeed or a source that changed under it: "
+              "report it with `changefeed status --name NAME --json`")
 
 
 class ChangeBuilder:
@@ -86,16 +79,18 @@ class ChangeBuilder:
     its batch's `parts` (named in its `P` row, with the batch's `positions` on a feed of several
     nodes, and `read`: which task read it, from when; the builder adds when it ended).
 
-    A prepared transaction (a slot with two-phase decoding, see postgres/twophase.py) arrives at
-    its PREPARE, its outcome later: its rows are kept aside and delivered as a transaction at its
-    COMMIT PREPARED when that starts in the window (nothing at a ROLLBACK PREPARED). A part whose
-    outcome is not in the window stays undelivered (`held`); the planner keeps the slot at or
-    before its PREPARE, so the next window reads it again.
+    A prepared transaction arrives at its COMMIT PREPARED like any commit (the slot has no
+    two-phase decoding). On a feed of several nodes the plan names the prepared parts the window
+    holds (`prepared`: commit LSN -> gid, xid, from the planner's scan of the prepare slot, see
+    postgres/twophase.py): the builder finds each one (its `P` row names them, with the gids still
+    `undecided` on the node), and a part the WAL does not hold where the plan saw it is
+    TornTransaction: never a distributed transaction delivered in part.
     """
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
                  catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1, node: str = "n1",
-                 positions: dict[str, int] | None = None, read: dict[str, Any] | None = None) -> None:
+                 positions: dict[str, int] | None = None, read: dict[str, Any] | None = None,
+                 prepared: dict[int, tuple[str, int]] | None = None, undecided: list[str] | None = None) -> None:
         self.start_lsn, self.end_lsn, self.end_ts = start_lsn, end_lsn, end_ts
         self.part, self.parts, self.node, self.positions, self.read = part, parts, node, positions, read
         self.last_ts = start_ts
@@ -117,12 +112,12 @@ class ChangeBuilder:
         self._txns: list[tuple[int, int, int, int | None, int, int]] = []
         self._open_ts: int | None = None  # the open transaction's commit ts, once some of its rows went out
         self._open_seq = 0  # rows of the open transaction that went out already
-        self._prepared = False  # the open transaction is a prepared one (its outcome comes later)
         self._closed = 0  # rows of closed transactions (the first rows)
         self._mark = 0
         self._open_relation_rows = 0  # R rows from `_mark` on: not changes
-        self._held: dict[str, _Held] = {}  # prepared, outcome not seen yet: by gid
-        self.gids: dict[str, int] = {}  # prepared transactions delivered: gid -> xid
+        self._planned = dict(prepared or {})  # prepared parts the plan put in the window, not found yet
+        self.undecided = undecided or []  # gids with a part prepared on the node and undecided at the window's end
+        self.gids: list[list[Any]] = []  # prepared parts delivered: [gid, xid]
 
     # -- input ---------------------------------------------------------------------------
     def feed_block(self, messages: list[bytes]) -> None:
@@ -156,7 +151,8 @@ class ChangeBuilder:
         elif kind == _C:
             self._commit(po.decode(data))  # type: ignore[arg-type]
         elif kind in _TWO_PHASE:
-            self._two_phase(po.decode(data))  # type: ignore[arg-type]
+            raise po.DecodeError(f"two-phase message {chr(kind)!r} from a slot that should not decode prepared "
+                                 "transactions at their PREPARE (a slot created by an older changefeed)")
         else:
             msg = po.decode(data)
             kind_ = type(msg)
@@ -307,8 +303,8 @@ class ChangeBuilder:
         self._mark = len(self._rows)
         self._open_relation_rows = 0
 
-    def _open(self, begin: po.Begin, prepared: bool = False) -> None:
-        self._begin, self._prepared = begin, prepared
+    def _open(self, begin: po.Begin) -> None:
+        self._begin = begin
         self._open_ts, self._open_seq = None, 0
         self._set_mark()
         if begin.final_lsn >= self.end_lsn:
@@ -327,15 +323,27 @@ class ChangeBuilder:
         else:
             ts = self._stamp(msg.commit_time_us) if self._open_ts is None else self._open_ts
             self._close(begin.final_lsn, begin.xid, ts, msg.commit_time_us, self._open_seq)
+            self._found(begin)
         self._open_ts, self._open_seq = None, 0
         self._flush_deferred()
+
+    def _found(self, begin: po.Begin) -> None:
+        """A commit in the window: note it if the plan named it as a prepared part."""
+        planned = self._planned.pop(begin.final_lsn, None)
+        if planned is not None:
+            gid, xid = planned
+            if xid != begin.xid:
+                raise TornTransaction(f"the plan put prepared transaction {gid!r} (xid {xid}) at {format_lsn(begin.final_lsn)} "
+                                      f"on node {self.node}, but the transaction committed there is xid {begin.xid}",
+                                      _TORN_HINT)
+            self.gids.append([gid, xid])
 
     def _part_out(self) -> None:
         """Let the open transaction's rows so far go out ahead of its commit (a large transaction:
         the builder's memory stays bounded). Only for a plain transaction that belongs to the
         window: its Begin already says where and when it commits, and that it is not dropped."""
         begin = self._begin
-        assert begin is not None and not self._prepared and self.start_lsn <= begin.final_lsn < self.end_lsn
+        assert begin is not None and self.start_lsn <= begin.final_lsn < self.end_lsn
         if self._open_ts is None:
             self._open_ts = self._stamp(begin.commit_time_us)
         n = len(self._rows) - self._mark
@@ -345,7 +353,7 @@ class ChangeBuilder:
     def _large_open(self, rows: int) -> bool:
         """Whether the open transaction holds `rows` rows or more and may go out in parts."""
         begin = self._begin
-        return (begin is not None and not self._prepared and len(self._rows) - self._mark >= rows
+        return (begin is not None and len(self._rows) - self._mark >= rows
                 and self.start_lsn <= begin.final_lsn < self.end_lsn)
 
     def _stamp(self, commit_time_us: int) -> int:
@@ -360,43 +368,6 @@ class ChangeBuilder:
         deferred, self._deferred = self._deferred, []
         for m in deferred:
             self._message(m)
-
-    def _two_phase(self, msg: po.TwoPhase) -> None:
-        if isinstance(msg, po.BeginPrepare):
-            self._open(po.Begin(msg.prepare_lsn, msg.prepare_time_us, msg.xid), prepared=True)
-        elif isinstance(msg, po.Prepare):
-            if self._begin is None:
-                raise po.DecodeError(f"Prepare of {msg.gid!r} without Begin Prepare")
-            self._begin = None
-            mark = self._mark
-            rows = self._rows.truncate(mark)
-            sparse = {name: {i - mark: v for i, v in d.items() if i >= mark} for name, d in self._sparse.items()}
-            for name, d in self._sparse.items():
-                self._sparse[name] = {i: v for i, v in d.items() if i < mark}
-            if self._open_relation_rows:
-                self._described.clear()  # its R rows went aside with it: describe again
-            self._held[msg.gid] = _Held(rows, sparse, self._open_relation_rows, msg.xid, msg.prepare_lsn)
-            self._set_mark()
-            self._flush_deferred()
-        else:
-            held = self._held.pop(msg.gid, None)
-            start = msg.commit_lsn if isinstance(msg, po.CommitPrepared) else msg.end_lsn - 1
-            if start >= self.end_lsn:
-                self.done = True
-            elif isinstance(msg, po.CommitPrepared) and start >= self.start_lsn and held is not None:
-                self._deliver(held, msg)
-            # Before the window: delivered (or rolled back) by an earlier one.
-
-    def _deliver(self, held: _Held, msg: po.CommitPrepared) -> None:
-        """A prepared transaction's rows as a transaction committed at `msg`."""
-        self._set_mark()
-        at = len(self._rows)
-        self._rows.extend(held.rows)
-        for name, d in held.sparse.items():
-            self._sparse[name].update({at + i: v for i, v in d.items()})
-        self._open_relation_rows = held.relation_rows
-        self.gids[msg.gid] = held.xid
-        self._close(msg.commit_lsn, held.xid, self._stamp(msg.commit_time_us), msg.commit_time_us)
 
     def _drop_open(self) -> None:
         """Forget the open transaction's rows (back to `_mark`)."""
@@ -416,11 +387,6 @@ class ChangeBuilder:
             self._closed += n
         self.changes += n - self._open_relation_rows
         self._set_mark()
-
-    @property
-    def held(self) -> list[str]:
-        """gids of prepared parts whose outcome the window does not hold."""
-        return sorted(self._held)
 
     # -- output --------------------------------------------------------------------------
     def pending(self) -> int:
@@ -446,10 +412,15 @@ class ChangeBuilder:
         """Close the window: drop an unfinished transaction, append the `P` progress row, take all."""
         self._drop_open()
         self._begin = None
+        if self._planned:
+            lsn, (gid, xid) = min(self._planned.items())
+            raise TornTransaction(f"the plan put prepared transaction {gid!r} (xid {xid}) at {format_lsn(lsn)} on node "
+                                  f"{self.node}, but the window [{format_lsn(self.start_lsn)}, "
+                                  f"{format_lsn(self.end_lsn)}) holds no commit of it", _TORN_HINT)
         progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes,
                                part=self.part, parts=self.parts, node=self.node, positions=self.positions,
                                read=self.read and {**self.read, "ended": time.time()},
-                               gids=self.gids or None, held=self.held or None)
+                               gids=self.gids or None, pending=self.undecided or None)
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
         self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts, 0))

@@ -222,6 +222,14 @@ def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     return parse_lsn(row[0]), int(row[1])  # type: ignore[index]
 
 
+def flush_point(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """(WAL flush position, then the server clock in Unix µs): every commit before the position
+    took its commit time before that clock reading."""
+    row = conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
+                       "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint").fetchone()
+    return parse_lsn(row[0]), int(row[1])  # type: ignore[index]
+
+
 def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: int, upto: int,
                       changes: int) -> int:
     """End LSN of the first commit after `start` by which `changes` messages were decoded, or `upto`.

@@ -47,6 +47,7 @@ class BatchInput:
 
         parts = merge.split(self.batches())
         merge.refuse_truncate(parts)
+        merge.refuse_torn(parts)
         return [*merge.ordered(parts, renumber=renumber).to_batches(max_chunksize=65536),
                 *(ch.progress_batch(p.progress) for p in parts)]
 

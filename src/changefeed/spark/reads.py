@@ -25,6 +25,7 @@ from pyspark.sql.datasource import InputPartition
 from .. import faults
 from ..config import SourceNode, node_role
 from ..core import change as ch
+from ..core import distributed as dist
 from ..core import snapshot
 from ..core.lsn import format_lsn
 from ..core.offsets import Offset
@@ -50,7 +51,9 @@ class BatchPartition(InputPartition):
     def __init__(self, node: SourceNode, start: Offset, end: Offset, rows_per_batch: int, multi_node: bool,
                  wal: str = DEFAULT_WAL_READER) -> None:
         self.node, self.start, self.end, self.rows_per_batch, self.wal = node, start, end, rows_per_batch, wal
-        self.hold = end.holds.get(node.name)  # where its two-phase slot reads from (<= start)
+        # the prepared parts the plan put in the window (commit LSN -> gid, xid), the gids still open
+        self.prepared = {lsn: (gid, xid) for gid, xid, lsn in end.parts.get(node.name, ())}
+        self.pending = dist.pending_gids(end.open.get(node.name, ()))
         self.ahead: int | None = None  # where the next window will end, if certain (postgres/read_ahead.py)
         self.positions = dict(end.lsns) if multi_node else None
         self.part, self.parts = 0, 1
@@ -124,19 +127,18 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
         with lost_connection(role):
             # The slot is at `start` already (latestOffset released it before planning); a slot
             # behind it would re-send a message that straddles `start`. Everything before `start`
-            # is committed downstream, so moving the slot there is always safe. A two-phase slot
-            # stays at its hold instead: the prepared parts after it are read again.
+            # is committed downstream, so moving the slot there is always safe.
             start, end = partition.start_lsn, partition.end_lsn
-            at = start if partition.hold is None else partition.hold
             src.reach(conn, end, ch.HEARTBEAT_PREFIX)
-            src.advance(conn, node.slot, at)
+            src.advance(conn, node.slot, start)
             conn.commit()
-            spooled = read_ahead.take(node, start, end) if partition.hold is None else None
+            spooled = read_ahead.take(node, start, end)
             builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,
                                     lambda rel: src.column_catalog(conn, rel), part=partition.part,
                                     parts=partition.parts, node=node.name, positions=partition.positions,
-                                    read={**reader(began), "ahead": spooled is not None})
-            blocks = spooled or wal_reader(partition.wal).window(conn, node, role, at, end)
+                                    read={**reader(began), "ahead": spooled is not None},
+                                    prepared=partition.prepared, undecided=partition.pending)
+            blocks = spooled or wal_reader(partition.wal).window(conn, node, role, start, end)
             if partition.ahead is not None and _outlives_task():  # the next window, once the server answered this one
                 blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, partition.ahead))
             with closing(blocks):  # type: ignore[type-var]
@@ -144,8 +146,8 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                     yield ch.pack(rb)
                     yield from _push_through()
                     faults.reach("read")
-            if builder.held:
-                faults.reach("held")  # crash tests: a prepared part waits for its outcome
+            if builder.undecided:
+                faults.reach("pending")  # crash tests: a prepared part on the node waits for its outcome
     except po.DecodeError as e:
         e.message = (f"cannot decode the WAL of slot {node.slot} between {format_lsn(partition.start_lsn)} "
                      f"and {format_lsn(partition.end_lsn)}: {e.message}")

@@ -7,9 +7,9 @@ partition). On each node a batch holds what starts in [start, end) (see postgres
 read by an input partition (a Spark task) of its own. A bound is a flushed position that splits
 no WAL record: a heartbeat's end, a commit's end (a change limit) or a WAL page boundary (a byte
 limit, found without decoding). The driver only plans offsets and advances the slots in
-`commit`; executors decode in `read` (spark/reads.py). On nodes with two-phase slots the planner also scans the
-prepared transactions' events and lets core.distributed hold and cut windows so that a
-distributed transaction is delivered whole, in one batch.
+`commit`; executors decode in `read` (spark/reads.py). A feed of several nodes is planned by
+postgres/cut.py and core.distributed instead: every batch a cut in commit time across the nodes,
+each distributed transaction whole in one batch.
 
 Spark imports this module in every Python process it starts to plan a query (a new one each
 step, one after another, at a feed's start), so the decoder and its numpy/Arrow imports are
@@ -20,27 +20,28 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
-from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, SourceNode, node_role
+from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, DEFAULT_MAX_BYTES, SourceNode, node_role
 from ..core import barrier as bar
 from ..core import change as ch
 from ..core import distributed as dist
 from ..core import snapshot
+from ..core.hlc import window_end_ts
 from ..core.nodes import DEFAULT_NODE, classic
 from ..core.offsets import Offset
 from ..core.resolved import Frontier, resolved_ts
 from ..core.requests import SnapshotRequests
 from ..errors import carried
+from ..postgres import cut as nodes_cut
 from ..postgres import read_ahead
 from ..postgres import snapshot as snap_pg
 from ..postgres import source as src
-from ..postgres import twophase
 from ..postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from ..postgres.wal_reader import WalReader, wal_reader
 from ..postgres.connect import connect, lost_connection
@@ -56,9 +57,10 @@ class ChangefeedSource(DataSource):
     """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
     snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (snapshot requests, see
-    core.requests), barrier_file (see core.barrier), wal_reader (peek or stream, see
-    postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
-    as one GroupPartition)."""
+    core.requests), barrier_file (see core.barrier), joining_file (nodes being added, see
+    postgres/cut.py), wal_reader (peek or stream, see postgres/wal_reader.py), parallel_reads
+    ("false": a batch's partitions are read by one task, as one GroupPartition), max_clock_skew_us
+    (see core.distributed)."""
 
     @classmethod
     def name(cls) -> str:
@@ -88,13 +90,17 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
         self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
+        self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
-        self._available_now: tuple[dict[str, int], dict[str, Frontier]] | None = None  # an AvailableNow run's end
-        self._two_phase: dict[str, tuple[int, bool, bool]] = {}  # node -> (its connection's id, slot, scanned)
+        self._available_now: Readings | None = None  # an AvailableNow run's end
         self._seen: dict[str, tuple[int, bool]] = {}  # node -> (the last plan's frontier, fixed for the run)
+        limits = dist.Limits(self.max_bytes, self.max_changes, int(options.get("max_clock_skew_us") or 500_000))
+        self.cut = nodes_cut.Cut(self.nodes, self.conn, self._on, limits,
+                                 2 * (self.max_bytes or DEFAULT_MAX_BYTES) if self.max_bytes or self.max_changes
+                                 else None)
 
     def conn(self, node: str) -> Any:
         """The driver's connection to `node` (a ConnectionFailed names the node)."""
@@ -120,21 +126,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             src.check_slot_usable(state, node.slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[name] = state.confirmed_flush
-        holds = {n: lsn for n, lsn in lsns.items() if self._two_phase_of(n)[0]}
-        return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries), holds=holds).to_json()
-
-    def _two_phase_of(self, node: str) -> tuple[bool, bool]:
-        """(Whether node `node`'s slot decodes two-phase, whether the node can prepare transactions
-        at all, so that its WAL must be scanned); read again on each new connection, as a restart
-        may have changed max_prepared_transactions."""
-        conn = self.conn(node)
-        known = self._two_phase.get(node)
-        if known is None or known[0] != id(conn):
-            with self._on(node):
-                state = src.slot_state(conn, self.nodes[node].slot)
-                slot = bool(state and state.two_phase)
-                known = self._two_phase[node] = (id(conn), slot, slot and twophase.capable(conn))
-        return known[1], known[2]
+        return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -148,10 +140,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
     def prepareForTriggerAvailableNow(self) -> None:
         self._available_now = self._readings()
 
-    def _readings(self) -> tuple[dict[str, int], dict[str, Frontier]]:
-        """Per node: its flushed LSN, then (once every node was read) a fresh frontier."""
-        certain = {n: self._flushed(n) for n in self.nodes}
-        return certain, self._frontiers()
+    def _readings(self) -> Readings:
+        """Per node: its flushed LSN (and the latest clock read with one), then (once every node
+        was read) a fresh frontier."""
+        certain, theta = self.cut.certain()
+        return Readings(certain, theta, self._frontiers())
 
     def _frontiers(self) -> dict[str, Frontier]:
         """Per node: a fresh flushed LSN and the node's clock then (see core.resolved)."""
@@ -192,77 +185,83 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
             limit = self.getDefaultReadLimit()
         # (no snapshot chunk while a verify waits: a chunk is read later than its window's end)
         chunks, cursor = self._plan_snapshot(start) if barrier is None else ([], start.cursor)
-        if chunks:
-            # A fresh end, so the batch (and its chunks) is recorded on the sink as applied.
-            certain, frontiers = self._readings()
-        elif self._available_now is not None:
-            certain, frontiers = self._available_now
-        else:
-            certain = {n: self._flushed(n) for n in self.nodes}
-            moved = any(certain[n] > start.lsns.get(n, 0) for n in self.nodes)
-            idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
-            if not moved and not idle_due:
-                return start_json  # nothing new, and the resolved ts is fresh enough: no batch
-            # Heartbeats give the batch a flushed end on every node, even an idle one, so the
-            # slots (and the WAL they hold) and the resolved ts keep moving.
-            frontiers = self._frontiers()
-        lsns = {n: f.lsn for n, f in frontiers.items()}
-        fixed = not chunks and self._available_now is not None
-        self._seen = {n: (lsn, fixed) for n, lsn in lsns.items()}
+        readings = self._take_readings(start, bool(chunks))
+        if readings is None:
+            return start_json
+        lsns = {n: f.lsn for n, f in readings.frontiers.items()}
+        self._seen = {n: (lsn, not chunks and self._available_now is not None) for n, lsn in lsns.items()}
         if all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):  # (never with chunks: fresh heartbeats)
             return start_json
-        for n, lsn in lsns.items():
-            lsns[n] = max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), lsn, limit))
+        if self.multi_node:
+            end = self._plan_nodes(start, readings, barrier, cursor, tuple(chunks))
+        else:
+            end = self._plan_one(start, readings, limit, barrier, cursor, tuple(chunks))
+        if end is None:
+            return start_json
+        self._planned_at = time.monotonic()
+        return end.to_json()
+
+    def _take_readings(self, start: Offset, chunks: bool) -> Readings | None:
+        """The readings a batch is planned from; None when there is nothing to plan."""
+        if chunks:
+            return self._readings()  # a fresh end, so the batch (and its chunks) is recorded on the sink
+        if self._available_now is not None:
+            return self._available_now
+        if self.multi_node and self.cut.waiting():
+            return None  # a transaction in doubt keeps every node where it is: nothing to plan yet
+        certain, theta = self.cut.certain()
+        moved = any(certain[n] > start.lsns.get(n, 0) for n in self.nodes)
+        idle_due = 0 < self.resolved_interval <= time.monotonic() - self._planned_at
+        if not moved and not idle_due:
+            return None  # nothing new, and the resolved ts is fresh enough: no batch
+        # Heartbeats give the batch a flushed end on every node, even an idle one, so the slots
+        # (and the WAL they hold) and the resolved ts keep moving.
+        return Readings(certain, theta, self._frontiers())
+
+    def _plan_one(self, start: Offset, readings: Readings, limit: ReadLimit, barrier: bar.Barrier | None,
+                  cursor: snapshot.Cursor, chunks: tuple[snapshot.Chunk, ...]) -> Offset | None:
+        """A one-node feed's batch: its window cut by the read limit at a page or commit boundary."""
+        lsns = {n: max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), f.lsn, limit))
+                for n, f in readings.frontiers.items()}
         if barrier is not None:
             lsns = barrier.cap(start.lsns, lsns)
-        frontiers = dict(frontiers)  # (an AvailableNow run plans all its batches from the same ones)
-        holds = self._distributed(start, lsns, certain, frontiers)
-        if not chunks and all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):
-            return start_json  # every new commit waits for a distributed transaction's other parts
-        self._planned_at = time.monotonic()
-        return Offset(lsns, resolved_ts(start.ts, frontiers), cursor, tuple(chunks), holds).to_json()
+        return Offset(lsns, resolved_ts(start.ts, readings.frontiers), cursor, chunks)
+
+    def _plan_nodes(self, start: Offset, readings: Readings, barrier: bar.Barrier | None,
+                    cursor: snapshot.Cursor, chunks: tuple[snapshot.Chunk, ...]) -> Offset | None:
+        """A feed of several nodes' batch: a cut in commit time, distributed transactions whole
+        (postgres/cut.py, core.distributed); None while nothing can move."""
+        if self.joining_file is not None and set(_words(self.joining_file)) - set(self.nodes):
+            return None  # a node is being added: plan nothing until the query that reads it (checked after
+            #              the readings, so a node whose slot was made after them is waited for)
+        frontiers = {n: f.lsn for n, f in readings.frontiers.items()}
+        caps = {n: at for n, at in (barrier.lsns.items() if barrier else ()) if start.lsns.get(n, 0) <= at}
+        plan, scans = self.cut.plan(start, readings.certain, readings.theta, frontiers, caps)
+        # No batch that only moves past heartbeats and prepares while a transaction in doubt keeps
+        # the commits back: it would cost a batch per poll and look like progress.
+        if not chunks and (not plan.moved(scans) or plan.waits and not _delivers(scans, plan)):
+            self.cut.wait(plan)
+            if self._available_now is not None and _left(scans, plan, readings.certain):
+                raise self.cut.in_doubt(plan)
+            return None
+        parts = {n: tuple((p.gid, p.xid, p.commit or 0) for p in v) for n, v in plan.parts.items() if v}
+        opened = {n: v for n, v in plan.open.items() if v}
+        ts = window_end_ts(start.ts, plan.theta_us // 1000)
+        return Offset(plan.ends, ts, cursor, chunks, plan.theta_us, parts, opened)
 
     def _joined(self, start: Offset) -> Offset:
         """`start` with a node added to the feed since (see lifecycle.add_node) at its slot's position."""
         new = [n for n in self.nodes if n not in start.lsns]
         if not new:
             return start
-        lsns, holds = dict(start.lsns), dict(start.holds)
+        lsns = dict(start.lsns)
         for n in new:
             with self._on(n):
                 state = src.slot_state(self.conn(n), self.nodes[n].slot)
             src.check_slot_usable(state, self.nodes[n].slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[n] = state.confirmed_flush
-            if self._two_phase_of(n)[0]:
-                holds[n] = state.confirmed_flush
-        return replace(start, lsns=lsns, holds=holds)
-
-    def _distributed(self, start: Offset, lsns: dict[str, int], certain: dict[str, int],
-                     frontiers: dict[str, Frontier]) -> dict[str, int]:
-        """Hold and cut the windows of two-phase nodes (see core.distributed); returns the holds.
-        Moves `lsns` and `frontiers` of a node whose window was cut."""
-        windows, holds = {}, {}
-        for n in self.nodes:
-            slot, scanned = self._two_phase_of(n)
-            if not slot:
-                continue
-            holds[n] = start.lsns.get(n, 0)
-            if scanned:
-                at, node = start.release(n), self.nodes[n]
-                with self._on(n):
-                    upto = max(lsns[n], frontiers[n].lsn)  # past a window cut by a read limit
-                    events = twophase.events(self.conn(n), node.slot, node.publication, upto) if upto > at else ()
-                windows[n] = dist.NodeWindow(at, start.lsns.get(n, 0), lsns[n], certain[n], events)
-        for n, d in dist.decide(windows).items():
-            holds[n], lsns[n] = d.hold, d.end
-            if d.cut_time_us is not None:  # the window now ends before a commit at that time
-                frontiers[n] = Frontier(d.end, min(frontiers[n].clock_ms, d.cut_time_us // 1000 - 1))
-        return holds
-
-    def _flushed(self, node: str) -> int:
-        with self._on(node):
-            return src.flush_lsn(self.conn(node))[0]
+        return replace(start, lsns=lsns)
 
     def _cut(self, node: str, start: int, lsn: int, limit: ReadLimit) -> int:
         """Where node `node`'s window [start, lsn) ends under the read limit (per node)."""
@@ -285,7 +284,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
             seen = self._seen.get(part.node.name)
-            if isinstance(part, WindowPartition) and part.hold is None and part.wal == "peek" and seen:
+            if isinstance(part, WindowPartition) and not self.multi_node and part.wal == "peek" and seen:
                 frontier, fixed = seen
                 part.ahead = read_ahead.predict(part.end_lsn, frontier, 0 if self.max_changes else self.max_bytes,
                                                 self.wal.block_size, fixed)
@@ -304,12 +303,41 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         """Move each node's slot as far as `end` allows; called for every poll (see
         latestOffset), so a slot is asked only when its position is new."""
         for name in end.lsns.keys() & self.nodes.keys():
-            lsn = end.release(name)
+            lsn = end.lsns[name]
             if lsn > self._released.get(name, 0):
                 with self._on(name):
                     src.advance(self.conn(name), self.nodes[name].slot, lsn)
+                    if self.multi_node:
+                        src.advance(self.conn(name), self.nodes[name].prepare_slot, lsn)
                 self._released[name] = lsn
 
     def stop(self) -> None:
         for conn in self._conns.values():
             conn.close()
+
+
+@dataclass(frozen=True)
+class Readings:
+    """What a batch is planned from: per node a flushed position read first (`certain`), the
+    latest server clock read right after one (`theta`, Unix µs), and the frontiers written after."""
+
+    certain: dict[str, int]
+    theta: int
+    frontiers: dict[str, Frontier]
+
+
+def _delivers(scans: dict[str, dist.NodeScan], plan: dist.Plan) -> bool:
+    """Whether the plan's windows hold a commit."""
+    return any(s.start <= c.start < plan.ends[n] for n, s in scans.items() for c in dist.pair(s)[0])
+
+
+def _left(scans: dict[str, dist.NodeScan], plan: dist.Plan, certain: dict[str, int]) -> bool:
+    """Whether a node has a commit before its `certain` position that the plan leaves undelivered."""
+    return any(plan.ends[n] <= c.start < certain[n] for n, s in scans.items() for c in dist.pair(s)[0])
+
+
+def _words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
