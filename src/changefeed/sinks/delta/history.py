@@ -10,8 +10,10 @@ Versions are kept in commit-timestamp order per key whatever order they arrive i
 placed before a later one ends where that one starts, unless a delete ended it sooner. So
 replays and late arrivals never make versions overlap. A key change ends the old key's version
 and starts the new key's; an unchanged TOASTed value comes from the key's current version, or,
-across buckets, from the old key's (delta.mirror: departed / pending, with `_commit_ts` in the
-row's identity).
+after a key change, from the old key's (delta.mirror: departed / pending, with `_commit_ts` in
+the row's identity). While the batch is applied a value still to come from the old key is held
+as its `Move`, not as null: a later unchanged update of the new key, or a move on to another key,
+must carry the placeholder on, since null is a real value the copy would keep.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pyarrow as pa
 
 from ...core import change as ch
 from ...core.hlc import physical_ms
-from .mirror import Bucket, Key, keys_of, ordered_changes
+from .mirror import Bucket, Key, Move, Position, keys_of, old_key_of, ordered_changes, positions
 from .rows import fills, source_schema
 
 VALIDITY = pa.schema([("_valid_from", pa.timestamp("us", tz="UTC")), ("_valid_to", pa.timestamp("us", tz="UTC")),
@@ -48,6 +50,7 @@ def apply_history(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape
         if c not in before.column_names:
             before = before.append_column(schema.field(c), pa.array([v] * len(before), schema.field(c).type))
     keys = keys_of(changes, shape.key)
+    at = positions(changes)
     touched = set(keys)
     old_keys = keys_of(before, shape.key)
     versions: dict[Key, list[dict[str, Any]]] = {}
@@ -66,16 +69,12 @@ def apply_history(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape
         current = vs[-1] if vs and vs[-1]["_current"] else None
         if op == "d":
             if r["_moved"]:
-                out.departed[key] = {c: current[c] if current else None for c in columns}
+                out.departed[Move(key, at[i])] = {c: current[c] if current else None for c in columns}
             _end(vs, when)
             continue
         values = {c: r[c] for c in columns}
         for c in r["_unchanged"] or ():
-            if current is not None:
-                values[c] = current[c]
-            elif r["_old_key"] is not None:
-                values[c] = None
-                out.pending.append(((*key, ts), c, tuple(r["_old_key"][k] for k in shape.key)))
+            values[c] = _unchanged(r, c, current, shape.key, at[i])
         if op == "r" and current is not None and all(current[c] == values[c] for c in columns):
             continue  # the snapshot saw the version the stream made
         if current is not None and current["_commit_ts"] == ts:
@@ -87,9 +86,30 @@ def apply_history(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape
         _order(vs)
     for k in touched | ({k for k in versions} if "t" in changes.column("_op").to_pylist() else set()):
         _order(versions.get(k, []))
+    for k in touched:
+        _still_pending(k, versions.get(k, []), out)
     kept = pa.unify_schemas([before.schema, schema])  # a dropped column's history stays
     out.rows = pa.Table.from_pylist([v for vs in versions.values() for v in vs], schema=kept)
     return out
+
+
+def _unchanged(r: dict[str, Any], column: str, current: dict[str, Any] | None, key: Sequence[str],
+               at: Position) -> Any:
+    """The value change `r` (at `at`) left unchanged: for a key change the old key's row's (a Move:
+    another bucket may hold it), else the key's current version's (itself maybe still a Move)."""
+    if r["_old_key"] is not None and r["_op"] == "u":
+        return Move(old_key_of(r["_old_key"], key), at)
+    return current[column] if current is not None else None
+
+
+def _still_pending(key: Key, vs: list[dict[str, Any]], out: Bucket) -> None:
+    """Each value of `key`'s versions still held as a Move: null in the row, and reported pending
+    (by the version's identity, key and `_commit_ts`) for delta.table.fill_moved to complete."""
+    for v in vs:
+        for c, value in v.items():
+            if isinstance(value, Move):
+                v[c] = None
+                out.pending.append(((*key, v["_commit_ts"]), c, value))
 
 
 def _end(vs: list[dict[str, Any]], when: datetime) -> None:

@@ -7,10 +7,12 @@ row held before: from the key's earlier change in the batch, else the bucket's e
 
 A key change moves a row between buckets, and so maybe between tasks: its new row's unchanged
 values are the old row's, which only the old key's bucket knows. So the old bucket reports the
-rows that moved out (`departed`: the old key's values just before the move) and the new bucket
-the values it could not fill (`pending`: new key, column, old key); the driver completes them
-(delta.table.fill_moved) before the commit. A value still pending in a departed row (a chain
-of key changes) points on to its own old key.
+rows that moved out (`departed`: the old key's values just before the move, by the `Move`) and
+the new bucket the values it could not fill (`pending`: new key, column, `Move`); the driver
+completes them (delta.table.fill_moved) before the commit. A value still pending in a departed
+row (a chain of key changes) points on to its own `Move`. A move is named by the old key AND the
+key change's place in the stream: a key can move out twice in one batch (0 -> 1, a new 0,
+0 -> 2), and each new row must get the values of its own old row.
 """
 from __future__ import annotations
 
@@ -27,20 +29,23 @@ from .rows import data_rows, fills, source_schema, typed, unchanged_names, unify
 from .split import MOVED
 
 Key = tuple[Any, ...]
+Position = tuple[int, int, int]  # a change's place in the stream: (commit ts, LSN, seq)
 
 
 @dataclass(frozen=True)
-class Pending:
-    """A value still to be taken from the row that key `old_key` held before it moved."""
+class Move:
+    """A key change that moved key `old_key`'s row away, at `at` (both halves of a key change share
+    it). As a value: still to be taken from the row `old_key` held just before this move."""
 
     old_key: Key
+    at: Position
 
 
 @dataclass
 class Bucket:
     rows: pa.Table
-    departed: dict[Key, dict[str, Any]] = field(default_factory=dict)  # old key -> its values (or Pending)
-    pending: list[tuple[Key, str, Key]] = field(default_factory=list)  # (new key, column, old key)
+    departed: dict[Move, dict[str, Any]] = field(default_factory=dict)  # a row moved out: its values (or Move)
+    pending: list[tuple[Key, str, Move]] = field(default_factory=list)  # (new key, column, where it comes from)
 
 
 def ordered_changes(parts: Sequence[tuple[ch.TableShape, Any]], filled: dict[str, Any],
@@ -80,6 +85,16 @@ def keys_of(table: pa.Table, key: Sequence[str]) -> list[Key]:
     return list(zip(*(table.column(k).to_pylist() for k in key))) if len(table) else []
 
 
+def positions(changes: pa.Table) -> list[Position]:
+    """Each change's place in the stream (see `Move`)."""
+    return list(zip(*(changes.column(c).to_pylist() for c in ("_s2", "_s3", "_s4")))) if len(changes) else []
+
+
+def old_key_of(row_old_key: dict[str, Any], key: Sequence[str]) -> Key:
+    """A key change's old key (its `_old_key` struct) as a key tuple."""
+    return tuple(row_old_key[k] for k in key)
+
+
 def apply_mirror(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape, Any]],
                  shape: ch.TableShape) -> Bucket:
     """The bucket after the batch: `existing` (its rows before, None if it has none) with `parts`
@@ -101,8 +116,8 @@ def apply_mirror(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape,
     history = _History(changes, keys, before, shape)
     for i, (op, moved) in enumerate(zip(ops, changes.column("_moved").to_pylist())):
         if op == "d" and moved:
-            out.departed[keys[i]] = {c: history.prior(i, c) for c in changes.column_names
-                                     if not c.startswith("_")}
+            out.departed[Move(keys[i], history.at[i])] = {c: history.prior(i, c) for c in changes.column_names
+                                                          if not c.startswith("_")}
     unchanged = new.column("_unchanged").to_pylist() if len(new) else []
     if any(unchanged):
         new = _fill_unchanged(new, unchanged, upserts, history, out)
@@ -115,29 +130,45 @@ def apply_mirror(existing: pa.Table | None, parts: Sequence[tuple[ch.TableShape,
 
 
 class _History:
-    """What a key's columns held before a given change of the batch."""
+    """What a key's columns held around each change of the batch."""
 
     def __init__(self, changes: pa.Table, keys: list[Key], before: pa.Table, shape: ch.TableShape) -> None:
         self.changes, self.keys, self.before = changes, keys, before
         self.ops = changes.column("_op").to_pylist()
         self.unchanged = changes.column("_unchanged").to_pylist()
         self.old_keys = changes.column("_old_key").to_pylist()
+        self.at = positions(changes)
         self.old_rows = {k: i for i, k in enumerate(keys_of(before, shape.key))}
         self.key = shape.key
+        self.earlier: list[int | None] = []  # the key's change before each change (None: the first)
+        last: dict[Key, int] = {}
+        for i, k in enumerate(keys):
+            self.earlier.append(last.get(k))
+            last[k] = i
 
     def prior(self, i: int, column: str) -> Any:
-        """Column `column` of key `keys[i]` just before change i (a Pending where it moved in)."""
-        key, source = self.keys[i], i
-        for j in range(i - 1, -1, -1):
-            if self.keys[j] != key:
-                continue
-            if self.ops[j] == "d":
+        """Column `column` of key `keys[i]` just before change i (a Move where it moved in)."""
+        j = self.earlier[i]
+        return self.after(j, column) if j is not None else self._existing(self.keys[i], column)
+
+    def after(self, i: int, column: str) -> Any:
+        """Column `column` of key `keys[i]` just after change i: an unchanged value is the key's
+        previous one, or for a key change the old key's (a Move: it is in another row, maybe in
+        another bucket). A loop, not recursion: a batch may update one row many times."""
+        while True:
+            if self.ops[i] == "d":
                 return None
-            if column not in (self.unchanged[j] or ()):
-                return self.changes.column(column)[j].as_py() if column in self.changes.column_names else None
-            source = j
-        if self.old_keys[source] is not None and self.ops[source] == "u":
-            return Pending(tuple(self.old_keys[source][k] for k in self.key))
+            if column not in (self.unchanged[i] or ()):
+                return self.changes.column(column)[i].as_py() if column in self.changes.column_names else None
+            if self.old_keys[i] is not None and self.ops[i] == "u":
+                return Move(old_key_of(self.old_keys[i], self.key), self.at[i])
+            j = self.earlier[i]
+            if j is None:
+                return self._existing(self.keys[i], column)
+            i = j
+
+    def _existing(self, key: Key, column: str) -> Any:
+        """Column `column` of key `key`'s row before the batch (None if it had none)."""
         if key in self.old_rows and column in self.before.column_names:
             return self.before.column(column)[self.old_rows[key]].as_py()
         return None
@@ -148,9 +179,9 @@ def _fill_unchanged(new: pa.Table, unchanged: list[Any], at: list[int], history:
     for row, names in enumerate(unchanged):
         i = at[row]
         for c in names or ():
-            value = history.prior(i, c)
-            if isinstance(value, Pending):
-                out.pending.append((history.keys[i], c, value.old_key))
+            value = history.after(i, c)
+            if isinstance(value, Move):
+                out.pending.append((history.keys[i], c, value))
                 value = None
             columns[c][row] = value
     for c, values in columns.items():

@@ -38,7 +38,7 @@ class Files:
     read_version: int | None = None  # the table version the replaced files were read from
     fills: dict[str, Any] = field(default_factory=dict)  # columns added with a default: what older rows hold
     key: tuple[str, ...] = ()
-    departed: dict[Any, dict[str, Any]] = field(default_factory=dict)  # mirror: rows moved out (delta.mirror)
+    departed: dict[Any, dict[str, Any]] = field(default_factory=dict)  # rows moved out, by Move (delta.mirror)
     pending: list[tuple[str, list[Any]]] = field(default_factory=list)  # (file, values it lacks, delta.mirror)
     shapes: list[tuple[tuple[int, int], Any]] = field(default_factory=list)  # the source shapes seen, by position
 
@@ -148,15 +148,16 @@ def commit(files: list[Files], app_id: str, batch_id: int, info: dict[str, str],
 
 def fill_moved(files: list[Files]) -> None:
     """Complete the files holding rows whose key changed across buckets (delta.mirror): each
-    unchanged TOASTed value is the old row's, which the old key's bucket reported as departed.
+    unchanged TOASTed value is the old row's, which the old key's bucket reported as departed
+    (by the move, so two moves of one key in a batch each find their own row).
     A patched file is written anew in place of the first one (never committed, so just deleted)."""
-    from .mirror import Pending
+    from .mirror import Move
 
-    departed = {k: v for f in files for k, v in f.departed.items()}
+    departed = {m: v for f in files for m, v in f.departed.items()}
 
-    def value(old_key: Any, column: str, hops: int = 0) -> Any:
-        v = departed.get(old_key, {}).get(column)
-        return value(v.old_key, column, hops + 1) if isinstance(v, Pending) and hops < len(departed) else v
+    def value(move: Move, column: str, hops: int = 0) -> Any:
+        v = departed.get(move, {}).get(column)
+        return value(v, column, hops + 1) if isinstance(v, Move) and hops < len(departed) else v
 
     for f in files:
         for path, pending in f.pending:
@@ -164,8 +165,8 @@ def fill_moved(files: list[Files]) -> None:
             rows = pq.read_table(full)
             at = {k: i for i, k in enumerate(zip(*(rows.column(c).to_pylist() for c in f.key)))}
             patched = {c: rows.column(c).to_pylist() for c in {c for _, c, _ in pending}}
-            for new_key, column, old_key in pending:
-                patched[column][at[new_key]] = value(old_key, column)
+            for new_key, column, move in pending:
+                patched[column][at[new_key]] = value(move, column)
             for c, values in patched.items():
                 rows = rows.set_column(rows.schema.get_field_index(c), rows.schema.field(c),
                                        pa.array(values, rows.schema.field(c).type))
