@@ -51,6 +51,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "snapshot_chunks_per_batch": args.snapshot_chunks_per_batch, "snapshot_reads": args.snapshot_reads,
         "retention_s": _option("retention", parse_duration, args.retention),
         "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
+        "max_clock_skew_s": _option("max-clock-skew", parse_duration, args.max_clock_skew),
         "format": args.format, "diff": args.diff,
         "outbox": _qualified(args.outbox) if args.outbox else None, "outbox_columns": args.outbox_columns,
         "outbox_topic": args.outbox_topic,
@@ -313,6 +314,8 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                          "(default 24h; 0 = no limit)")
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "
                                                 "(default 0: no limit)")
+    cmd.add_argument("--max-clock-skew", help="a feed of several nodes: how far the nodes' clocks may disagree, "
+                     "e.g. 500ms (default 500ms)")
     cmd.add_argument("--format", choices=FORMATS,
                      help="message envelope of a Kafka or webhook sink: json (default), debezium, text")
     cmd.add_argument("--diff", action="store_true", default=None,

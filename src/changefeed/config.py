@@ -25,6 +25,7 @@ DEFAULT_CHUNKS_PER_BATCH = 4  # also the snapshot's read parallelism: one Spark 
 SNAPSHOT_READS = ("auto", "parallel", "sequential")
 PARALLEL_READ_SLOTS = 4
 DEFAULT_RETENTION_S = 24 * 3600.0
+DEFAULT_MAX_CLOCK_SKEW_S = 0.5
 WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
 
 
@@ -82,6 +83,7 @@ class FeedSpec:
     renamed: tuple[tuple[str, str], ...] = ()  # (old, new) schema.table renamed on the source (alter --rename-table)
     capture_ddl: bool = False  # DDL of captured tables as messages in the stream (postgres.ddl_capture)
     wal_reader: str = WAL_READERS[0]
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S  # how far the nodes' clocks may disagree (core.distributed)
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:
@@ -145,7 +147,8 @@ class FeedSpec:
                                    ("max-changes-per-batch", self.max_changes_per_batch),
                                    ("trigger-interval", self.trigger_interval_s),
                                    ("resolved", self.resolved_interval_s), ("retention", self.retention_s),
-                                   ("max-retained-wal", self.max_retained_wal)) if v < 0]
+                                   ("max-retained-wal", self.max_retained_wal),
+                                   ("max-clock-skew", self.max_clock_skew_s)) if v < 0]
         if negative:
             raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
         if self.wal_reader not in WAL_READERS:

@@ -145,8 +145,9 @@ def _read_node(spec: FeedSpec, node: SourceNode, position: int | None, state: st
 
 
 def _waiting_text(waiting: list[tuple[str, float]]) -> str:
-    """`none`, or how many prepared transactions wait for their outcome and the oldest: a part of a
-    distributed transaction holds its node's slot, and its committed partners wait, until then."""
+    """`none`, or how many prepared transactions wait for their outcome and the oldest: once a
+    distributed transaction is committed on one node, everything committed after it on every
+    node waits until its parts here are decided (core.distributed)."""
     if not waiting:
         return "none"
     gid, age = waiting[0]

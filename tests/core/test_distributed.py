@@ -77,6 +77,17 @@ def test_a_part_prepared_past_its_nodes_end_still_holds_its_gid_back() -> None:
     assert p.ends == {"a": 30, "b": 10, "c": 100} and not any(p.parts.values())
 
 
+def test_a_short_scan_vouches_for_parts_only_beyond_the_clock_skew() -> None:
+    # b's scan stops at 30; its last commit there says 150 by b's clock. g committed on a at 100 by
+    # a's clock: if the clocks may disagree by 60, g's PREPARE on b may lie past b's scan
+    scans = {"a": NodeScan(0, 100, 100, (prep("g", 10, 90), cp("g", 20, 100))),
+             "b": NodeScan(0, 10**6, 10**6, (commit(10, 30), commit(20, 150)), scanned=30)}
+    waits = dist.plan(scans, 0, 1000, Limits(skew_us=60))
+    assert waits.ends["a"] == 20 and waits.waits == {"a": ("g",)}
+    trusts = dist.plan(scans, 0, 1000, Limits(skew_us=10))
+    assert trusts.ends["a"] == 100 and [p.gid for p in trusts.parts["a"]] == ["g"]
+
+
 def test_the_stall_of_opposite_orders_under_a_byte_limit_gives_way() -> None:
     # X commits g on a, then stalls; h commits on b then a; b writes a lot; X commits g on b
     scans = {"a": NodeScan(0, 1000, 1000, (prep("g", 1, 1), prep("h", 2, 1), cp("g", 3, 10), cp("h", 5, 12))),
@@ -109,13 +120,15 @@ def test_a_scan_cut_short_vouches_only_for_what_it_saw() -> None:
 @dataclass
 class Txn:
     node: str
-    commit_time: int
+    commit_time: int  # by its node's clock
     changes: int
     gid: str = ""  # a part of a distributed transaction (instance `instance`)
     instance: int = 0
     deps: list[Txn] = field(default_factory=list)  # transactions on other nodes it read
     start: int = -1  # its commit record's start, once written
     batch: int = -1  # the batch that delivered it
+    real: int = 0  # when it took its commit time, by the one true clock
+    visible: int = 0  # when its commit record was written (a reader sees it from then on)
 
     def __hash__(self) -> int:
         return id(self)
@@ -138,6 +151,8 @@ class Node:
 class Cluster:
     def __init__(self, rng: random.Random, nodes: tuple[str, ...]) -> None:
         self.rng, self.now = rng, 1000
+        self.skew = 0
+        self.offset = {n: 0 for n in nodes}  # each node's clock is off by this much
         self.nodes = {n: Node() for n in nodes}
         self.delayed: list[Txn] = []  # commit time taken, record not written yet
         self.visible: dict[str, list[Txn]] = {n: [] for n in nodes}
@@ -145,6 +160,10 @@ class Cluster:
         self.coordinators: list[dict[str, object]] = []
         self.instances: dict[int, list[Txn]] = {}
         self.gids = 0
+        self.two_pc = list(nodes)  # the nodes coordinators write to (a node joins the feed first)
+
+    def clock(self, node: str) -> int:
+        return self.now + self.offset[node]
 
     def tick(self) -> None:
         self.now += self.rng.randrange(1, 40)
@@ -157,7 +176,7 @@ class Cluster:
             n = rng.choice(list(self.nodes))
             others = [t for m, v in self.visible.items() if m != n for t in v[-3:]]
             deps = [rng.choice(others)] if others and rng.random() < 0.5 else []
-            txn = Txn(n, self.now, rng.randrange(1, 5), deps=deps)
+            txn = Txn(n, self.clock(n), rng.randrange(1, 5), deps=deps, real=self.now)
             self.txns.append(txn)
             if rng.random() < 0.2:
                 self.delayed.append(txn)  # its record comes a little later (others may pass it)
@@ -171,6 +190,7 @@ class Cluster:
             self._advance(rng.choice(self.coordinators))
 
     def _write_commit(self, txn: Txn) -> None:
+        txn.visible = self.now
         self.nodes[txn.node].write(self.rng, Event(COMMIT, 0, txn.commit_time, changes=txn.changes), txn)
         self.visible[txn.node].append(txn)
 
@@ -181,7 +201,7 @@ class Cluster:
             gid = f"g{self.gids % 7}" if rng.random() < 0.3 else f"u{self.gids}"  # some gids reused later
             if any(c["gid"] == gid for c in self.coordinators):
                 return
-        parts = rng.sample(list(self.nodes), rng.randrange(1, len(self.nodes) + 1))
+        parts = rng.sample(self.two_pc, rng.randrange(1, len(self.two_pc) + 1))
         instance = len(self.instances)
         self.instances[instance] = []
         self.coordinators.append({"gid": gid, "parts": parts, "prepared": [], "decided": [], "instance": instance,
@@ -201,7 +221,7 @@ class Cluster:
                 n = todo[0]
                 changes = 0 if rng.random() < 0.1 else rng.randrange(1, 4)
                 txn = Txn(n, 0, changes, gid, instance)
-                self.nodes[n].write(rng, Event(PREPARE, 0, self.now, gid, changes=changes))
+                self.nodes[n].write(rng, Event(PREPARE, 0, self.clock(n), gid, changes=changes))
                 c.setdefault("txns", {})[n] = txn  # type: ignore[union-attr]
                 prepared.append(n)
                 return
@@ -217,14 +237,14 @@ class Cluster:
         decided.append(n)
         txn = c["txns"][n]  # type: ignore[index]
         if c["outcome"] == COMMIT_PREPARED:
-            txn.commit_time = self.now
-            self.nodes[n].write(rng, Event(COMMIT_PREPARED, 0, self.now, gid), txn if txn.changes else None)
+            txn.commit_time, txn.real, txn.visible = self.clock(n), self.now, self.now
+            self.nodes[n].write(rng, Event(COMMIT_PREPARED, 0, txn.commit_time, gid), txn if txn.changes else None)
             if txn.changes:
                 self.txns.append(txn)
                 self.instances[instance].append(txn)
                 self.visible[n].append(txn)
         else:
-            self.nodes[n].write(rng, Event(ROLLBACK_PREPARED, 0, self.now, gid))
+            self.nodes[n].write(rng, Event(ROLLBACK_PREPARED, 0, self.clock(n), gid))
 
     def finish(self) -> None:
         while self.delayed:
@@ -239,12 +259,22 @@ class Cluster:
         return tuple(e for s, e, _ in self.nodes[n].records if start <= s < upto and e.kind != "heartbeat")
 
 
-def simulate(seed: int, limits: Limits, plans: int) -> None:
+def simulate(seed: int, limits: Limits, plans: int, join: str = "", skew: int = 0) -> None:
+    """Plan a random workload batch by batch and check every delivery rule. With `join`, node c
+    joins the feed at a random plan: its slot is made, coordinators may write to it from then on,
+    and the feed reads it from its next plan (`join="late"`: one plan later, as a running query
+    that planned on without it would: that is what lifecycle.add_node's marker prevents). With
+    `skew`, the nodes' clocks are off by up to half of it each (and `limits` allows for it)."""
     rng = random.Random(seed)
     cluster = Cluster(rng, ("a", "b", "c"))
-    nodes = list(cluster.nodes)
-    start = {n: 0 for n in nodes}
-    opened: dict[str, tuple[Part, ...]] = {n: () for n in nodes}
+    cluster.offset = {n: rng.randrange(-skew // 2, skew // 2 + 1) for n in cluster.nodes}
+    nodes = ["a", "b"] if join else list(cluster.nodes)
+    if join:
+        cluster.two_pc = ["a", "b"]
+    joins_at = rng.randrange(1, plans) if join else -1
+    start = {n: 0 for n in cluster.nodes}
+    opened: dict[str, tuple[Part, ...]] = {n: () for n in cluster.nodes}
+    before_join: set[int] = set()  # transactions of c before its slot: its snapshot has them
     theta_prev, batch = 0, 0
 
     def plan_once(final: bool) -> bool:
@@ -256,15 +286,15 @@ def simulate(seed: int, limits: Limits, plans: int) -> None:
                     cluster.step()
             cluster.tick()
             certain[n] = cluster.nodes[n].lsn
-            clocks.append(cluster.now)
+            clocks.append(cluster.clock(n))
         theta_read = max(clocks)
         frontier = {}
         for n in rng.sample(nodes, len(nodes)):
             if not final:
-                for _ in range(rng.randrange(0, 3)):
+                for _ in range(rng.randrange(0, 6)):
                     cluster.step()
             cluster.tick()
-            cluster.nodes[n].write(rng, Event("heartbeat", 0, cluster.now))
+            cluster.nodes[n].write(rng, Event("heartbeat", 0, cluster.clock(n)))
             frontier[n] = cluster.nodes[n].lsn
         bound = rng.choice((None, None, 400, 3000))
         while True:
@@ -274,7 +304,7 @@ def simulate(seed: int, limits: Limits, plans: int) -> None:
                 scans[n] = NodeScan(start[n], certain[n], frontier[n], cluster.scan(n, start[n], upto),
                                     None if upto >= frontier[n] else upto, opened[n])
             p = dist.plan(scans, theta_prev, theta_read, limits)
-            if p.moved(scans) or not p.short:
+            if p.delivers or not p.short:
                 break
             bound = bound * 2  # the planner's I/O: scan further and plan again
         moved = p.moved(scans)
@@ -294,19 +324,28 @@ def simulate(seed: int, limits: Limits, plans: int) -> None:
         batch += 1
         return moved
 
-    for _ in range(plans):
+    for i in range(plans):
         for _ in range(rng.randrange(0, 12)):
             cluster.step()
+        if i == joins_at:
+            start["c"] = cluster.nodes["c"].lsn  # its slot: no transaction prepared on c yet
+            before_join.update(id(t) for t in cluster.txns if t.node == "c")
+            cluster.two_pc.append("c")
+            if join == "late":
+                for _ in range(rng.randrange(0, 30)):  # coordinators write to c meanwhile
+                    cluster.step()
+                plan_once(final=False)
+            nodes.append("c")
         plan_once(final=False)
     cluster.finish()
     for _ in range(200):
         if all(t.batch >= 0 for t in cluster.txns):
             break
         plan_once(final=True)
-    lost = [t for t in cluster.txns if t.batch < 0]
+    lost = [t for t in cluster.txns if t.batch < 0 and id(t) not in before_join]
     assert not lost, f"never delivered: {lost[:3]}"
     for txns in cluster.instances.values():  # every committed part of a distributed transaction in one batch
-        assert len({t.batch for t in txns}) <= 1, [(t.node, t.gid, t.batch) for t in txns]
+        assert len({t.batch for t in txns}) <= 1, f"torn: {[(t.node, t.gid, t.batch) for t in txns]}"
     running: dict[int, int] = {}  # a transaction's place in its batch: the running max of its node's commit times
     for n in nodes:
         top = 0
@@ -314,9 +353,10 @@ def simulate(seed: int, limits: Limits, plans: int) -> None:
             if txn is not None:
                 top = max(top, txn.commit_time)
                 running[id(txn)] = top
-    for t in cluster.txns:  # causal order: a transaction comes after every one it read
+    for t in cluster.txns:  # causal order: a transaction comes after every one it read (more than the skew before)
         for d in t.deps:
-            assert (d.batch, running[id(d)]) < (t.batch, running[id(t)]), (d, t)
+            if not {id(d), id(t)} & before_join and t.real - d.visible > skew:
+                assert (d.batch, running[id(d)]) < (t.batch, running[id(t)]), (d, t)
 
 
 @settings(max_examples=250, deadline=None)
@@ -329,3 +369,27 @@ def test_every_transaction_once_distributed_ones_whole_causes_first(seed: int) -
 @given(st.integers(0, 2**32), st.sampled_from([(300, 0), (2000, 0), (0, 3), (0, 20), (500, 5)]))
 def test_the_same_under_read_limits(seed: int, limit: tuple[int, int]) -> None:
     simulate(seed, Limits(max_bytes=limit[0], max_changes=limit[1], skew_us=0), plans=25)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([(0, 0), (500, 0), (0, 5)]))
+def test_the_same_with_a_node_that_joins_while_transactions_span_it(seed: int, limit: tuple[int, int]) -> None:
+    simulate(seed, Limits(max_bytes=limit[0], max_changes=limit[1], skew_us=0), plans=25, join="now")
+
+
+def test_a_query_that_planned_on_without_the_new_node_would_tear_a_transaction() -> None:
+    def tears(seed: int) -> bool:
+        try:
+            simulate(seed, Limits(skew_us=0), plans=25, join="late")
+        except AssertionError as e:
+            return "torn" in str(e)
+        return False
+
+    assert any(tears(seed) for seed in range(300))  # the rule postgres/cut.py and lifecycle.add_node follow
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from([(0, 0), (300, 0), (2000, 0)]))
+def test_the_same_with_clocks_that_disagree(seed: int, limit: tuple[int, int]) -> None:
+    skew = 200  # (ticks are 1-40)
+    simulate(seed, Limits(max_bytes=limit[0], max_changes=limit[1], skew_us=skew), plans=25, skew=skew)

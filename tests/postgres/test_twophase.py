@@ -3,6 +3,8 @@ decoding that delivers a prepared part at its COMMIT PREPARED wherever it was at
 the builder's check of the parts a plan put in a window."""
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,8 @@ from conftest import Dbs
 
 from changefeed.core import distributed as dist
 from changefeed.core.lsn import format_lsn
-from changefeed.errors import TornTransaction
+from changefeed.errors import SourceNotReady, TornTransaction
+from changefeed.postgres import consistent_point
 from changefeed.postgres import source as src
 from changefeed.postgres import twophase
 from changefeed.postgres.changes import ChangeBuilder
@@ -102,3 +105,16 @@ def test_a_scan_up_to_a_position_inside_a_record_counts_the_record(slots: Any) -
     assert [e.gid for e in inside] == ["big"]
     assert twophase.scan(c, "p2", "p", start, prepare.start) == ()
     c.execute("COMMIT PREPARED 'big'")
+
+
+def test_a_consistent_point_waits_for_a_prepared_transaction_then_names_it(slots: Any) -> None:
+    c, _ = slots
+    prepared(c, "stuck", 1)
+    began = time.monotonic()
+    with pytest.raises(SourceNotReady, match="'stuck'") as e:
+        consistent_point.take(c.info.dsn + f" password={c.info.password}", wait_prepared_s=1)
+    assert 1 <= time.monotonic() - began < 10 and "COMMIT PREPARED" in e.value.hint
+    threading.Timer(0.5, lambda: psycopg.connect(c.info.dsn, password=c.info.password, autocommit=True).execute(
+        "COMMIT PREPARED 'stuck'")).start()
+    point = consistent_point.take(c.info.dsn + f" password={c.info.password}", wait_prepared_s=30)
+    point.close()

@@ -35,9 +35,9 @@ the latest PREPARE of its gid before it. A batch delivers the committed parts of
 Otherwise those commits move out of the batch: their nodes' windows end before them, and theta
 drops below their time, so that the whole cut stays consistent. Cutting can leave another gid
 incomplete, so the rules are applied until nothing changes. A read limit (bytes or changes of a
-window) lowers theta too; when the limits alone keep every node where it is, they give way
-(doubled until something moves), so a plan always progresses while any node has work it may
-deliver. Pure.
+window) lowers theta too; when the limits alone keep every commit out of the batch, they give
+way (doubled until one is in), and a scan cut short is taken further (`Plan.short`), so a plan
+always delivers something while any node has a commit it may deliver. Pure.
 """
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ class Plan:
     parts: dict[str, tuple[Part, ...]]  # per node, the prepared parts the window delivers (at their commit)
     open: dict[str, tuple[Part, ...]]  # per node, parts prepared before its end and undecided there
     waits: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per node, gids whose commit there waits
-    short: tuple[str, ...] = ()  # nodes whose scan, cut short, kept the plan from moving: scan further
+    short: tuple[str, ...] = ()  # nodes whose scan was cut short: scanned further when nothing is delivered
+    delivers: bool = False  # whether some window holds a commit
 
     def moved(self, scans: Mapping[str, NodeScan]) -> bool:
         """Whether some node's window is not empty (a cut time that moved alone is no batch)."""
@@ -133,7 +134,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class _Commit:
+class Commit:
     """A point where a window may deliver something: a commit with captured changes."""
 
     start: int
@@ -147,17 +148,17 @@ class DistributedError(ValueError):
     node, a COMMIT PREPARED whose PREPARE is unknown): what the planner must not guess about."""
 
 
-def pair(scan: NodeScan) -> tuple[list[_Commit], list[Part]]:
+def pair(scan: NodeScan) -> tuple[list[Commit], list[Part]]:
     """The node's delivery points in its scanned range, in WAL order, and every part known on it
     (the open ones first); each outcome belongs to its gid's open PREPARE before it."""
     parts: dict[str, Part] = {p.gid: p for p in scan.open}
     done: list[Part] = []
-    commits: list[_Commit] = []
+    commits: list[Commit] = []
     for e in scan.events:
         if e.start < scan.start:
             continue  # before the window: seen by an earlier plan (its open parts came in `open`)
         if e.kind == COMMIT:
-            commits.append(_Commit(e.start, e.time_us, e.changes))
+            commits.append(Commit(e.start, e.time_us, e.changes))
         elif e.kind == PREPARE:
             if e.gid in parts:
                 raise DistributedError(f"a second PREPARE of gid {e.gid!r} at {e.start} while one is still prepared")
@@ -169,7 +170,7 @@ def pair(scan: NodeScan) -> tuple[list[_Commit], list[Part]]:
             part = replace(part, commit=e.start, commit_time_us=e.time_us)
             done.append(part)
             if part.changes:
-                commits.append(_Commit(e.start, e.time_us, part.changes, part))
+                commits.append(Commit(e.start, e.time_us, part.changes, part))
         elif e.kind == ROLLBACK_PREPARED:
             part = parts.pop(e.gid, None)
             if part is not None:
@@ -184,16 +185,19 @@ def plan(scans: Mapping[str, NodeScan], theta_prev: int, theta_read: int, limits
     commits = {n: c for n, (c, _) in paired.items()}
     parts = {n: p for n, (_, p) in paired.items()}
     result = _plan(scans, commits, parts, theta_prev, theta_read, limits)
-    factor = 2
-    while not result.moved(scans) and (limits.max_bytes or limits.max_changes) and factor <= 1 << GIVE_WAY:
-        result = _plan(scans, commits, parts, theta_prev, theta_read, limits.relaxed(factor))
-        factor *= 2
-    if not result.moved(scans) and (limits.max_bytes or limits.max_changes):
-        result = _plan(scans, commits, parts, theta_prev, theta_read, Limits(skew_us=limits.skew_us))
-    return result
+    if result.delivers or not (limits.max_bytes or limits.max_changes):
+        return result
+    unlimited = _plan(scans, commits, parts, theta_prev, theta_read, Limits(skew_us=limits.skew_us))
+    if not unlimited.delivers:
+        return result  # (the limits are not what keeps the commits out)
+    for doubling in range(1, GIVE_WAY):
+        result = _plan(scans, commits, parts, theta_prev, theta_read, limits.relaxed(1 << doubling))
+        if result.delivers:
+            return result
+    return unlimited
 
 
-def _plan(scans: Mapping[str, NodeScan], commits: Mapping[str, list[_Commit]], parts: Mapping[str, list[Part]],
+def _plan(scans: Mapping[str, NodeScan], commits: Mapping[str, list[Commit]], parts: Mapping[str, list[Part]],
           theta_prev: int, theta_read: int, limits: Limits) -> Plan:
     theta = theta_read
     for n, s in scans.items():
@@ -218,10 +222,11 @@ def _plan(scans: Mapping[str, NodeScan], commits: Mapping[str, list[_Commit]], p
                  for n, s in scans.items()}
     still = {n: tuple(_reopened(p) for p in parts[n] if _undecided_at(p, ends[n])) for n in scans}
     short = tuple(n for n, s in scans.items() if not s.complete)
-    return Plan(ends, theta, delivered, still, {n: tuple(sorted(w)) for n, w in waits.items() if w}, short)
+    delivers = any(s.start <= c.start < ends[n] for n, s in scans.items() for c in commits[n])
+    return Plan(ends, theta, delivered, still, {n: tuple(sorted(w)) for n, w in waits.items() if w}, short, delivers)
 
 
-def _limit_theta(scan: NodeScan, commits: list[_Commit], limits: Limits) -> int:
+def _limit_theta(scan: NodeScan, commits: list[Commit], limits: Limits) -> int:
     """The highest theta that keeps the node's window within the read limits (and within what a
     scan cut short can vouch for: its last commit stays out). Every window may take its first
     commit, however large."""
@@ -237,7 +242,7 @@ def _limit_theta(scan: NodeScan, commits: list[_Commit], limits: Limits) -> int:
     return 1 << 62
 
 
-def _end(scan: NodeScan, commits: list[_Commit], theta: int, cap: int | None) -> int:
+def _end(scan: NodeScan, commits: list[Commit], theta: int, cap: int | None) -> int:
     """Where the node's window ends at cut time `theta`: its first commit later than theta, else
     its frontier (for a scan cut short, its start: what lies past the scan is unknown); never
     past `cap`."""
@@ -245,7 +250,7 @@ def _end(scan: NodeScan, commits: list[_Commit], theta: int, cap: int | None) ->
     return max(scan.start, end if cap is None else min(end, cap))
 
 
-def _blocked(scans: Mapping[str, NodeScan], commits: Mapping[str, list[_Commit]],
+def _blocked(scans: Mapping[str, NodeScan], commits: Mapping[str, list[Commit]],
              parts: Mapping[str, list[Part]], ends: Mapping[str, int], limits: Limits) -> set[str]:
     """gids whose committed parts must not be delivered with these ends: one of their parts is
     still undecided at its node's end, or a commit in a window is not certain to follow every

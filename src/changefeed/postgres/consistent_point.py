@@ -10,6 +10,7 @@ connection drops the slot (it is temporary), also when the process dies.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,13 @@ class ConsistentPoint:
         self.conn.close()
 
 
-def take(uri: str, role: str = "source") -> ConsistentPoint:
+def take(uri: str, role: str = "source", wait_prepared_s: float = 30.0) -> ConsistentPoint:
     """Create a temporary slot and its exported snapshot on the server at `uri`.
 
     Creating a logical slot waits for the transactions running at that moment to end: a long one
-    delays it (as it delays any new slot)."""
+    delays it (as it delays any new slot). A prepared transaction runs until somebody decides it,
+    so while one is pending on the server this waits up to `wait_prepared_s` for it to end, then
+    refuses (SourceNotReady naming it) rather than wait without end."""
     try:
         conn = psycopg.connect(uri, autocommit=True, replication="database", connect_timeout=10,
                                application_name="changefeed verify", **KEEPALIVES)
@@ -47,6 +50,7 @@ def take(uri: str, role: str = "source") -> ConsistentPoint:
                                  "'replication') and give it the REPLICATION attribute", component=role) from None
         raise ConnectionFailed(f"cannot reach {role} {redact(uri)}: {text}", "check that the server is running",
                                component=role) from None
+    _without_prepared(conn, uri, role, wait_prepared_s)
     name = f"changefeed_verify_{uuid.uuid4().hex[:12]}"
     res = conn.pgconn.exec_(f'CREATE_REPLICATION_SLOT "{name}" TEMPORARY LOGICAL pgoutput '
                             "(SNAPSHOT 'export')".encode())
@@ -59,3 +63,22 @@ def take(uri: str, role: str = "source") -> ConsistentPoint:
     lsn, snapshot = res.get_value(0, 1), res.get_value(0, 2)
     assert lsn is not None and snapshot is not None
     return ConsistentPoint(parse_lsn(lsn.decode()), snapshot.decode(), conn)
+
+
+def _without_prepared(conn: psycopg.Connection[Any], uri: str, role: str, wait_s: float) -> None:
+    """Wait (up to `wait_s`) until no transaction is left prepared on the server."""
+    deadline = time.monotonic() + wait_s
+    query = b"SELECT gid, database, extract(epoch FROM now() - prepared)::int FROM pg_prepared_xacts ORDER BY prepared"
+    while True:
+        res = conn.pgconn.exec_(query)  # (a replication connection takes the simple query protocol only)
+        pending = [tuple((res.get_value(i, j) or b"").decode() for j in range(3)) for i in range(res.ntuples)]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            conn.close()
+            names = ", ".join(f"{gid!r} (database {db}, for {age}s)" for gid, db, age in pending[:5])
+            raise SourceNotReady(f"{role} {redact(uri)}: {len(pending)} prepared transaction(s) pending: {names}; a "
+                                 "consistent point waits for every running transaction to end",
+                                 "commit or roll them back (COMMIT PREPARED / ROLLBACK PREPARED 'gid'), then verify "
+                                 "again", component=role)
+        time.sleep(0.2)

@@ -57,7 +57,8 @@ class Cut:
 
     def plan(self, start: Offset, certain: Mapping[str, int], theta_read: int, frontiers: Mapping[str, int],
              caps: Mapping[str, int] | None = None) -> tuple[dist.Plan, dict[str, dist.NodeScan]]:
-        """The batch's plan from `start` (scanning further while a scan cut short keeps it from moving)."""
+        """The batch's plan from `start` (scanning further while it delivers nothing and a scan was
+        cut short)."""
         bound = self.bound
         while True:
             scans = {n: self._scan(n, start, certain[n], frontiers[n], bound, (caps or {}).get(n)) for n in self.nodes}
@@ -67,7 +68,7 @@ class Cut:
                 raise TornTransaction(f"the two-phase records of the feed's nodes contradict each other: {e}",
                                       "nothing more is delivered; check the nodes' prepared transactions "
                                       "(pg_prepared_xacts) and report it") from None
-            if plan.moved(scans) or not plan.short or bound is None:
+            if plan.delivers or not plan.short or bound is None:
                 break
             bound *= 4
         self._blockers = {}

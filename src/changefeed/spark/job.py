@@ -73,7 +73,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
               .option("requests_dir", str(state.requests))
               .option("barrier_file", str(state.barrier_file))
-              .option("joining_file", str(state.joining_file)))
+              .option("joining_file", str(state.joining_file))
+              .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000))))
     sink = sink_of(spec.sink)
     options = {"sink": sink.name, "uri": spec.sink, "feed": spec.name, "multi_node": str(spec.multi_node).lower(),
                "resync": ",".join(resync), **sink.writer_options(spec, state)}

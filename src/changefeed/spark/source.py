@@ -239,7 +239,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
         plan, scans = self.cut.plan(start, readings.certain, readings.theta, frontiers, caps)
         # No batch that only moves past heartbeats and prepares while a transaction in doubt keeps
         # the commits back: it would cost a batch per poll and look like progress.
-        if not chunks and (not plan.moved(scans) or plan.waits and not _delivers(scans, plan)):
+        if not chunks and (not plan.moved(scans) or plan.waits and not plan.delivers):
             self.cut.wait(plan)
             if self._available_now is not None and _left(scans, plan, readings.certain):
                 raise self.cut.in_doubt(plan)
@@ -324,11 +324,6 @@ class Readings:
     certain: dict[str, int]
     theta: int
     frontiers: dict[str, Frontier]
-
-
-def _delivers(scans: dict[str, dist.NodeScan], plan: dist.Plan) -> bool:
-    """Whether the plan's windows hold a commit."""
-    return any(s.start <= c.start < plan.ends[n] for n, s in scans.items() for c in dist.pair(s)[0])
 
 
 def _left(scans: dict[str, dist.NodeScan], plan: dist.Plan, certain: dict[str, int]) -> bool:
