@@ -44,35 +44,24 @@ TXN_ROWS = 20
 
 
 def server_cpu_s(datadir: Path) -> float:
-    """CPU seconds (user + system) of the PostgreSQL processes serving `datadir` so far."""
+    """CPU seconds (user + system) of the PostgreSQL server of `datadir` so far: its running
+    processes, and through the postmaster's children's times the backends that have ended (each
+    batch's readers connect and leave)."""
     tick = os.sysconf("SC_CLK_TCK")
+    master = (datadir / "postmaster.pid").read_text().split()[0]
     total = 0.0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if str(datadir).encode() not in cmdline and not _child_of(pid, datadir):
-                continue
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            if pid == master:
+                total += sum(int(f) for f in fields[11:15]) / tick  # its own and its ended children's
+            elif fields[1] == master:
+                total += (int(fields[11]) + int(fields[12])) / tick
         except (OSError, IndexError, ValueError):
             continue
     return total
-
-
-_postmasters: dict[str, str] = {}
-
-
-def _child_of(pid: str, datadir: Path) -> bool:
-    """Whether `pid` is a backend of the server in `datadir` (backends show no data directory)."""
-    master = _postmasters.get(str(datadir))
-    if master is None:
-        master = _postmasters[str(datadir)] = (datadir / "postmaster.pid").read_text().split()[0]
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == master
-    except OSError:
-        return False
 
 
 class Writer(threading.Thread):
@@ -202,8 +191,8 @@ def main() -> int:
         for key, label in (("batches_per_s", "batches/s"), ("cpu", "CPU s/s"), ("cpu_last", "last fifth CPU s/s")):
             s = spread([r[key] for r in rs])
             ratio = spread([r[key] / b_[key] if b_[key] else float("nan") for r, b_ in zip(rs, base)])
-            line.append(f"{label} {s[0]:.3f} [{s[1]:.3f} - {s[2]:.3f}]" + (
-                f" (x{ratio[0]:.2f} [{ratio[1]:.2f} - {ratio[2]:.2f}] of baseline)" if name != "baseline" and ratio else ""))
+            versus = f" (x{ratio[0]:.2f} [{ratio[1]:.2f} - {ratio[2]:.2f}] of baseline)" if ratio else ""
+            line.append(f"{label} {s[0]:.3f} [{s[1]:.3f} - {s[2]:.3f}]" + (versus if name != "baseline" else ""))
         growth = spread([r["cpu_last"] / r["cpu_first"] for r in rs if r["cpu_first"]])
         if growth:
             line.append(f"last/first fifth CPU x{growth[0]:.2f} [{growth[1]:.2f} - {growth[2]:.2f}]")

@@ -87,7 +87,8 @@ class Offset:
                                   "prepared transactions from two-phase slots",
                                   "remove the feed (changefeed remove --name NAME) and create it again")
             lsns = {DEFAULT_NODE: int(d["lsn"])} if version == 1 else {str(k): int(v) for k, v in d["nodes"].items()}
-            parts = {str(n): tuple((str(g), int(x), int(at)) for g, x, at in v) for n, v in (d.get("parts") or {}).items()}
+            parts = {str(n): tuple((str(g), int(x), int(at)) for g, x, at in v)
+                     for n, v in (d.get("parts") or {}).items()}
             opened = {str(n): tuple(Part.from_json(p) for p in v) for n, v in (d.get("open") or {}).items()}
             return cls(lsns, int(d.get("ts", 0)), Cursor.from_offset(d),
                        tuple(Chunk.from_json(c) for c in d.get("chunks", ())), int(d.get("theta", 0)), parts, opened)

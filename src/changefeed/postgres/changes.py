@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -333,9 +332,9 @@ class ChangeBuilder:
         if planned is not None:
             gid, xid = planned
             if xid != begin.xid:
-                raise TornTransaction(f"the plan put prepared transaction {gid!r} (xid {xid}) at {format_lsn(begin.final_lsn)} "
-                                      f"on node {self.node}, but the transaction committed there is xid {begin.xid}",
-                                      _TORN_HINT)
+                raise TornTransaction(f"the plan put prepared transaction {gid!r} (xid {xid}) at "
+                                      f"{format_lsn(begin.final_lsn)} on node {self.node}, but the transaction "
+                                      f"committed there is xid {begin.xid}", _TORN_HINT)
             self.gids.append([gid, xid])
 
     def _part_out(self) -> None:

@@ -59,18 +59,23 @@ class Cut:
              caps: Mapping[str, int] | None = None) -> tuple[dist.Plan, dict[str, dist.NodeScan]]:
         """The batch's plan from `start` (scanning further while it delivers nothing and a scan was
         cut short)."""
-        bound = self.bound
+        bounds = {n: self.bound for n in self.nodes}
+        scans: dict[str, dist.NodeScan] = {}
+        todo = set(self.nodes)
         while True:
-            scans = {n: self._scan(n, start, certain[n], frontiers[n], bound, (caps or {}).get(n)) for n in self.nodes}
+            for n in todo:
+                scans[n] = self._scan(n, start, certain[n], frontiers[n], bounds[n], (caps or {}).get(n))
             try:
                 plan = dist.plan(scans, start.theta, theta_read, self.limits)
             except dist.DistributedError as e:
                 raise TornTransaction(f"the two-phase records of the feed's nodes contradict each other: {e}",
                                       "nothing more is delivered; check the nodes' prepared transactions "
                                       "(pg_prepared_xacts) and report it") from None
-            if plan.delivers or not plan.short or bound is None:
+            if plan.delivers or not plan.short:
                 break
-            bound *= 4
+            todo = set(plan.short)  # (a short scan has a bound)
+            for n in todo:
+                bounds[n] = 4 * (bounds[n] or 0)
         self._blockers = {}
         return plan, scans
 
