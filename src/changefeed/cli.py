@@ -209,7 +209,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise ConfigError("--workers and --chunk-rows take a number >= 1", "e.g. --workers 4 --chunk-rows 1000")
         found = verify(spec, state, tables=parse_tables(args.tables) if args.tables else (), repair=args.repair,
                        workers=args.workers, chunk_rows=args.chunk_rows,
-                       wait_s=_option("wait", parse_duration, args.wait),
+                       wait_s=_option("wait", parse_duration, args.wait), master=args.master,
                        report=lambda line: print(line, file=sys.stderr))
     except ChangefeedError as e:
         print(f"changefeed: error: {e}", file=sys.stderr)
@@ -411,8 +411,8 @@ def parser() -> argparse.ArgumentParser:
     snap.add_argument("--tables", required=True, help="comma-separated schema.table list (tables of the feed)")
     snap.set_defaults(func=cmd_snapshot)
 
-    ver = sub.add_parser("verify", help="compare a running feed's source and sink (a replica, or Kafka topics) at "
-                                        "one consistent point; exit 0 equal, 1 different, 2 error")
+    ver = sub.add_parser("verify", help="compare a feed's source and sink (a replica, or Kafka topics) at one "
+                                        "consistent point, running or not; exit 0 equal, 1 different, 2 error")
     ver.add_argument("--name", required=True)
     ver.add_argument("--state", default=DEFAULT_STATE)
     ver.add_argument("--tables", help="comma-separated schema.table list (default: all the feed's tables)")
@@ -424,6 +424,8 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--chunk-rows", type=int, default=1000,
                      help="about this many rows per compared chunk (default 1000)")
     ver.add_argument("--wait", default="2m", help="how long the feed may take to reach the point (default 2m)")
+    ver.add_argument("--master", default="local[*]",
+                     help="Spark master for running a stopped feed that is behind up to the point (default local[*])")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.set_defaults(func=cmd_verify)
 

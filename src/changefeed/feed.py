@@ -251,7 +251,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         stop_event: threading.Event | None = None, handle_signals: bool = True,
         metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False,
         retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None,
-        verify_every_s: float | None = None) -> None:
+        verify_every_s: float | None = None, locked: bool = False) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
     Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
@@ -260,7 +260,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     (retry.Retry) and carries on from the checkpoint, at the start too once the feed has a
     checkpoint (a host that reboots starts the feed before its servers); a new feed's first start
     ends at once on any fault, so a mistyped URI shows. Definite faults end the run with their
-    typed error."""
+    typed error. `locked`: the caller holds the feed's state folder lock already (verify running a
+    stopped feed up to its point)."""
     stop = stop_event or threading.Event()
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
@@ -271,7 +272,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         fault: TransientError | None = None
         try:
             spec.validate()
-            stack.enter_context(state_lock(state))
+            if not locked:
+                stack.enter_context(state_lock(state))
             attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
             try:
                 prepared = attach(spec, state, attempt, report)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import FeedSpec, FeedState, SourceNode
 from .core.hlc import physical_ms
@@ -39,10 +40,14 @@ class FeedStatus:
     # slot, slot_state, slot_retained_wal_bytes, checkpoint_lsn, lag_bytes (the top level sums them), and
     # prepared_transactions (undecided ones: their distributed transactions wait)
     verified: dict[str, object] | None = None  # the last verify: at (Unix time), equal, mismatched_rows, lsns
+    unreachable: dict[str, str] = field(default_factory=dict)  # what could not be asked now (sink, source [node
+    #                                                           NAME]) and why: the fields it would give are unknown
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
-               if k not in ("snapshot", "nodes", "verified")]
+               if k not in ("snapshot", "nodes", "verified", "unreachable")]
+        out += [f"unknown: the {what} cannot be reached now ({why}); what it would tell is shown as -"
+                for what, why in self.unreachable.items()]
         if self.verified:
             v = self.verified
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(v["at"])))  # type: ignore[arg-type]
@@ -54,20 +59,27 @@ class FeedStatus:
 
 
 def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
-    """The feed's status; for a running feed whose source or sink cannot be reached now (it is
-    retrying), or a failed one (maybe for that reason), what the state folder knows, and the rest
-    unknown."""
+    """The feed's status, running or not. A server that cannot be reached now (the sink, a source
+    node: down, or the feed retrying) is named in `unreachable` with the reason, and what it would
+    tell is unknown; the rest comes from wherever it still can (the sink's ledger, the nodes that
+    answer, the state folder)."""
     state = run_state(feed_state)
+    unreachable: dict[str, str] = {}
+    sink: _SinkReading | None = None
     try:
-        with lost_connection("source or sink"):
-            found = _measured(spec, feed_state, state)
-        found.verified = verified(feed_state)
-        return found
+        with lost_connection("sink"):
+            sink = _read_sink(spec, feed_state)
     except ConnectionFailed as e:
-        if not state.startswith(("running", "failed")):
-            raise
-        return FeedStatus(spec.name, state, spec.slot, f"unknown ({e.message.splitlines()[0]})", None, None, None,
-                          None, None, None, None, None, None, {})
+        unreachable["sink"] = e.message.splitlines()[0]
+    readings: dict[str, _NodeReading] = {}
+    for node in spec.sources:
+        try:
+            readings[node.name] = _read_node(spec, node, sink.checkpoint.get(node.name) if sink else None, state)
+        except ConnectionFailed as e:
+            unreachable[spec.role(node.name)] = e.message.splitlines()[0]
+    found = _measured(spec, state, sink, readings, unreachable)
+    found.verified = verified(feed_state)
+    return found
 
 
 def verified(feed_state: FeedState) -> dict[str, object] | None:
@@ -93,40 +105,68 @@ class _NodeReading:
         return 0 if self.caught_up else self.current - (self.position or 0)
 
 
-def _measured(spec: FeedSpec, feed_state: FeedState, state: str) -> FeedStatus:
+@dataclass
+class _SinkReading:
+    """What the sink's ledger says of the feed."""
+
+    last: Any  # sinks.ledger.LastBatch | None
+    checkpoint: dict[str, int]
+    rate: float | None
+    snapshot: dict[str, dict[str, int]]
+
+
+def _read_sink(spec: FeedSpec, feed_state: FeedState) -> _SinkReading:
     with closing(open_ledger(spec, feed_state)) as ledger:
         last = ledger.last_batch()
-        checkpoint = ledger.checkpoint() or {}
-        rate = ledger.recent_rate() if last else None
-        snapshot = {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()}
-    readings = {n.name: _read_node(spec, n, checkpoint.get(n.name), state) for n in spec.sources}
+        return _SinkReading(last, ledger.checkpoint() or {}, ledger.recent_rate() if last else None,
+                            {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()})
+
+
+def _measured(spec: FeedSpec, state: str, sink: _SinkReading | None, readings: dict[str, _NodeReading],
+              unreachable: dict[str, str]) -> FeedStatus:
+    """The status from what could be read (`sink`, the nodes in `readings`)."""
+    last = sink.last if sink else None
+    every_node = len(readings) == len(spec.sources)
     lag_bytes: int | None = None
     lag_s = resolved_lag = None
     if last:
-        lag_bytes = sum(r.lag_bytes for r in readings.values())
-        now_ms = max(r.now_ms for r in readings.values())
-        lag_s = 0.0 if all(r.caught_up for r in readings.values()) else resolved_lag_s(now_ms, last.resolved_ts)
+        now_ms = max((r.now_ms for r in readings.values()), default=int(time.time() * 1000))
         resolved_lag = resolved_lag_s(now_ms, last.resolved_ts)
-    else:
+        if every_node:
+            lag_bytes = sum(r.lag_bytes for r in readings.values())
+            lag_s = 0.0 if all(r.caught_up for r in readings.values()) else resolved_lag
+    elif sink and every_node:
         behind = [r.current - r.slot.confirmed_flush for r in readings.values() if r.slot and r.slot.confirmed_flush]
         lag_bytes = max(0, sum(behind)) if behind else None
-    nodes = {} if not spec.multi_node else {n.name: {
-        "slot": n.slot, "slot_state": _slot_text(readings[n.name].slot),
-        "slot_retained_wal_bytes": retained_bytes(readings[n.name].slot, readings[n.name].current),
-        "checkpoint_lsn": format_lsn(readings[n.name].position) if readings[n.name].position else None,
-        "lag_bytes": readings[n.name].lag_bytes if last else None,
-        "prepared_transactions": _waiting_text(readings[n.name].waiting)} for n in spec.sources}
-    one = readings[spec.sources[0].name]
+    nodes = {} if not spec.multi_node else {n.name: _node_fields(n, readings.get(n.name), last is not None,
+                                                                 unreachable.get(spec.role(n.name)))
+                                            for n in spec.sources}
+    one = readings.get(spec.sources[0].name)
     retained = [retained_bytes(r.slot, r.current) for r in readings.values()]
+    lost = unreachable.get(spec.role(spec.sources[0].name))
     return FeedStatus(
         name=spec.name, state=state, slot=spec.slot if not spec.multi_node else f"one per node ({len(nodes)})",
-        slot_state=_slot_text(one.slot) if not spec.multi_node else _nodes_text(readings),
+        slot_state=(f"unknown ({lost})" if one is None else _slot_text(one.slot)) if not spec.multi_node
+        else _nodes_text(spec, readings),
         slot_retained_wal_bytes=sum(r for r in retained if r) if any(r is not None for r in retained) else None,
         checkpoint_lsn=format_lsn(last.end_lsn) if last and not spec.multi_node else None,
         checkpoint_commit_time=last.commit_time if last else None, lag_bytes=lag_bytes, lag_seconds=lag_s,
-        resolved_lag_seconds=resolved_lag, changes_per_second_last_minute=rate,
-        last_batch_apply_seconds=last.seconds if last else None, batches=last.batches if last else 0,
-        snapshot=snapshot, nodes=nodes)
+        resolved_lag_seconds=resolved_lag, changes_per_second_last_minute=sink.rate if sink else None,
+        last_batch_apply_seconds=last.seconds if last else None,
+        batches=(last.batches if last else 0) if sink else None,
+        snapshot=sink.snapshot if sink else {}, nodes=nodes, unreachable=unreachable)
+
+
+def _node_fields(node: SourceNode, r: _NodeReading | None, applied: bool, lost: str | None) -> dict[str, object]:
+    """A node's line of a feed of several nodes (unknown where the node cannot be reached)."""
+    if r is None:
+        return {"slot": node.slot, "slot_state": f"unknown ({lost})", "slot_retained_wal_bytes": None,
+                "checkpoint_lsn": None, "lag_bytes": None, "prepared_transactions": "unknown"}
+    return {"slot": node.slot, "slot_state": _slot_text(r.slot),
+            "slot_retained_wal_bytes": retained_bytes(r.slot, r.current),
+            "checkpoint_lsn": format_lsn(r.position) if r.position else None,
+            "lag_bytes": r.lag_bytes if applied else None,
+            "prepared_transactions": _waiting_text(r.waiting)}
 
 
 def _read_node(spec: FeedSpec, node: SourceNode, position: int | None, state: str) -> _NodeReading:
@@ -154,10 +194,16 @@ def _waiting_text(waiting: list[tuple[str, float]]) -> str:
     return f"{len(waiting)}, oldest {gid!r} prepared {age:.0f}s ago"
 
 
-def _nodes_text(readings: dict[str, _NodeReading]) -> str:
-    states = [("missing" if r.slot is None else "invalidated" if r.slot.wal_status == "lost" or r.slot.invalidation
-               else "active" if r.slot.active_pid else "inactive") for r in readings.values()]
-    return ", ".join(f"{n} {st}" for n, st in zip(readings, states))
+def _nodes_text(spec: FeedSpec, readings: dict[str, _NodeReading]) -> str:
+    def text(r: _NodeReading | None) -> str:
+        if r is None:
+            return "unknown"
+        if r.slot is None:
+            return "missing"
+        if r.slot.wal_status == "lost" or r.slot.invalidation:
+            return "invalidated"
+        return "active" if r.slot.active_pid else "inactive"
+    return ", ".join(f"{n.name} {text(readings.get(n.name))}" for n in spec.sources)
 
 
 def counted(n: int, noun: str) -> str:

@@ -1,16 +1,14 @@
-"""`changefeed verify`: compare a running feed's source and replica at one consistent point.
+"""`changefeed verify`: compare a feed's source and sink at one consistent point.
 
-How the point is met: on each node a snapshot exported at a WAL position X
-(postgres/consistent_point.py); a barrier (core.barrier) makes the running feed end a batch at
-exactly X and wait there; once the replica's ledger says X, a read-only transaction on the
-replica exports its snapshot too and the barrier goes, so the feed waits only for that moment.
-Both snapshots then stay open while the tables are compared chunk by chunk (core.verify,
+The point, running feed or not, is met by verify_points.py: a snapshot exported on each node at
+a position X, and the sink's side taken while it holds exactly what the source held at X. Both
+snapshots then stay open while the tables are compared chunk by chunk (core.verify,
 postgres/checksum.py), in parallel sessions over block ranges of each side.
 
-`repair` meets a second point and, while the feed waits at it, writes the source's rows of every
-key that differed (deleting the replica's) in one replica transaction under the feed's apply
-lock: the replica then holds the source's state at that point for those keys, and the feed goes
-on from there.
+`repair` meets a second point and, while the sink stays there (a running feed waits at it, a
+stopped one is held by verify), writes the source's rows of every key that differed (deleting the
+replica's) in one replica transaction under the feed's apply lock: the replica then holds the
+source's state at that point for those keys, and the feed goes on from there.
 """
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -29,26 +26,16 @@ from psycopg import sql
 from .config import FeedSpec, FeedState, node_role
 from .core import barrier as bar
 from .core import verify as cv
-from .core.lsn import format_lsn
-from .errors import ChangefeedError, ConfigError, DefiniteError, TransientError
+from .errors import ChangefeedError, ConfigError, TransientError
 from .postgres import checksum as cs
-from .postgres import consistent_point
 from .postgres.connect import connect, lost_connection
 from .postgres.source import describe_tables
-from .runner_lock import holder
-from .sinks.ledger import FileLedger
-from .sinks.replica.apply import META_SCHEMA, ReplicaLedger, has_meta
-from .sinks.base import ledger_path
 from .sinks.registry import sink_of
+from .verify_points import Held, Point, VerifyError, held, position
 
-ATTEMPTS = 5  # points met in a row that the feed had already passed (or could not reach)
-STALL_S = 10.0
 DEFAULT_CHUNK_ROWS = 1000
 DEFAULT_WORKERS = 2
-
-
-class VerifyError(DefiniteError):
-    """A verification that cannot be done as asked."""
+__all__ = ["VerifyError", "verify", "verify_every", "last"]
 
 
 def last(state: FeedState) -> dict[str, Any] | None:
@@ -59,46 +46,32 @@ def last(state: FeedState) -> dict[str, Any] | None:
         return None
 
 
-@dataclass
-class _Point:
-    """Both sides held at one position: each node's exported snapshot, and the replica's (or, for
-    Kafka, each table topic's partitions' high watermarks then)."""
-
-    lsns: dict[str, int]
-    sources: dict[str, consistent_point.ConsistentPoint]
-    sink_conn: psycopg.Connection[Any] | None
-    sink_snapshot: str = ""
-    marks: dict[str, dict[int, int]] = field(default_factory=dict)
-
-    def close(self) -> None:
-        for p in self.sources.values():
-            p.close()
-        if self.sink_conn is not None:
-            self.sink_conn.close()
-
-
 def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repair: bool = False,
            workers: int = DEFAULT_WORKERS, chunk_rows: int = DEFAULT_CHUNK_ROWS, wait_s: float = 120,
-           report: Callable[[str], None] = print) -> cv.Report:
-    """Compare the feed's tables (or `tables`) on source and replica; with `repair`, fix what differs."""
-    chosen = _check(spec, state, tables, wait_s, repair, report)
-    began = time.monotonic()
-    point = _meet(spec, state, wait_s, hold=False, report=report, tables=chosen)
-    try:
-        if point.sink_conn is None:
-            from .verify_messages import compare_topic
+           report: Callable[[str], None] = print, master: str = "local[*]") -> cv.Report:
+    """Compare the feed's tables (or `tables`) on source and sink; with `repair`, fix what differs.
+    A feed that is not running is held meanwhile (and run, on `master`, if it is behind: see
+    verify_points)."""
+    chosen = _check(spec, state, tables, repair)
+    with held(spec, state, master, report) as feed:
+        _wait_for_snapshot(feed, wait_s)
+        began = time.monotonic()
+        point = feed.meet(wait_s, tables=chosen)
+        try:
+            if point.sink_conn is None:
+                from .verify_messages import compare_topic
 
-            results = [(compare_topic(spec, point.sources, point.marks[t], t), []) for t in chosen]
-        else:
-            results = [_compare(spec, point, t, workers, chunk_rows) for t in chosen]
-    finally:
-        point.close()
-    out = cv.Report(point.lsns, [r for r, _ in results], time.monotonic() - began)
-    todo = {r.table: keys for r, keys in results if keys and not r.schema}
-    if repair and todo:
-        fixed = _repair(spec, state, todo, wait_s, report)
-        for r in out.tables:
-            r.repaired = fixed.get(r.table, 0)
+                results = [(compare_topic(spec, point.sources, point.marks[t], t), []) for t in chosen]
+            else:
+                results = [_compare(spec, point, t, workers, chunk_rows) for t in chosen]
+        finally:
+            point.close()
+        out = cv.Report(point.lsns, [r for r, _ in results], time.monotonic() - began)
+        todo = {r.table: keys for r, keys in results if keys and not r.schema}
+        if repair and todo:
+            fixed = _repair(feed, todo, wait_s)
+            for r in out.tables:
+                r.repaired = fixed.get(r.table, 0)
     state.verified_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = state.verified_file.with_suffix(".tmp")
     tmp.write_text(json.dumps(out.to_json()))
@@ -106,10 +79,7 @@ def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repa
     return out
 
 
-def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: float, repair: bool,
-           report: Callable[[str], None]) -> list[str]:
-    from .feed import chunks_to_read
-
+def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], repair: bool) -> list[str]:
     kind = sink_of(spec.sink).name
     if kind != "replica" and (kind != "kafka" or spec.format not in ("json", "debezium")):
         raise ConfigError(f"feed {spec.name} writes to a {kind} sink{' in format ' + spec.format if kind == 'kafka' else ''}: "
@@ -122,110 +92,24 @@ def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], wait_s: floa
     if unknown:
         raise ConfigError(f"--tables: {', '.join(unknown)} not captured by feed {spec.name}",
                           f"choose among {', '.join(spec.tables)}")
-    if holder(state) is None:
-        raise VerifyError(f"feed {spec.name} is not running: verify compares at a position the running feed "
-                          "stops at for a moment", f"start it (changefeed run --name {spec.name}) and verify again")
+    return list(tables or [t for t in spec.tables if t != spec.outbox])  # (an outbox's rows are events)
+
+
+def _wait_for_snapshot(feed: Held, wait_s: float) -> None:
+    """A running feed reading existing rows: wait until it is done (the replica is no consistent
+    cut before; a stopped feed is run through its snapshot by verify_points)."""
+    from .feed import chunks_to_read
+
+    spec, state = feed.spec, feed.state
+    if feed.stopped or not chunks_to_read(spec, state):
+        return
+    feed.report(f"verify: feed {spec.name} is reading existing rows (a snapshot): waiting for it to finish")
     deadline = time.monotonic() + wait_s
-    if chunks_to_read(spec, state):
-        report(f"verify: feed {spec.name} is reading existing rows (a snapshot): waiting for it to finish")
-    while chunks_to_read(spec, state):  # the replica is no consistent cut before it ends
+    while chunks_to_read(spec, state):
         if time.monotonic() > deadline:
             raise VerifyError(f"feed {spec.name} is still reading existing rows (a snapshot) after {wait_s:.0f}s",
                               "verify once status shows the snapshot done, or give a longer --wait")
         time.sleep(0.5)
-    return list(tables or [t for t in spec.tables if t != spec.outbox])  # (an outbox's rows are events)
-
-
-def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report: Callable[[str], None],
-          tables: Sequence[str] = ()) -> _Point:
-    """Export a snapshot on each node at a position X, have the feed's replica reach exactly X and
-    export the replica's snapshot there (a Kafka sink: note the high watermarks of the `tables`'
-    topics then). With `hold` the barrier stays (the caller removes it)."""
-    kafka = sink_of(spec.sink).name == "kafka"
-    for _ in range(ATTEMPTS):
-        with ExitStack() as undo:
-            sources: dict[str, consistent_point.ConsistentPoint] = {}
-            undo.callback(lambda: [p.close() for p in sources.values()])
-            for node in spec.sources:
-                sources[node.name] = consistent_point.take(node.uri, node_role(node.name, spec.multi_node))
-            lsns = {n: p.lsn for n, p in sources.items()}
-            bar.write(state.barrier_file, bar.Barrier(lsns, time.time() + wait_s + 60))
-            undo.callback(bar.remove, state.barrier_file)
-            if kafka:
-                ledger = FileLedger(ledger_path(state))
-                if not _reached(spec, state, ledger.checkpoint, lsns, wait_s):
-                    report(f"verify: the feed passed {_where(lsns)} or cannot reach it; taking a new point")
-                    continue
-                from .verify_messages import high_marks_of
-
-                marks = high_marks_of(spec, tables)
-                if ledger.checkpoint() != lsns:
-                    continue
-                undo.pop_all()
-                bar.remove(state.barrier_file)
-                return _Point(lsns, sources, None, marks=marks)
-            sink = connect(spec.sink, "sink")
-            undo.callback(sink.close)
-            if not _reached(spec, state, lambda: _position(sink, spec.name), lsns, wait_s):
-                report(f"verify: the feed passed {_where(lsns)} or cannot reach it; taking a new point")
-                continue
-            with lost_connection("sink"):
-                cs.session(sink)
-                sink.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                if _position(sink, spec.name) != lsns or _chunk_read_past(sink, spec.name, lsns):
-                    continue  # moved on, or a snapshot chunk read later: not a consistent cut at X
-                snapshot = sink.execute("SELECT pg_export_snapshot()").fetchone()[0]  # type: ignore[index]
-            undo.pop_all()  # the point's connections stay open, and with `hold` the barrier
-            if not hold:
-                bar.remove(state.barrier_file)
-            return _Point(lsns, sources, sink, snapshot)
-    raise TransientError(f"feed {spec.name} moved past {ATTEMPTS} verification points in a row",
-                         "verify again; if it keeps happening, see status for what the feed does")
-
-
-def _where(lsns: dict[str, int]) -> str:
-    return ", ".join(f"{n} {format_lsn(x)}" for n, x in sorted(lsns.items()))
-
-
-def _position(conn: psycopg.Connection[Any], feed: str) -> dict[str, int] | None:
-    return ReplicaLedger(conn, feed).checkpoint()
-
-
-def _chunk_read_past(conn: psycopg.Connection[Any], feed: str, lsns: dict[str, int]) -> bool:
-    if not has_meta(conn, "snapshot_chunks"):
-        return False
-    row = conn.execute(f"SELECT max(read_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s",
-                       (feed,)).fetchone()
-    return row is not None and row[0] is not None and len(lsns) == 1 and int(row[0]) > max(lsns.values())
-
-
-def _reached(spec: FeedSpec, state: FeedState, position: Callable[[], dict[str, int] | None],
-             lsns: dict[str, int], wait_s: float) -> bool:
-    """Wait until the replica is at `lsns` (True) or past one of them (False). On a feed of several
-    nodes, a point can split a distributed transaction (committed on one node before its position,
-    on another after it): the feed cannot deliver it whole before the point, so it stops short of
-    it; a replica that stays short for STALL_S gives False too (a new point is taken)."""
-    deadline = time.monotonic() + wait_s
-    seen, since = None, time.monotonic()
-    while True:
-        with lost_connection("sink"):
-            at = position() or {}
-        if any(at.get(n, 0) > x for n, x in lsns.items()):
-            return False
-        if all(at.get(n, 0) == x for n, x in lsns.items()):
-            return True
-        if at != seen:
-            seen, since = at, time.monotonic()
-        elif spec.multi_node and time.monotonic() - since > STALL_S and any(at.get(n) == x for n, x in lsns.items()):
-            return False
-        if holder(state) is None:
-            raise VerifyError(f"feed {spec.name} stopped while verify waited for it to reach {_where(lsns)}",
-                              "start it again and verify again")
-        if time.monotonic() > deadline:
-            raise TransientError(f"feed {spec.name} did not reach {_where(lsns)} within {wait_s:.0f}s (the replica "
-                                 f"is at {_where(at) or 'nothing yet'})",
-                                 "see changefeed status: the feed may be retrying a fault or far behind")
-        time.sleep(0.1)
 
 
 @dataclass(frozen=True)
@@ -237,12 +121,12 @@ class _Side:
     snapshot: str
 
 
-def _sides(spec: FeedSpec, point: _Point) -> tuple[list[_Side], _Side]:
+def _sides(spec: FeedSpec, point: Point) -> tuple[list[_Side], _Side]:
     nodes = [_Side(n.uri, node_role(n.name, spec.multi_node), point.sources[n.name].snapshot) for n in spec.sources]
     return nodes, _Side(spec.sink, "sink", point.sink_snapshot)
 
 
-def _compare(spec: FeedSpec, point: _Point, table: str, workers: int, chunk_rows: int
+def _compare(spec: FeedSpec, point: Point, table: str, workers: int, chunk_rows: int
              ) -> tuple[cv.TableResult, list[str]]:
     """One table's result, and every differing key."""
     nodes, sink = _sides(spec, point)
@@ -328,10 +212,10 @@ def _describe(result: cv.TableResult, differing: list[tuple[str, str]], nodes: l
         result.differences.append(d)
 
 
-def _repair(spec: FeedSpec, state: FeedState, todo: dict[str, list[str]], wait_s: float,
-            report: Callable[[str], None]) -> dict[str, int]:
+def _repair(feed: Held, todo: dict[str, list[str]], wait_s: float) -> dict[str, int]:
     """Write the source's rows of these keys into the replica at a new point (see the module doc)."""
-    point = _meet(spec, state, wait_s, hold=True, report=report)
+    spec, state = feed.spec, feed.state
+    point = feed.meet(wait_s, hold=True)
     try:
         nodes, _ = _sides(spec, point)
         sessions = cs.Sessions()
@@ -339,7 +223,7 @@ def _repair(spec: FeedSpec, state: FeedState, todo: dict[str, list[str]], wait_s
             cs.session(conn)
             conn.execute("BEGIN")
             conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{spec.name}",))
-            if _position(conn, spec.name) != point.lsns:
+            if (position(conn, spec.name) or {}) != point.sink_at:
                 raise TransientError("the feed moved on before the repair could start", "verify --repair again")
             for table, keys in todo.items():
                 _rewrite(conn, table, keys, nodes, sessions)

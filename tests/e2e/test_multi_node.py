@@ -135,6 +135,9 @@ def test_three_nodes_make_one_replica_read_by_parallel_tasks(dbs: Dbs, nodes: di
     shown = status(spec, FeedState(tmp_path / "state", spec.name))
     assert set(shown.nodes) == set(NODES) and all(n["lag_bytes"] == 0 for n in shown.nodes.values()), shown
     assert fingerprint(dbs.sink, "accounts")[0] == 3 * ACCOUNTS
+    # the stopped feed, verified where it stands: one point on every node, compared with the replica
+    verified = changefeed_cli("verify", "--name", dbs.name, "--state", str(tmp_path / "state"))
+    assert verified.returncode == 0 and "compared at n1 " in verified.stdout, verified.stdout + verified.stderr
 
 
 def test_a_node_that_cannot_be_read_is_named_and_nothing_is_created_anywhere(

@@ -111,8 +111,8 @@ def test_verify_equal_under_load_then_finds_and_repairs_each_difference(dbs: Dbs
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=120)
     assert fingerprint(dbs.source, "public.acct") == fingerprint(dbs.sink, "public.acct")
-    rc, _, err = _verify(*name)
-    assert rc == 2 and "not running" in err, err
+    rc, report, err = _verify(*name)  # stopped now: verify holds it and compares (tests/e2e/test_verify_stopped.py)
+    assert rc == 0 and report["equal"], (err, report)
 
 
 def test_run_every_verifies_periodically_into_status_and_metrics(dbs: Dbs, tmp_path: Path) -> None:
@@ -206,3 +206,5 @@ def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: 
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    rc, report, err = _verify(*name, "--tables", "public.acct")  # the stopped feed's topics, read back the same way
+    assert rc == 1 and {d["key"] for d in report["tables"][0]["differences"]} == {"(17)", "(-7)"}, (err, report)
