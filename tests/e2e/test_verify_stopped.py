@@ -114,6 +114,13 @@ def test_verify_a_stopped_feed_caught_up_behind_repaired_paused_and_held(dbs: Db
     after = changefeed_cli("run", *name, "--available-now")
     assert after.returncode == 0 and _same(dbs), after.stderr[-3000:]
 
+    # failed (the last run stopped on an error): verified like any stopped feed
+    (tmp_path / "state" / dbs.name / "failed").write_text("sink: connection lost")
+    assert json.loads(changefeed_cli("status", *name, "--json").stdout)["state"].startswith("failed")
+    rc, report, err = _verify(*name)
+    assert rc == 0 and report["equal"], (err, report)
+    (tmp_path / "state" / dbs.name / "failed").unlink()
+
     # paused: compared when caught up; not moved when behind
     assert changefeed_cli("pause", *name).returncode == 0
     rc, report, err = _verify(*name)
