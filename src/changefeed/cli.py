@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from .config import (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, PARALLEL_READ
                      parse_duration, parse_node, parse_size, parse_sources, parse_tables)
 from .core.envelope import FORMATS
 from .errors import ChangefeedError, ConfigError
+from .secrets import same
 
 DEFAULT_STATE = "./changefeed-state"
 
@@ -63,13 +65,24 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     if outbox and "tables" in given and outbox not in given["tables"]:
         given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
-        return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate()
+        return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate().protected()
     for key in ("source", "nodes", "sink", "tables"):
-        if key in given and given[key] != getattr(stored, key):
+        if key in given and not _same(key, given[key], getattr(stored, key)):
             option = "source" if key == "nodes" else key
             raise ConfigError(f"feed {args.name} was created with a different --{option} ({state.spec_file})",
                               "omit the option to reuse the stored one, or choose another --name")
-    return FeedSpec(**{**stored.__dict__, **given}).validate()
+    return FeedSpec(**{**stored.__dict__, **{k: v for k, v in given.items() if k not in ("source", "nodes", "sink")}}
+                    ).validate()
+
+
+def _same(key: str, given: Any, stored: Any) -> bool:
+    """Whether a --source/--sink given again names the stored one (its secrets may be stored encrypted)."""
+    if key == "tables":
+        return bool(given == stored)
+    if key == "nodes":
+        return len(given) == len(stored) and all(a[0] == b[0] and same(a[1], b[1], f"--source {a[0]}")
+                                                 for a, b in zip(given, stored))
+    return same(given, stored, f"--{key}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -457,6 +470,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`kill -USR1 PID` prints every thread's stack to stderr: how to see where a runner waits."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    os.umask(0o077)  # whatever changefeed (its JVM, its Python workers) writes is its owner's only
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))

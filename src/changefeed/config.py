@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -91,6 +92,32 @@ class FeedSpec:
         pairs = self.nodes or ((DEFAULT_NODE, self.source),)
         return tuple(SourceNode(n, uri, *(2 * (self.slot if n == DEFAULT_NODE else f"{self.slot}_{n}",)))
                      for n, uri in pairs)
+
+    def protected(self) -> "FeedSpec":
+        """This feed as it may be stored and handed on: literal secrets in its URIs encrypted (see
+        secrets.py; references stay as they are)."""
+        from .secrets import protect_uri
+
+        return FeedSpec(**{**self.__dict__, "source": protect_uri(self.source, "--source") if self.source else "",
+                           "nodes": tuple((n, protect_uri(u, f"--source {n}")) for n, u in self.nodes),
+                           "sink": protect_uri(self.sink, "--sink")})
+
+    def check_secrets(self) -> None:
+        """ConfigError unless every reference in the URIs can be resolved here, and a password file
+        named for the URIs without a password can be used (before anything is created)."""
+        from urllib.parse import urlsplit
+
+        from .secrets import check, passfile_problem
+
+        uris = [(n.uri, f"--source {n.name}" if self.multi_node else "--source") for n in self.sources]
+        for uri, option in [*uris, (self.sink, "--sink")]:
+            check(uri, option)
+            postgres = uri.startswith(("postgresql://", "postgres://"))
+            if postgres and urlsplit(uri).password is None and os.environ.get("PGPASSFILE") and \
+                    (why := passfile_problem()):
+                raise ConfigError(f"{option} has no password and {why}",
+                                  "fix the file (mode 0600, readable by this user) or give the password by "
+                                  "reference, postgresql://USER:${VAR}@HOST/DB")
 
     def role(self, node: str) -> str:
         """How messages name source node `node` of this feed (see node_role)."""
@@ -311,10 +338,19 @@ class FeedState:
         return FeedSpec.from_json(self.spec_file.read_text(), str(self.spec_file)) if self.spec_file.exists() else None
 
     def save(self, spec: FeedSpec) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Store the feed's definition, readable by its owner only (its secrets are references or
+        encrypted anyway: see FeedSpec.protected)."""
+        self.make()
         tmp = self.spec_file.with_suffix(".tmp")
-        tmp.write_text(spec.to_json())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.to_json())
         tmp.replace(self.spec_file)
+
+    def make(self) -> None:
+        """The state folder (and the state directory above it, if new), for its owner only."""
+        self.dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
 
     def has_checkpoint(self) -> bool:
         offsets = self.checkpoint / "offsets"

@@ -4,6 +4,7 @@ Everything that can fail on bad input is checked before anything is created or a
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -31,7 +32,7 @@ from .postgres import twophase
 from .postgres.connect import connect, lost_connection
 from .postgres.outbox import OutboxCleanup, check_outbox_table
 from .retry import Retry, Retrying, write_note
-from .runner_lock import state_lock
+from .runner_lock import Stopped, state_lock
 from .sinks.ledger import Ledger
 from .sinks.registry import open_ledger, sink_of
 from .status import counted
@@ -72,6 +73,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     each node (each step leaves what exists as it is, so a runner that lost its servers calls
     this again to carry on). Nothing is created anywhere before every check passed; a slot or
     publication created on one node is dropped again when a later step fails."""
+    spec.check_secrets()
     if spec.capture_ddl:
         spec = follow_renames(spec, state, stack)
     checked = [_check_node(spec, node, stack, report) for node in spec.sources]
@@ -266,6 +268,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
     retry = Retry(retry_max_backoff_s, give_up_after_s)
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        _stop_on_signals(stop)
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
         prepared: Prepared | None = None
@@ -273,7 +277,11 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         try:
             spec.validate()
             if not locked:
-                stack.enter_context(state_lock(state))
+                try:
+                    stack.enter_context(state_lock(state, stop=stop, report=report))
+                except Stopped:
+                    report(f"feed {spec.name}: stopped before it started")
+                    return
             attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
             try:
                 prepared = attach(spec, state, attempt, report)
@@ -288,15 +296,16 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             state.record_failure(e)  # only if the state folder exists: bad input leaves none
             raise
         state.failed_file.unlink(missing_ok=True)
+        _warn_if_readable(state, report)
         stack.callback(write_note, state.retrying_file, None)
         faults.mark_feed_group()
         faults.reach("startup")
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
+        from .secrets import executor_env
         from .spark.job import spark_session
 
-        spark = spark_session(master, log=None if verbose else state.spark_log)
+        spark = None if stop.is_set() else spark_session(  # stopped while it attached: no Spark to start
+            master, log=None if verbose else state.spark_log,
+            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink]))
         if verify_every_s:
             from .verify import verify_every
 
@@ -304,7 +313,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         meter: Meter | None = None
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
                f"checkpoint in {state.checkpoint}")
-        while fault is None or not _wait_out(fault, retry, spec, state, attempt, metrics, stop, report):
+        while not stop.is_set() and (fault is None or not _wait_out(fault, retry, spec, state, attempt, metrics,
+                                                                     stop, report)):
             try:
                 if prepared is None:  # after a transient fault: connect and check again
                     prepared = attach(spec, state, attempt, report)
@@ -329,6 +339,30 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGINT/SIGTERM stop the feed cleanly at its next step, from the start on (a runner that waits
+    for a verify, connects or starts Spark finishes that step, then stops); a second one ends the
+    process at once."""
+    def handle(sig: int, _frame: Any) -> None:
+        if stop.is_set():
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
+def _warn_if_readable(state: FeedState, report: Callable[[str], None]) -> None:
+    """A state folder other users may read or enter (made by an older changefeed, or by hand)."""
+    from .secrets import loose
+
+    mode = loose(state.dir)
+    if mode:
+        report(f"warning: the state folder {state.dir} is open to other users ({mode}): its checkpoint and logs "
+               f"are the feed's; chmod -R go-rwx {state.dir}")
 
 
 class NodesChanged(Exception):

@@ -114,6 +114,9 @@ def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
     if not spec.multi_node:
         raise ConfigError(f"feed {spec.name} reads one unnamed source: it cannot take more nodes",
                           "create the feed with named nodes (--source NAME=URI ...), which may be one")
+    from .secrets import protect_uri
+
+    uri = protect_uri(uri, f"--add-node {name}")
     grown = FeedSpec(**{**spec.__dict__, "nodes": spec.nodes + ((name, uri),)}).validate()
     node = next(n for n in grown.sources if n.name == name)
     # A running query plans no batch from here until it reads the new node: a distributed

@@ -34,7 +34,7 @@ from .postgres import checksum as cs
 from .postgres import consistent_point
 from .postgres import source as src
 from .postgres.connect import connect, lost_connection
-from .runner_lock import holder, state_lock
+from .runner_lock import VERIFY, holder, state_lock
 from .sinks.base import ledger_path
 from .sinks.ledger import FileLedger
 from .sinks.registry import open_ledger, sink_of
@@ -93,7 +93,7 @@ def held(spec: FeedSpec, state: FeedState, master: str, report: Callable[[str], 
         return
     with ExitStack() as stack:
         try:
-            stack.enter_context(state_lock(state))
+            stack.enter_context(state_lock(state, by=VERIFY))
         except FeedBusy:  # a runner started just now: verify it as it runs
             yield Held(spec, state, False, master, report)
             return
@@ -212,7 +212,7 @@ def _advisory_lock(spec: FeedSpec, node: Any, undo: ExitStack) -> tuple[str, Any
     role = node_role(node.name, spec.multi_node)
     conn = undo.enter_context(connect(node.uri, role))
     with lost_connection(role):
-        src.lock_feed(conn, spec.name)
+        src.lock_feed(conn, spec.name, by="changefeed verify")
     return node.name, conn
 
 

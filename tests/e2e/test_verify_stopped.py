@@ -2,10 +2,9 @@
 SIGKILLed, paused; behind its source or not; with a run started meanwhile; with a server down."""
 from __future__ import annotations
 
+import fcntl
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +38,17 @@ def _write(uri: str, n: int) -> None:
                 c.execute("UPDATE acct SET balance = balance - 1 WHERE id = %s", (1 + i % 2000,))
                 c.execute("UPDATE acct SET balance = balance + 1 WHERE id = %s", (2000 - i % 2000,))
                 c.execute("INSERT INTO log (what) VALUES ('w')")
+
+
+def _held_by_verify(lock: Path) -> bool:
+    """Whether a verify holds the feed's lock now (the file keeps its last holder's name after)."""
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return lock.read_text().startswith("verify,")
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
 
 
 def _same(dbs: Dbs) -> bool:
@@ -84,20 +94,22 @@ def test_verify_a_stopped_feed_caught_up_behind_repaired_paused_and_held(dbs: Db
     status = json.loads(changefeed_cli("status", *name, "--json").stdout)
     assert status["state"] == "stopped" and status["lag_seconds"] == 0, status
 
-    # a run started while verify holds the feed is refused, clearly; the verification goes on
+    # a run started while verify holds the feed waits for it, then goes on from there; one stopped while it
+    # waits ends cleanly (a service manager restarting the feed meanwhile)
     _write(dbs.source, 300)
-    verifying = subprocess.Popen([sys.executable, "-m", "changefeed", "verify", *name], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while "held by" not in (refused := changefeed_cli("run", *name, "--available-now")).stderr:
-        assert refused.returncode == 0 and time.monotonic() < deadline, refused.stderr  # (verify not there yet)
-        time.sleep(0.2)
-    assert refused.returncode == 2 and "already running" in refused.stderr, refused.stderr
-    out, err = verifying.communicate(timeout=600)
-    assert verifying.returncode == 0 and "equal" in out, (out, err)
-    after = changefeed_cli("run", *name, "--available-now")
-    assert after.returncode == 0 and _same(dbs), after.stderr[-3000:]  # on from there, exactly once
-    with dbs.src() as s, dbs.dst() as d:
+    verify_log = tmp_path / "verify.log"
+    verifying = start_changefeed("verify", *name, log=verify_log)
+    lock = tmp_path / "state" / dbs.name / "run.lock"
+    wait_for("verify to hold the feed", lambda: _held_by_verify(lock), verify_log)
+    waiting, stopped = (start_changefeed("run", *name, *more, log=tmp_path / f"{what}.log")
+                        for what, more in (("waiting", ["--available-now"]), ("stopped", [])))
+    wait_for("the runners to wait", lambda: all("a verify holds it" in (tmp_path / f"{w}.log").read_text()
+                                                for w in ("waiting", "stopped")), verify_log)
+    stopped.send_signal(signal.SIGTERM)
+    assert stopped.wait(timeout=60) == 0 and "stopped before it started" in (tmp_path / "stopped.log").read_text()
+    assert verifying.wait(timeout=600) == 0 and "equal" in verify_log.read_text(), verify_log.read_text()[-3000:]
+    assert waiting.wait(timeout=600) == 0 and _same(dbs), (tmp_path / "waiting.log").read_text()[-3000:]
+    with dbs.src() as s, dbs.dst() as d:  # on from the point, exactly once
         assert s.execute("SELECT count(*) FROM log").fetchone() == d.execute("SELECT count(*) FROM log").fetchone()
 
     # behind and written to all along: caught up, then run once more up to a barrier at the point

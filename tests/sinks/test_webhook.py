@@ -28,15 +28,8 @@ from hypothesis import strategies as st
 
 import changefeed
 from changefeed.errors import ConfigError, SinkError, TransientError
-from changefeed.sinks.webhook.client import (
-    SCHEMES,
-    WebhookClient,
-    WebhookOptions,
-    backoff_delays,
-    idempotency_key,
-    request_body,
-    resolved_body,
-)
+from changefeed.sinks.webhook.client import WebhookClient, backoff_delays, idempotency_key, request_body, resolved_body
+from changefeed.sinks.webhook.options import SCHEMES, WebhookOptions
 
 pytestmark = pytest.mark.timeout(60)
 

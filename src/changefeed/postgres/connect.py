@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from ..errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
+from ..secrets import resolve
 from .watchdog import WATCHDOG, WatchedConnection
 
 
@@ -52,14 +53,16 @@ def lost_connection(role: str) -> Iterator[None]:
 
 
 def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection[Any]:
-    """Connect to `uri`; `role` ("source", "sink") names the server in error messages."""
+    """Connect to `uri` (its secret references resolved here, see secrets.py); `role` ("source",
+    "sink") names the server in error messages."""
     if not uri.startswith(("postgresql://", "postgres://")):
         raise ConfigError(f"{role} URI {redact(uri)!r} is not a PostgreSQL URI",
                           "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
+    resolved = resolve(uri, f"the {role} URI", in_uri=True)
     try:
-        conn = WatchedConnection.connect(uri, autocommit=autocommit, connect_timeout=10,
+        conn = WatchedConnection.connect(resolved, autocommit=autocommit, connect_timeout=10,
                                          application_name="changefeed", **{**KEEPALIVES, **kwargs})
-        conn.probe_uri = uri
+        conn.probe_uri = resolved
         return conn
     except psycopg.ProgrammingError as e:
         raise ConfigError(f"{role} URI {redact(uri)!r} is malformed: {e}",
@@ -69,9 +72,25 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
         if "password authentication failed" in text or "no password supplied" in text \
                 or "authentication failed" in text or "role \"" in text and "does not exist" in text:
             raise AuthenticationFailed(f"{role} {redact(uri)} refused the credentials: {text.strip()}",
-                                       "check the user and password in the URI") from None
+                                       _credentials_hint(uri)) from None
         if "database \"" in text and "does not exist" in text:
             raise ConfigError(f"{role} {redact(uri)}: {text.strip()}", "create the database or fix the URI") from None
         raise ConnectionFailed(f"cannot reach {role} {redact(uri)}: {text.strip()}",
                                "check host and port, and that the server is running and accepts TCP connections",
                                component=role) from None
+
+
+def _credentials_hint(uri: str) -> str:
+    """What to check when a server refused the credentials: without a password in the URI, libpq
+    looked in its password file, which it skips when others may read it."""
+    from urllib.parse import urlsplit
+
+    if urlsplit(uri).password is not None:
+        return "check the user and the password (or the variable ${VAR} that holds it) in the URI"
+    from ..secrets import passfile_problem
+
+    problem = passfile_problem()
+    return (f"the URI has no password and {problem}" if problem else
+            "the URI has no password: put it in ~/.pgpass (or the file PGPASSFILE names, mode 0600), or in the URI "
+            "by reference, postgresql://USER:${VAR}@HOST/DB")
+

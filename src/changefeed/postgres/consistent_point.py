@@ -19,6 +19,7 @@ import psycopg
 
 from ..core.lsn import parse_lsn
 from ..errors import ConnectionFailed, SourceNotReady
+from ..secrets import resolve
 from .connect import KEEPALIVES, redact
 
 
@@ -40,7 +41,8 @@ def take(uri: str, role: str = "source", wait_prepared_s: float = 30.0) -> Consi
     so while one is pending on the server this waits up to `wait_prepared_s` for it to end, then
     refuses (SourceNotReady naming it) rather than wait without end."""
     try:
-        conn = psycopg.connect(uri, autocommit=True, replication="database", connect_timeout=10,
+        conn = psycopg.connect(resolve(uri, f"the {role} URI", in_uri=True), autocommit=True,
+                               replication="database", connect_timeout=10,
                                application_name="changefeed verify", **KEEPALIVES)
     except psycopg.OperationalError as e:
         text = str(e).strip()

@@ -337,21 +337,28 @@ def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
         conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
 
 
-def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
-    """Hold a session advisory lock for `feed` on the source: one runner per feed, anywhere."""
+def lock_feed(conn: psycopg.Connection[Any], feed: str, *, by: str = "changefeed", patience_s: float = 3.0) -> None:
+    """Hold a session advisory lock for `feed` on the source: one runner per feed, anywhere. A lock
+    still held is tried again for `patience_s`: a verify that held the stopped feed, or a runner
+    just stopped, may have closed its session before the server ended it."""
     key = f"changefeed:{feed}"
     conn.execute("SELECT set_config('application_name', %s, false)",
-                 (f"changefeed:{feed}@{socket.gethostname()}:{os.getpid()}"[:63],))
-    if conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()[0]:  # type: ignore[index]
-        return
+                 (f"{by}:{feed}@{socket.gethostname()}:{os.getpid()}"[:63],))
+    deadline = time.monotonic() + patience_s
+    while not conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()[0]:  # type: ignore[index]
+        if time.monotonic() >= deadline:
+            raise FeedBusy(f"feed {feed} is already running: held by {_lock_holder(conn, key)}",
+                           "stop the other runner first, or use another --name")
+        time.sleep(0.2)
+
+
+def _lock_holder(conn: psycopg.Connection[Any], key: str) -> str:
     holder = conn.execute(
         "SELECT a.pid, a.application_name, a.client_addr::text, a.backend_start::text FROM pg_locks l "
         "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
         "AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid", (key,)).fetchone()
-    who = f"{holder[1] or 'unknown'} (backend pid {holder[0]}, from {holder[2] or 'local socket'}, since {holder[3]})" \
-        if holder else "another session"
-    raise FeedBusy(f"feed {feed} is already running: held by {who}",
-                   "stop the other runner first, or use another --name")
+    return f"{holder[1] or 'unknown'} (backend pid {holder[0]}, from {holder[2] or 'local socket'}, since " \
+        f"{holder[3]})" if holder else "another session"
 
 
 def heartbeat(conn: psycopg.Connection[Any], prefix: str, pad: int = 0) -> tuple[int, int]:

@@ -14,13 +14,17 @@ from .spark_home import use_linked_home
 
 
 def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None,
-                  log: Path | None = None) -> Any:
+                  log: Path | None = None, executor_env: dict[str, str] | None = None) -> Any:
     """One SparkSession per process, with our data sources registered. The driver JVM gets
     `java_options`, by default the class archive's when there is one (see jvm_archive).
 
     With `log`, the JVM's output goes to that file instead of the console, and with it that of
     everything the JVM starts (Spark's Python workers, their tracebacks): the console keeps
-    changefeed's own lines, and a failure is reported once, as its typed error."""
+    changefeed's own lines, and a failure is reported once, as its typed error.
+
+    `executor_env` goes to the executors' environment on a cluster (a local master's share the
+    driver's): the variables the feed's URIs name and the key of its stored secrets (see
+    secrets.py). Spark's logs and UI show every executor variable's value as redacted."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     if not shipping.needs_shipping(master):  # on a cluster the workers must reach the driver: Spark's choice
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -43,7 +47,13 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
             # a packed row is a whole chunk of changes: hand each to the sink as soon as it is read
             .set("spark.sql.execution.arrow.maxRecordsPerBatch", "1")
             .set("spark.sql.streaming.stopTimeout", "60s")
+            # the checkpoint's files are the owner's only (the state folder is 0700 too, see config)
+            .set("spark.hadoop.fs.permissions.umask-mode", "077")
+            .set("spark.redaction.regex", "(?i)secret|password|token|access[.]?key|executorEnv")
             .set("spark.python.worker.faulthandler.enabled", "true"))
+    if shipping.needs_shipping(master):
+        for name, value in (executor_env or {}).items():
+            conf.set(f"spark.executorEnv.{name}", value)
     if log is not None and SparkContext._active_spark_context is None:
         SparkContext(conf=conf, gateway=spark_log.launch_gateway(conf, log))
     spark = SparkSession.builder.config(conf=conf).getOrCreate()

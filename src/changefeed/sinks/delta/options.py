@@ -26,7 +26,7 @@ class DeltaOptions:
     buckets: int = 16  # mirror/history: key-hash partitions (`_bucket`), each rewritten whole when touched
     tasks: int = 0  # writer tasks per batch; 0: Spark's default parallelism
     target_file_rows: int = 1_000_000  # a data file holds at most this many rows
-    storage: dict[str, str] = field(default_factory=dict)
+    storage_given: dict[str, str] = field(default_factory=dict)  # as written: may name secrets by reference
 
     @property
     def local(self) -> bool:
@@ -79,7 +79,14 @@ class DeltaOptions:
                                   "see the README's Delta section")
         if given.get("diff") and given.get("mode", "changelog") != "changelog":
             raise ConfigError("diff=true applies to mode=changelog only", "drop diff=true, or use mode=changelog")
-        return cls(root, storage=storage, **given)  # type: ignore[arg-type]
+        return cls(root, storage_given=storage, **given)  # type: ignore[arg-type]
+
+    @property
+    def storage(self) -> dict[str, str]:
+        """The storage options for the Delta library, references resolved (see secrets.py)."""
+        from ...secrets import mapped
+
+        return mapped(self.storage_given, lambda k: f"the --sink option storage.{k}")
 
 
 def _check_template(value: str) -> None:

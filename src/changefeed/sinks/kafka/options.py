@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from ...errors import ConfigError
+from ...secrets import mapped, secret_name
 from .client import Timeouts, parse_step
 
 SCHEME = "kafka"
@@ -136,7 +137,7 @@ class KafkaOptions:
         if opts.delivery == "exactly_once":
             from .log import unsupported_settings
 
-            why = unsupported_settings(opts.client_config())
+            why = unsupported_settings(opts.client_config(resolved=False))
             if why:
                 raise ConfigError(f"delivery=exactly_once reads the progress topic itself and cannot use {why}",
                                   "change that setting, or use delivery=at_least_once")
@@ -145,13 +146,14 @@ class KafkaOptions:
                               "use letters, digits, '.', '_' and '-' (at most 249)")
         return opts
 
-    def client_config(self) -> dict[str, str]:
+    def client_config(self, resolved: bool = True) -> dict[str, str]:
         """What every client of the sink (producer, admin, progress reader) connects with.
 
         librdkafka's own log lines are off (`log_level` 0) unless the URI sets one: the sink reports
         what failed as a typed error, and stray lines would bury it."""
         socket = {"socket.timeout.ms": str(self.timeouts.socket_ms)}  # a hung request ends within `timeout`
-        return {"log_level": "0", **socket, **dict(self.client), "bootstrap.servers": self.bootstrap}
+        client = mapped(dict(self.client), lambda k: f"the Kafka setting {k}") if resolved else dict(self.client)
+        return {"log_level": "0", **socket, **client, "bootstrap.servers": self.bootstrap}
 
     @property
     def timeouts(self) -> Timeouts:
@@ -197,7 +199,7 @@ class KafkaOptions:
 
     def describe(self) -> str:
         """The options for messages: secrets left out."""
-        shown = {k: ("***" if k in SECRET_KEYS else v) for k, v in self.client}
+        shown = {k: ("***" if k in SECRET_KEYS or secret_name(k) else v) for k, v in self.client}
         return f"kafka://{self.bootstrap} ({self.delivery}; client settings {shown})"
 
 

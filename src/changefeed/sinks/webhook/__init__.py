@@ -19,13 +19,13 @@ class WebhookSink(Sink):
     messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
 
     def validate(self, uri: str) -> None:
-        from .client import WebhookOptions
+        from .options import WebhookOptions
 
         WebhookOptions.parse(uri)
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from .batch import WebhookLedger
-        from .client import WebhookOptions
+        from .options import WebhookOptions
 
         return WebhookLedger(ledger_path(state), WebhookOptions.parse(spec.sink))
 

@@ -15,13 +15,8 @@ from collections.abc import Callable
 
 from ...core.envelope import resolved
 from ..ledger import FileLedger
-from .client import (
-    WebhookClient,
-    WebhookOptions,
-    idempotency_key,
-    request_body,
-    resolved_body,
-)
+from .client import WebhookClient, idempotency_key, request_body, resolved_body
+from .options import WebhookOptions
 
 
 class WebhookLedger(FileLedger):

@@ -1,7 +1,10 @@
-"""Webhook sink, HTTP core: the sink URI's options, request bodies and keys, and a retrying client.
+"""Webhook sink, HTTP core: request bodies and keys, and a retrying client (options: options.py).
 
 Delivery is at least once: a request whose answer got lost is sent again, with the same body and
-the same `Idempotency-Key`, so an endpoint that remembers keys can drop the repeat. Failures that
+the same `Idempotency-Key`, so an endpoint that remembers keys can drop the repeat. With a
+`signing_secret` every attempt is signed by the Standard Webhooks scheme: `webhook-id` (the
+idempotency key, the same on every retry), `webhook-timestamp` (the attempt's, Unix seconds) and
+`webhook-signature` (`v1,` and the base64 HMAC-SHA256 of `id.timestamp.body`). Failures that
 may pass (5xx, 408, 429, timeouts, dropped connections) are retried with capped exponential
 backoff and full jitter; answers that will not change (other 4xx, 3xx, a certificate the client
 does not trust) fail at once with `SinkError`, so the operator hears about them without waiting
@@ -10,6 +13,8 @@ out the retries. Stdlib only and nothing at import: it runs inside Spark writer 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import http.client
 import json
 import random
@@ -17,173 +22,18 @@ import re
 import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Self
-from urllib.parse import unquote, unquote_plus, urlsplit
+from dataclasses import dataclass
+from typing import Self
+from urllib.parse import unquote, urlsplit
 
 from ... import __version__
-from ...config import parse_duration
-from ...errors import ConfigError, ConnectionFailed, SinkError, TransientError
+from ...errors import ConnectionFailed, SinkError, TransientError
+from ...secrets import resolve
+from .options import WebhookOptions, _redact, _show
 
-SCHEMES = ("webhook-http", "webhook-https")
 USER_AGENT = f"changefeed/{__version__}"
 EXCERPT_CHARS = 200  # of a response body, in error messages
 STOP_POLL_S = 0.05  # how often a retry wait asks should_stop()
-_EXAMPLE = "webhook-https://HOST/PATH?flush_messages=500&retry_max=inf&timeout=10s"
-
-
-def _whole(text: str) -> int:
-    if not re.fullmatch(r"[0-9]+", text):
-        raise ValueError(text)
-    return int(text)
-
-
-def _whole_or_inf(text: str) -> int | None:
-    return None if text.lower() == "inf" else _whole(text)
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ConfigError:
-        raise ValueError(text) from None
-
-
-def _bool(text: str) -> bool:
-    return {"true": True, "false": False}[text.lower()]
-
-
-# query parameter -> (field, parser, what is allowed, check of the parsed value)
-_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str, Callable[[Any], bool]]] = {
-    "flush_messages": ("flush_messages", _whole, "a whole number >= 1", lambda v: v >= 1),
-    "flush_frequency": ("flush_frequency_s", _duration, "a duration >= 0 such as 500ms, 1s or 2m (0: off)",
-                        lambda v: v >= 0),
-    "retry_max": ("retry_max", _whole_or_inf, "a whole number >= 0 or inf", lambda v: v is None or v >= 0),
-    "retry_backoff": ("retry_backoff_s", _duration, "a duration > 0 such as 10ms, 500ms or 1s", lambda v: v > 0),
-    "retry_max_backoff": ("retry_max_backoff_s", _duration, "a duration > 0 such as 10s or 1m", lambda v: v > 0),
-    "timeout": ("timeout_s", _duration, "a duration > 0 such as 500ms, 30s or 1m", lambda v: v > 0),
-    "insecure_tls_skip_verify": ("insecure_tls_skip_verify", _bool, "true or false", lambda v: isinstance(v, bool)),
-    "resolved": ("emit_resolved", _bool, "true or false", lambda v: isinstance(v, bool)),
-}
-
-
-def _show(value: Any) -> str:
-    """A default as it would be written in the URI."""
-    if value is None:
-        return "inf"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return f"{value:g}s" if isinstance(value, float) else str(value)
-
-
-def _redact(url: str) -> str:
-    """`url` with its user:password (if any) replaced by ***; string-based so it works on bad URLs too."""
-    scheme, sep, rest = url.partition("://")
-    netloc_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-    netloc = rest[:netloc_end]
-    if "@" not in netloc:
-        return url
-    return f"{scheme}{sep}***@{netloc.rpartition('@')[2]}{rest[netloc_end:]}"
-
-
-@dataclass(frozen=True, repr=False)
-class WebhookOptions:
-    """Where and how a webhook sink POSTs; `parse` reads them from the `--sink` URI."""
-
-    url: str  # the real http(s) URL to POST to, our options removed from its query
-    flush_messages: int = 1000  # most messages per request
-    flush_frequency_s: float = 0.0  # >0: a request also goes out once its first message waited this long
-    retry_max: int | None = 10  # retries after the first attempt; None: retry forever ("inf")
-    retry_backoff_s: float = 0.5  # first backoff; doubles each retry ...
-    retry_max_backoff_s: float = 30.0  # ... up to this; full jitter (uniform in [0, backoff])
-    timeout_s: float = 30.0  # per socket operation (connect, send, each wait for the answer)
-    insecure_tls_skip_verify: bool = False  # for tests / self-signed endpoints only
-    emit_resolved: bool = False  # the sink also POSTs resolved messages
-
-    def __post_init__(self) -> None:
-        """Values set in code get the same checks as values parsed from a URI."""
-        for param, (field, _, allowed, ok) in _OPTIONS.items():
-            value = getattr(self, field)
-            if not ok(value):
-                raise ConfigError(f"{param} must be {allowed}, got {value!r}", self._default_hint(param))
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"the webhook URL must be http(s)://HOST[:PORT]/PATH, got {self.redacted_url()}",
-                              f"e.g. {_EXAMPLE}")
-        if self.insecure_tls_skip_verify and parts.scheme != "https":
-            raise ConfigError("insecure_tls_skip_verify=true applies to webhook-https only, the URL is http",
-                              "remove insecure_tls_skip_verify, or use webhook-https://")
-
-    @staticmethod
-    def _default_hint(param: str) -> str:
-        field = _OPTIONS[param][0]
-        default = next(f.default for f in fields(WebhookOptions) if f.name == field)
-        return f"fix or remove {param}= in the --sink URI (default: {_show(default)})"
-
-    @classmethod
-    def parse(cls, uri: str) -> WebhookOptions:
-        """`webhook-https://[user:pass@]host[:port]/path?query` -> options; ours leave the query,
-        the endpoint's own parameters stay, in order."""
-        if re.search(r"[\x00-\x20\x7f]", uri):
-            raise ConfigError(f"the --sink URI contains a space or control character: {_redact(uri)!r}",
-                              "percent-encode it (a space is %20)")
-        try:
-            parts = urlsplit(uri)
-            parts.port  # noqa: B018 - raises ValueError on a bad port
-        except ValueError as e:
-            raise ConfigError(f"the --sink URI {_redact(uri)} is not a valid URL: {e}", f"e.g. {_EXAMPLE}") from None
-        if parts.scheme not in SCHEMES:
-            raise ConfigError(f"a webhook --sink URI starts with webhook-https:// or webhook-http://, "
-                              f"got scheme {parts.scheme or '<none>'!r}", f"e.g. {_EXAMPLE}")
-        if not parts.hostname:
-            raise ConfigError(f"the --sink URI {_redact(uri)} has no host", f"e.g. {_EXAMPLE}")
-        if parts.fragment:
-            raise ConfigError(f"the --sink URI {_redact(uri)} has a #fragment, which HTTP never sends",
-                              "remove it, or percent-encode a # in a value as %23")
-        values, kept = _split_query(parts.query)
-        url = f"{parts.scheme.removeprefix('webhook-')}://{parts.netloc}{parts.path}"
-        return cls(url=url + (f"?{'&'.join(kept)}" if kept else ""), **values)
-
-    def redacted_url(self) -> str:
-        """The URL with any user:password replaced by ***: for messages and logs."""
-        return _redact(self.url)
-
-    def __repr__(self) -> str:  # never the password
-        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url")
-        return f"WebhookOptions(url={self.redacted_url()!r}, {shown})"
-
-
-def _split_query(query: str) -> tuple[dict[str, Any], list[str]]:
-    """Our options (parsed, by field) and the endpoint's own query parameters (as written)."""
-    values: dict[str, Any] = {}
-    seen: set[str] = set()
-    kept: list[str] = []
-    for part in query.split("&"):
-        raw_name, _, raw_value = part.partition("=")
-        name = unquote_plus(raw_name)
-        if name not in _OPTIONS:
-            if part:
-                kept.append(part)
-            continue
-        if name in seen:
-            raise ConfigError(f"{name} is given twice in the --sink URI", "give each option once")
-        seen.add(name)
-        values[_OPTIONS[name][0]] = _option(name, unquote_plus(raw_value))
-    return values, kept
-
-
-_Invalid = object()
-
-
-def _option(param: str, text: str) -> Any:
-    _, parser, allowed, ok = _OPTIONS[param]
-    try:
-        value = parser(text)
-    except (ValueError, KeyError):
-        value = _Invalid
-    if value is _Invalid or not ok(value):
-        raise ConfigError(f"{param} must be {allowed}, got {text!r}", WebhookOptions._default_hint(param))
-    return value
 
 
 def request_body(messages: Sequence[bytes]) -> bytes:
@@ -270,11 +120,15 @@ class WebhookClient:
         parts = urlsplit(opts.url)
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname or "", parts.port
-        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        query = resolve(parts.query, "the --sink URL's query", in_uri=True)  # the endpoint's own, maybe secret
+        self._target = (parts.path or "/") + (f"?{query}" if query else "")
         self._headers = {"Content-Type": "application/json", "User-Agent": USER_AGENT}
         if parts.username is not None or parts.password is not None:
-            user_pass = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode()
+            password = resolve(unquote(parts.password or ""), "the --sink URL's password")
+            user_pass = f"{unquote(parts.username or '')}:{password}".encode()
             self._headers["Authorization"] = "Basic " + base64.b64encode(user_pass).decode("ascii")
+        self._headers.update(opts.resolved_headers())
+        self._signing = opts.signing_key()
         self._tls: ssl.SSLContext | None = None
         self._conn: http.client.HTTPConnection | None = None
         self.attempts = 0
@@ -339,7 +193,8 @@ class WebhookClient:
         reused = self._conn is not None and self._conn.sock is not None
         try:
             conn = self._connection()
-            conn.request("POST", self._target, body=body, headers={**self._headers, "Idempotency-Key": key})
+            conn.request("POST", self._target, body=body, headers={**self._headers, **self._signed(key, body),
+                                                                    "Idempotency-Key": key})
             response = conn.getresponse()
             data = response.read()  # all of it, so the connection can carry the next request
         except ssl.SSLCertVerificationError as e:
@@ -357,6 +212,15 @@ class WebhookClient:
             return _Failure(what, retry_after=_retry_after(response.getheader("Retry-After")))
         raise SinkError(f"webhook {self.opts.redacted_url()} refused {describe}: {what}",
                         self._refused_hint(status, response.getheader("Location")))
+
+    def _signed(self, key: str, body: bytes) -> dict[str, str]:
+        """The Standard Webhooks headers of one attempt (none without a signing secret)."""
+        if self._signing is None:
+            return {}
+        stamp = str(int(time.time()))
+        digest = hmac.new(self._signing, f"{key}.{stamp}.".encode() + body, hashlib.sha256).digest()
+        return {"webhook-id": key, "webhook-timestamp": stamp,
+                "webhook-signature": "v1," + base64.b64encode(digest).decode("ascii")}
 
     def check_reachable(self) -> None:
         """Connect, and for https complete the TLS handshake with the certificate verified, without
@@ -391,7 +255,8 @@ class WebhookClient:
         if 300 <= status < 400:
             return f"the endpoint redirects (to {_redact(location or '?')}): put the final URL in --sink, {then}"
         if status in (401, 403):
-            return f"check the credentials (user:password@ in the --sink URI) and the endpoint's access rules, {then}"
+            return (f"check the credentials (user:password@, header=, signing_secret= in the --sink URI: the "
+                    f"receiver must know the same secret) and the endpoint's access rules, {then}")
         if status == 413:
             return f"the request is too large for the endpoint: lower flush_messages in the --sink URI, {then}"
         return f"fix the endpoint or its configuration, {then}"

@@ -15,7 +15,8 @@ from ..batch_input import BatchInput
 from ..message_writer import Delivered, MessageWriter
 from ..messages import MessageStream, outbox_spec
 from .batch import WebhookBatch
-from .client import WebhookClient, WebhookOptions
+from .client import WebhookClient
+from .options import WebhookOptions
 
 
 class WebhookWriter(MessageWriter):
