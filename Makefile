@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench install clean
+.PHONY: demo test lint bench install clean
 
 $(BIN)/changefeed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q
+
+# Lint: ruff (style, imports), import-linter (the layers and no import circles: pyproject.toml).
+lint: install
+	$(BIN)/ruff check src tests bench
+	$(BIN)/lint-imports
 
 bench: install
 	$(BIN)/python bench/replica_throughput.py

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import psycopg
 import pyarrow as pa
-from replica_throughput import (ROOT, bench_args, bench_paths, bench_setup, fmt_ratio, log, run_stamped, spread,
-                                verdict)
 
 from changefeed.sinks.delta.ledger import DeltaLedger
 from changefeed.sinks.delta.options import DeltaOptions
+from replica_throughput import ROOT, bench_args, bench_paths, bench_setup, fmt_ratio, log, run_stamped, spread, verdict
 
 CONFIGS = (("changelog", 1), ("changelog", 2), ("mirror", 1), ("mirror", 2))
 TXN_ROWS = 1000
@@ -154,7 +153,8 @@ def main() -> int:
                 print(f"  {mode:9} {tasks} task(s): feed {statistics_line(res[key])}  / delta-rs alone "
                       f"{statistics_line(res[key + '_limit'])}  = x{fmt_ratio(ratio).strip()}")
         if f"{mode}1" in res and f"{mode}2" in res:
-            print(f"  {mode:9} 2 tasks / 1 task: x{fmt_ratio(spread([b / a for a, b in zip(res[mode + '1'], res[mode + '2'])])).strip()}")
+            ratio = spread([b / a for a, b in zip(res[mode + '1'], res[mode + '2'])])
+            print(f"  {mode:9} 2 tasks / 1 task: x{fmt_ratio(ratio).strip()}")
     return verdict(time.monotonic() - began, logdir, removed, failures, "every Delta table matched the source")
 
 

@@ -32,11 +32,24 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replica_throughput import (PUBLICATION, SOURCE_DB, TABLE, bench_paths, bench_setup, feed_failure,  # noqa: E402
-                                fmt_rate, fmt_ratio, log, run_feed, run_recvlogical, spread, verdict, workload_args,
-                                write_workload)
-
-from changefeed.local_kafka import LocalKafka, read_partition  # noqa: E402
+from changefeed.local.kafka import LocalKafka, read_partition  # noqa: E402
+from replica_throughput import (  # noqa: E402
+    PUBLICATION,
+    SOURCE_DB,
+    TABLE,
+    bench_paths,
+    bench_setup,
+    feed_failure,
+    fmt_rate,
+    fmt_ratio,
+    log,
+    run_feed,
+    run_recvlogical,
+    spread,
+    verdict,
+    workload_args,
+    write_workload,
+)
 
 Message = tuple[bytes | None, bytes | None, int]  # key, value, partition
 

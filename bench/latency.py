@@ -168,7 +168,7 @@ def main() -> int:
         c.execute("CREATE TABLE lat (id bigint PRIMARY KEY, v text)")
     kafka = None
     if args.sink == "kafka":
-        from changefeed.local_kafka import LocalKafka
+        from changefeed.local.kafka import LocalKafka
 
         kafka = LocalKafka.start(work / "kafka")
         sink = f"kafka://{kafka.bootstrap}?delivery=exactly_once"

@@ -49,7 +49,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from changefeed.local_postgres import LocalPostgres, bin_dir  # noqa: E402
+from changefeed.local.postgres import LocalPostgres, bin_dir  # noqa: E402
 from changefeed.sinks.replica.apply import SESSION_MEMORY  # noqa: E402
 
 TABLE = "bench_t"
@@ -186,8 +186,8 @@ def run_recvlogical(source: LocalPostgres, slot: str, end_lsn: str, last_commit_
                 break
             time.sleep(0.1)
     if not confirmed[1]:
-        raise RuntimeError(f"pg_recvlogical stopped before the last commit ({last_commit_lsn}): slot {slot} confirmed only up to "
-                           f"{confirmed[0]}; pg_recvlogical said: {p.stderr.strip()}")
+        raise RuntimeError(f"pg_recvlogical stopped before the last commit ({last_commit_lsn}): slot {slot} "
+                           f"confirmed only up to {confirmed[0]}; pg_recvlogical said: {p.stderr.strip()}")
     return secs, size
 
 
@@ -242,7 +242,8 @@ class FeedRun:
     log_file: Path | None = None
 
 
-def run_stamped(cmd: list[str], out_path: Path, timeout: float) -> tuple[int, float, list[tuple[float, float, str]], str]:
+def run_stamped(cmd: list[str], out_path: Path,
+                timeout: float) -> tuple[int, float, list[tuple[float, float, str]], str]:
     """Run `cmd` in its own process group (SIGKILLed after `timeout`), stamping each stdout line:
     (exit code, wall seconds, [(seconds since start, epoch seconds, line)], stderr tail). The
     stamped stdout goes to `out_path`, stderr next to it (.err)."""
@@ -250,8 +251,8 @@ def run_stamped(cmd: list[str], out_path: Path, timeout: float) -> tuple[int, fl
     stamped: list[tuple[float, float, str]] = []
     with open(err_path, "w") as err:
         t0 = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                             cwd=str(ROOT), start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=str(ROOT), start_new_session=True)
         _children.append(p)
         timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
         timer.start()
@@ -295,7 +296,8 @@ def steady_batches(uri: str, feed: str) -> list[tuple[int, float, float]]:
     """
     with psycopg.connect(uri) as c:
         rows = c.execute("SELECT changes, extract(epoch FROM began_at), extract(epoch FROM applied_at) "
-                         "FROM changefeed.progress WHERE feed = %s AND changes > 0 ORDER BY end_lsn", (feed,)).fetchall()
+                         "FROM changefeed.progress WHERE feed = %s AND changes > 0 ORDER BY end_lsn",
+                         (feed,)).fetchall()
     return [(int(ch), float(began), float(at)) for ch, began, at in rows]
 
 
@@ -362,7 +364,8 @@ def bench_args(ap: argparse.ArgumentParser, kept: str, feed_arg_example: str) ->
 
 
 def bench_setup(ap: argparse.ArgumentParser, workdir: str | None, keep: bool, prefix: str,
-                servers: tuple[str, ...], settings: dict[str, str] | None = None) -> tuple[Path, bool, list[LocalPostgres]]:
+                servers: tuple[str, ...],
+                settings: dict[str, str] | None = None) -> tuple[Path, bool, list[LocalPostgres]]:
     """The work directory (--workdir, else a temp dir removed at exit unless --keep) with a logs
     folder, fresh PostgreSQL servers named `servers` in it, and the clean-up at exit (feed
     processes, servers, work directory). Returns (work, removed at exit, servers)."""
@@ -500,7 +503,8 @@ def main() -> int:
         secs = run_apply(replica.uri(f"tuned_{k}"), wl.copy_file, tuned=True)
         res["b_tuned"].append(n / secs)
         fp = fingerprint(replica.uri(f"tuned_{k}"))
-        log(f"  b tuned:          {secs:.2f}s, {n / secs:,.0f} changes/s; replica {'EQUALS' if fp == src_fp else 'DIFFERS FROM'} source")
+        log(f"  b tuned:          {secs:.2f}s, {n / secs:,.0f} changes/s; "
+            f"replica {'EQUALS' if fp == src_fp else 'DIFFERS FROM'} source")
         if fp != src_fp:
             failures.append(f"run {k} b tuned: tuned_{k}.{TABLE} differs from the source: {fp} vs {src_fp}")
         # c
@@ -525,7 +529,8 @@ def main() -> int:
                 if r.query_s:
                     c_q = n / r.query_s
                 log(f"  c feed:           {r.wall:.2f}s whole process, {c_rate:,.0f} changes/s; steady "
-                    f"{c_steady:,.0f} changes/s, from batch 2's start {c_from2:,.0f} changes/s (batches 2..{len(batches)}); query (log) "
+                    f"{c_steady:,.0f} changes/s, from batch 2's start {c_from2:,.0f} changes/s "
+                    f"(batches 2..{len(batches)}); query (log) "
                     f"{r.query_s or float('nan'):.2f}s, {c_q:,.0f} changes/s")
                 log(f"    feed said: {(r.lines[-1] if r.lines else '').strip()}")
                 log(f"    replica {'EQUALS' if ok else 'DIFFERS FROM'} source "
@@ -534,8 +539,9 @@ def main() -> int:
         res["c_steady"].append(c_steady)
         res["c_from2"].append(c_from2)
         res["c_query"].append(c_q)
-        per_run.append(f"  run {k}: a {res['a'][-1]:>11,.0f}  b {res['b'][-1]:>11,.0f}  b tuned {res['b_tuned'][-1]:>11,.0f}"
-                       f"  c {c_rate:>11,.0f}  c steady {c_steady:>11,.0f}  c from 2 {c_from2:>11,.0f}  c query {c_q:>11,.0f}")
+        per_run.append(f"  run {k}: a {res['a'][-1]:>11,.0f}  b {res['b'][-1]:>11,.0f}"
+                       f"  b tuned {res['b_tuned'][-1]:>11,.0f}  c {c_rate:>11,.0f}  c steady {c_steady:>11,.0f}"
+                       f"  c from 2 {c_from2:>11,.0f}  c query {c_q:>11,.0f}")
 
     def ratios(num: str, den: str) -> tuple[float, float, float] | None:
         return spread([x / y for x, y in zip(res[num], res[den])])

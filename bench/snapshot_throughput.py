@@ -48,10 +48,20 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replica_throughput import (ROOT, bench_args, bench_paths, bench_setup, feed_failure, fmt_rate,  # noqa: E402
-                                fmt_ratio, log, run_stamped, spread, verdict)
-
-from changefeed.config import DEFAULT_CHUNK_ROWS  # noqa: E402
+from changefeed.spec.definition import DEFAULT_CHUNK_ROWS  # noqa: E402
+from replica_throughput import (  # noqa: E402
+    ROOT,
+    bench_args,
+    bench_paths,
+    bench_setup,
+    feed_failure,
+    fmt_rate,
+    fmt_ratio,
+    log,
+    run_stamped,
+    spread,
+    verdict,
+)
 
 TABLE = "snap_t"
 SOURCE_DB = "snap"
@@ -176,7 +186,8 @@ def chunk_record(uri: str, feed: str) -> Chunks:
         batches = c.execute(
             "SELECT s.batch_id, count(*), count(*) FILTER (WHERE s.rows = 0), count(DISTINCT s.read_task), "
             "sum(s.rows), extract(epoch FROM min(p.began_at)), extract(epoch FROM max(s.applied_at)) "
-            "FROM changefeed.snapshot_chunks s JOIN changefeed.progress p ON p.feed = s.feed AND p.batch_id = s.batch_id "
+            "FROM changefeed.snapshot_chunks s "
+            "JOIN changefeed.progress p ON p.feed = s.feed AND p.batch_id = s.batch_id "
             "WHERE s.feed = %s GROUP BY s.batch_id ORDER BY min(p.end_lsn)", (feed,)).fetchall()
     return Chunks(int(count), int(distinct), int(rows), int(with_task),
                   [Batch(int(b), int(n), int(e), int(t), int(r), float("nan") if x is None else float(x), float(y))
@@ -228,7 +239,8 @@ def main() -> int:
     log(f"writing {TABLE}: {args.rows:,} rows ...")
     with psycopg.connect(src_uri, autocommit=True) as c:
         secs = write_table(c, args.rows)
-        heap, total_size = c.execute(f"SELECT pg_relation_size('{TABLE}'), pg_total_relation_size('{TABLE}')").fetchone()
+        heap, total_size = c.execute(
+            f"SELECT pg_relation_size('{TABLE}'), pg_total_relation_size('{TABLE}')").fetchone()
     src_fp = fingerprint(src_uri, TABLE)
     n_chunks = args.rows // args.chunk_rows + 1  # the last chunk runs to the table's end (it may be empty)
     log(f"  {src_fp[0]:,} rows in {secs:.1f}s; table {heap / 2**20:,.0f} MiB ({total_size / 2**20:,.0f} MiB with "

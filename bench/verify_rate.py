@@ -32,6 +32,8 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from changefeed.control.verify import verify  # noqa: E402
+from changefeed.spec.definition import FeedState  # noqa: E402
 from replica_throughput import (  # noqa: E402
     bench_args,
     bench_paths,
@@ -41,9 +43,6 @@ from replica_throughput import (  # noqa: E402
     spread,
     verdict,
 )
-
-from changefeed.config import FeedState  # noqa: E402
-from changefeed.verify import verify  # noqa: E402
 
 TABLE = "public.vt"
 

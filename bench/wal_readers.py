@@ -23,16 +23,15 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replica_throughput import bench_setup, fmt_ratio, log, spread  # noqa: E402
-
-from changefeed.config import SourceNode  # noqa: E402
 from changefeed.core.change import HEARTBEAT_PREFIX  # noqa: E402
 from changefeed.core.lsn import format_lsn  # noqa: E402
-from changefeed.local_postgres import bin_dir  # noqa: E402
+from changefeed.local.postgres import bin_dir  # noqa: E402
 from changefeed.postgres import source as src  # noqa: E402
 from changefeed.postgres.changes import ChangeBuilder  # noqa: E402
 from changefeed.postgres.connect import connect  # noqa: E402
 from changefeed.postgres.wal_reader import wal_reader  # noqa: E402
+from changefeed.spec.definition import SourceNode  # noqa: E402
+from replica_throughput import bench_setup, fmt_ratio, log, spread  # noqa: E402
 
 READERS = ("peek", "stream")
 

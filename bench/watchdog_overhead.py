@@ -9,7 +9,7 @@ import time
 
 import psycopg
 
-from changefeed.local_postgres import LocalPostgres
+from changefeed.local.postgres import LocalPostgres
 from changefeed.postgres.watchdog import WatchedConnection
 
 ROUNDS, QUERIES = 9, 5000

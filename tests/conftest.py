@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from changefeed.local_postgres import LocalPostgres
+from changefeed.local.postgres import LocalPostgres
 
 _counter = itertools.count()
 
@@ -179,7 +179,7 @@ def kafka_partitions(bootstrap: str, topic: str) -> list[Any]:
     """Every record of each partition of `topic`, with its transaction's outcome (local_kafka.LogRecord)."""
     from confluent_kafka.admin import AdminClient
 
-    from changefeed.local_kafka import read_partition
+    from changefeed.local.kafka import read_partition
 
     meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(topic, timeout=10).topics[topic]
     return [read_partition(bootstrap, topic, p, timeout=60) for p in sorted(meta.partitions)]
@@ -190,7 +190,7 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real Kafka-protocol broker (Tansu, in memory) for the session."""
     import gc
 
-    from changefeed.local_kafka import LocalKafka
+    from changefeed.local.kafka import LocalKafka
 
     broker = LocalKafka.start(tmp_path_factory.mktemp("kafka"))
     try:

@@ -8,16 +8,28 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import (DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, PARALLEL_READ_SLOTS, SNAPSHOT_MODES,
-                     SNAPSHOT_READS, WAL_READERS, FeedSpec, FeedState,
-                     parse_duration, parse_node, parse_size, parse_sources, parse_tables)
-from .core.envelope import FORMATS
-from .errors import ChangefeedError, ConfigError
-from .secrets import same
+from changefeed.core.envelope import FORMATS
+from changefeed.errors import ChangefeedError, ConfigError
+from changefeed.sinks.registry import validated
+from changefeed.spec.definition import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_CHUNKS_PER_BATCH,
+    PARALLEL_READ_SLOTS,
+    SNAPSHOT_MODES,
+    SNAPSHOT_READS,
+    WAL_READERS,
+    FeedSpec,
+    parse_node,
+    parse_sources,
+)
+from changefeed.spec.secrets import same
+from changefeed.spec.state import FeedState
+from changefeed.spec.units import parse_duration, parse_size, parse_tables
 
 DEFAULT_STATE = "./changefeed-state"
 
@@ -65,14 +77,14 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     if outbox and "tables" in given and outbox not in given["tables"]:
         given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
-        return FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given}).validate().protected()
+        return validated(FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given})).protected()
     for key in ("source", "nodes", "sink", "tables"):
         if key in given and not _same(key, given[key], getattr(stored, key)):
             option = "source" if key == "nodes" else key
             raise ConfigError(f"feed {args.name} was created with a different --{option} ({state.spec_file})",
                               "omit the option to reuse the stored one, or choose another --name")
-    return FeedSpec(**{**stored.__dict__, **{k: v for k, v in given.items() if k not in ("source", "nodes", "sink")}}
-                    ).validate()
+    return validated(FeedSpec(**{**stored.__dict__,
+                                 **{k: v for k, v in given.items() if k not in ("source", "nodes", "sink")}}))
 
 
 def _same(key: str, given: Any, stored: Any) -> bool:
@@ -86,7 +98,7 @@ def _same(key: str, given: Any, stored: Any) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .feed import run
+    from changefeed.control.runner import run
 
     state = FeedState(args.state, args.name)
     spec = _spec_from_args(args, state)
@@ -95,17 +107,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _running(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of `_running_args`, as keywords of feed.run."""
+    """The options of `_running_args`, as keywords of control.runner.run."""
     give_up = _option("give-up-after", parse_duration, args.give_up_after)
+    every = _option("every", parse_duration, args.every) or None
     return {"available_now": args.available_now, "master": args.master, "verbose": args.verbose,
             "metrics_port": args.metrics_port, "metrics_host": args.metrics_host,
             "retry_max_backoff_s": _option("retry-max-backoff", parse_duration, args.retry_max_backoff),
             "give_up_after_s": give_up or None,
-            "verify_every_s": _option("every", parse_duration, args.every) or None}
+            "alongside": _verifying_every(args.name, args.state, every) if every else None}
+
+
+def _verifying_every(name: str, root: str, every_s: float) -> Callable[[threading.Event], None]:
+    """`run --verify-every`: verification beside the run, until it stops."""
+    from changefeed.control.verify import verify_every
+
+    return lambda stop: verify_every(name, FeedState(root, name), every_s, stop, print)
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from .lifecycle import create
+    from changefeed.control.lifecycle import create
 
     state = FeedState(args.state, args.name)
     spec = _spec_from_args(args, state)
@@ -116,7 +136,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from .lifecycle import list_feeds
+    from changefeed.control.lifecycle import list_feeds
 
     feeds = list_feeds(args.state)
     if args.json:
@@ -127,7 +147,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
-    from .lifecycle import pause
+    from changefeed.control.lifecycle import pause
 
     spec, state = _stored(args)
     pause(state)
@@ -137,7 +157,7 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from .feed import run
+    from changefeed.control.runner import run
 
     spec, state = _stored(args)
     state.paused_file.unlink(missing_ok=True)
@@ -146,7 +166,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
-    from .lifecycle import remove
+    from changefeed.control.lifecycle import remove
 
     spec, state = _stored(args)
     for what in remove(spec, state):
@@ -163,7 +183,7 @@ def _stored(args: argparse.Namespace) -> tuple[FeedSpec, FeedState]:
 
 
 def cmd_alter(args: argparse.Namespace) -> int:
-    from .lifecycle import add_node, add_tables, remove_node
+    from changefeed.control.lifecycle import add_node, add_tables, remove_node
 
     spec, state = _stored(args)
     changes = (args.add_tables, args.add_node, args.remove_node, args.rename_table, args.capture_ddl)
@@ -171,7 +191,7 @@ def cmd_alter(args: argparse.Namespace) -> int:
         raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table, "
                           "--capture-ddl", "run one alter per change")
     if args.capture_ddl:
-        from .lifecycle import capture_ddl
+        from changefeed.control.lifecycle import capture_ddl
 
         capture_ddl(spec, state)
         print(f"feed {spec.name} now captures the schema changes of its tables (event triggers "
@@ -182,7 +202,7 @@ def cmd_alter(args: argparse.Namespace) -> int:
         if len(pair) != 2:
             raise ConfigError(f"--rename-table takes OLD=NEW, got {args.rename_table!r}",
                               "e.g. --rename-table public.orders=public.orders_v2")
-        from .lifecycle import rename_table
+        from changefeed.control.lifecycle import rename_table
 
         renamed = rename_table(spec, state, *pair)
         print(f"feed {spec.name} now captures {pair[1]} (was {pair[0]}); its tables: {', '.join(renamed.tables)}")
@@ -204,7 +224,7 @@ def cmd_alter(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from .lifecycle import request_snapshot
+    from changefeed.control.lifecycle import request_snapshot
 
     spec, state = _stored(args)
     no = request_snapshot(spec, state, parse_tables(args.tables))
@@ -214,7 +234,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when source and sink are equal, 1 when they differ, 2 when verifying failed."""
-    from .verify import verify
+    from changefeed.control.verify import verify
 
     try:
         spec, state = _stored(args)
@@ -232,14 +252,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from .sinks.registry import sink_of
+    from changefeed.sinks.registry import sink_of
 
     spec, _ = _stored(args)
     if sink_of(spec.sink).name != "delta":
         raise ConfigError(f"feed {spec.name} writes to a {sink_of(spec.sink).name} sink; compact is for Delta sinks",
                           "nothing to do for this feed")
-    from .sinks.delta.options import DeltaOptions
-    from .sinks.delta.upkeep import compact
+    from changefeed.sinks.delta.options import DeltaOptions
+    from changefeed.sinks.delta.upkeep import compact
 
     compact(DeltaOptions.parse(spec.sink), spec.name, [tuple(t.split(".", 1)) for t in spec.tables],  # type: ignore[misc]
             target_size=_option("target-size", _size, args.target_size),
@@ -258,7 +278,7 @@ def _size(text: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import status
+    from changefeed.control.status import status
 
     spec, state = _stored(args)
     st = status(spec, state)
@@ -268,10 +288,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.sink == "delta":
-        from .demo_delta import demo_delta
+        from changefeed.demo.delta import demo_delta
 
         return demo_delta(Path(args.workdir), seconds=args.seconds, master=args.master)
-    from .demo import demo
+    from changefeed.demo.replica import demo
 
     return demo(Path(args.workdir), seconds=args.seconds, master=args.master)
 

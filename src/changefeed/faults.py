@@ -1,19 +1,20 @@
 """Named fault points for crash tests: SIGKILL the whole feed at an awkward moment.
 
-`CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the
-n-th time (default 1st) execution reaches `point`: node_created (a feed's publication and slot
-exist on one more source node), startup, read, pending (a node's window ended with a prepared
-part undecided on it), snapshot_chunk (a chunk was read), sink_write (a message sink wrote another 1000 messages of a batch), insert_run (the replica
-COPYed a run of inserts into its target, inside the batch's transaction), before_sink_commit or
-after_sink_commit. `CHANGEFEED_FAIL_AT=point[:n]` instead raises an unexpected error there, once
-(the n-th time): a task failing for a reason changefeed has no type for. Counting uses a file
-next to the feed state (`CHANGEFEED_FAULT_DIR`), because the points run in different processes.
-Unset: no cost.
+`CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the n-th
+time (default 1st) execution reaches `point`: node_created (a feed's publication and slot exist on
+one more source node), startup, read, pending (a node's window ended with a prepared part undecided
+on it), snapshot_chunk (a chunk was read), sink_write (a message sink wrote another 1000 messages of
+a batch), insert_run (the replica COPYed a run of inserts into its target, inside the batch's
+transaction), before_sink_commit or after_sink_commit. `CHANGEFEED_FAIL_AT=point[:n]` instead raises
+an unexpected error there, once (the n-th time): a task failing for a reason changefeed has no type
+for. Counting uses a file next to the feed state (`CHANGEFEED_FAULT_DIR`), because the points run in
+different processes. Unset: no cost.
 """
 from __future__ import annotations
 
 import os
 import signal
+
 
 def reach(point: str) -> None:
     if _due("CHANGEFEED_KILL_AT", point, "fault"):

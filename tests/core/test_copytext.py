@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from changefeed.core.copytext import NULL, escape, join_line, split_line, unescape
 
@@ -66,8 +67,9 @@ def test_join_line_distinguishes_null_empty_and_backslash_n() -> None:
 
 
 # -- against a real server ------------------------------------------------------------------
-TEXT = st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=30) \
-    | st.lists(st.sampled_from(["\\", "\t", "\n", "\r", "N", "\\N", "\b", "\f", "\v", "é", "x"]), max_size=12).map("".join)
+TEXT = (st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=30)
+        | st.lists(st.sampled_from(["\\", "\t", "\n", "\r", "N", "\\N", "\b", "\f", "\v", "é", "x"]),
+                   max_size=12).map("".join))
 
 
 def test_postgresql_copy_agrees(dbs) -> None:  # type: ignore[no-untyped-def]

@@ -9,8 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from changefeed.core import distributed as dist
-from changefeed.core.distributed import (COMMIT, COMMIT_PREPARED, PREPARE, ROLLBACK_PREPARED, Event, Limits,
-                                         NodeScan, Part)
+from changefeed.core.distributed import (
+    COMMIT,
+    COMMIT_PREPARED,
+    PREPARE,
+    ROLLBACK_PREPARED,
+    Event,
+    Limits,
+    NodeScan,
+    Part,
+)
 
 
 def commit(start: int, t: int, changes: int = 1) -> Event:

@@ -27,7 +27,15 @@ import pytest
 from changefeed.core.change import TableShape
 from changefeed.core.copytext import join_line
 from changefeed.core.envelope import (
-    FORMATS, Change, DebeziumFormat, Formatter, JsonFormat, Record, TextFormat, formatter, resolved,
+    FORMATS,
+    Change,
+    DebeziumFormat,
+    Formatter,
+    JsonFormat,
+    Record,
+    TextFormat,
+    formatter,
+    resolved,
 )
 from changefeed.errors import ConfigError
 
@@ -64,8 +72,8 @@ EDGES = dict(  # printed under TimeZone Asia/Kolkata, hence the offsets
     name=b"it's\ta\nnew line \\ back", label="héllo wörld".encode(), flag=b"f", at=b"2024-01-02 08:34:05.123456+05:30",
     local_at=b"infinity", day=b"0044-03-15 BC", t=b"24:00:00", span=b"-1 days +02:03:00",
     doc=b'[1, "two", null, {"x": []}]', raw=b"null", data=rb"\x", uid=b"00000000-0000-0000-0000-000000000000",
-    ints=b"{}", tags=b"{}", grid=b"[0:1][1:2]={{1,2},{3,4}}", stamps=b'{infinity,"0044-03-15 17:53:28+05:53:28 BC",NULL}',
-    body=b"")
+    ints=b"{}", tags=b"{}", grid=b"[0:1][1:2]={{1,2},{3,4}}",
+    stamps=b'{infinity,"0044-03-15 17:53:28+05:53:28 BC",NULL}', body=b"")
 MOVED = {**EDGES, "name": b"moved", "at": b"2024-01-02 03:04:05.123456+00",
          "stamps": b'{infinity,"0044-03-15 12:00:00+00 BC",NULL}'}
 
@@ -75,7 +83,9 @@ def _row(op: str, shape: TableShape | None, lsn: int, xid: int, commit_time: int
          old_key: list[bytes | None] | None = None, unchanged: str | None = None,
          meta: str | None = None) -> dict[str, Any]:
     """A change row as `RecordBatch.to_pylist()` gives it (values as COPY text lines)."""
-    line = lambda values: None if values is None else join_line(values)
+    def line(values: list[bytes | None] | None) -> bytes | None:
+        return None if values is None else join_line(values)
+
     return {"op": op, "schema": shape and shape.schema, "table": shape and shape.table, "lsn": lsn, "seq": 0,
             "xid": xid, "commit_time": commit_time, "commit_ts": commit_ts,
             "after": after if isinstance(after, bytes) else line(after), "before": line(before),
@@ -302,7 +312,8 @@ def test_before_only_with_diff_and_only_what_the_source_sent() -> None:
     assert key_only["before"] == {"id": 2}
     full = _strict_json(JsonFormat(diff=True).records(changes["update: REPLICA IDENTITY FULL"])[0].value or b"")
     assert full["before"] == {"region": "eu", "id": 1, "balance": "100.50", "user": "ann", "Display Name": None}
-    sent_none = _strict_json(JsonFormat(diff=True).records(changes["update: body TOASTed and unchanged"])[0].value or b"")
+    sent_none = _strict_json(
+        JsonFormat(diff=True).records(changes["update: body TOASTed and unchanged"])[0].value or b"")
     assert sent_none["before"] is None
 
 

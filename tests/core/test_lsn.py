@@ -5,7 +5,8 @@ import re
 import string
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from changefeed.core.lsn import format_lsn, parse_lsn
 

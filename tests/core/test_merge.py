@@ -37,7 +37,8 @@ node_txns = st.lists(st.tuples(st.integers(1, 50), st.integers(1, 4)), max_size=
 
 @settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.sampled_from(["n1", "n2", "n3"]), node_txns, min_size=1))
-def test_merge_keeps_each_node_in_order_and_all_nodes_in_commit_ts_order(txns: dict[str, list[tuple[int, int]]]) -> None:
+def test_merge_keeps_each_node_in_order_and_all_nodes_in_commit_ts_order(
+        txns: dict[str, list[tuple[int, int]]]) -> None:
     batches, parts = [], len(txns)
     for i, (node, spec) in enumerate(sorted(txns.items())):
         ts, per_node = 0, []
@@ -49,7 +50,8 @@ def test_merge_keeps_each_node_in_order_and_all_nodes_in_commit_ts_order(txns: d
     after = [a.decode().split("/") for a in out.column("after").to_pylist()]
     assert len(after) == sum(n for spec in txns.values() for _, n in spec)
     assert out.column("lsn").to_pylist() == list(range(len(after)))  # positions in the order
-    keys = [(int(ts), node, int(lsn), int(seq)) for (node, lsn, seq), ts in zip(after, out.column("commit_ts").to_pylist())]
+    keys = [(int(ts), node, int(lsn), int(seq))
+            for (node, lsn, seq), ts in zip(after, out.column("commit_ts").to_pylist())]
     assert keys == sorted(keys)  # by commit ts, then node name, then LSN; a transaction's rows in order
 
 

@@ -6,14 +6,16 @@ import base64
 from typing import Any
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from changefeed.core.pgvalue import base_name, converter, parse_array, to_json
 
 
 @pytest.mark.parametrize("type_name, base", [
     ("numeric(12,2)", "numeric"), ("character varying(20)", "character varying"), ("integer", "integer"),
-    ("timestamp(3) with time zone", "timestamp with time zone"), ("time(2) without time zone", "time without time zone"),
+    ("timestamp(3) with time zone", "timestamp with time zone"),
+    ("time(2) without time zone", "time without time zone"),
     ("character(5)", "character"), ("bit(8)", "bit"), ("interval day to second(3)", "interval"),
     ("character varying(20)[]", "character varying[]"), ("interval year to month[]", "interval[]"),
 ])
@@ -27,7 +29,8 @@ def test_base_name_is_what_format_type_be_prints(type_name: str, base: str) -> N
     ("double precision", "3.141592653589793", 3.141592653589793), ("real", "0.1", 0.1),
     ("double precision", "1e+30", 1e30), ("double precision", "NaN", "NaN"), ("real", "Infinity", "Infinity"),
     ("double precision", "-Infinity", "-Infinity"),
-    ("numeric(12,2)", "1234567890.10", "1234567890.10"), ("numeric", "0.00000000000000000001", "0.00000000000000000001"),
+    ("numeric(12,2)", "1234567890.10", "1234567890.10"),
+    ("numeric", "0.00000000000000000001", "0.00000000000000000001"),
     ("numeric", "NaN", "NaN"),
     ("boolean", "t", True), ("boolean", "f", False),
     ("jsonb", '{"a": 1, "b": [true, null, "x"], "c": {"d": 1.50}}', {"a": 1, "b": [True, None, "x"], "c": {"d": 1.5}}),
@@ -55,7 +58,8 @@ def test_scalars(type_name: str, text: str, value: Any) -> None:
     ("timestamp without time zone", "2024-01-02 03:04:05", "2024-01-02T03:04:05"),
     ("timestamp without time zone", "2024-01-02 03:04:05.5", "2024-01-02T03:04:05.5"),
     ("timestamp without time zone", "-infinity", "-infinity"),
-    ("date", "2024-02-29", "2024-02-29"), ("date", "0044-03-15 BC", "-0043-03-15"), ("date", "12345-01-01", "+12345-01-01"),
+    ("date", "2024-02-29", "2024-02-29"), ("date", "0044-03-15 BC", "-0043-03-15"),
+    ("date", "12345-01-01", "+12345-01-01"),
     ("date", "infinity", "infinity"),
     ("date", "02/29/2024", "02/29/2024"),  # DateStyle not ISO: kept as it is
 ])
@@ -86,7 +90,8 @@ def test_null_and_utf8() -> None:
     ("numeric[]", "{1.50,NaN}", ["1.50", "NaN"]), ("boolean[]", "{t,f}", [True, False]),
     ("jsonb[]", r'{"{\"a\": 1}","[1, \"x\"]"}', [{"a": 1}, [1, "x"]]),
     ("bytea[]", r'{"\\x00ff"}', ["AP8="]),
-    ("timestamp with time zone[]", '{infinity,"0044-03-15 12:00:00+00 BC",NULL}', ["infinity", "-0043-03-15T12:00:00Z", None]),
+    ("timestamp with time zone[]", '{infinity,"0044-03-15 12:00:00+00 BC",NULL}',
+     ["infinity", "-0043-03-15T12:00:00Z", None]),
     ("character varying(3)[]", "{a}", ["a"]),
     ("box[]", "{(1,2),(0,0);(3,4),(1,1)}", ["(1,2),(0,0)", "(3,4),(1,1)"]),
 ])

@@ -19,7 +19,8 @@ def shape(columns: tuple[str, ...], types: tuple[str, ...], key: tuple[str, ...]
 
 def test_additions_drops_widening_and_key_moves_are_followed() -> None:
     assert plan("f", NOW, shape(NOW.columns, NOW.types)) == []
-    added = plan("f", NOW, shape((*NOW.columns, "c", "d"), (*NOW.types, "integer", "text"), missing=(None,) * 3 + ("7", None)))
+    added = plan("f", NOW, shape((*NOW.columns, "c", "d"), (*NOW.types, "integer", "text"),
+                                 missing=(None,) * 3 + ("7", None)))
     assert added == [Step("add", "c", "integer", "7"), Step("add", "d", "text")]
     assert plan("f", NOW, shape(("id", "a"), ("integer", "text"))) == [Step("drop", "b")]
     assert plan("f", NOW, shape(NOW.columns, ("bigint", "text", "text"))) == [

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psycopg
+
 from conftest import Dbs, changefeed_cli, fingerprint, kill_runs, writing
 
 ACCOUNTS = 50
@@ -52,7 +53,8 @@ def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_p
         c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
-    first = changefeed_cli(*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.ledger,public.accounts,public.bulk",
+    first = changefeed_cli(*base, "--source", dbs.source, "--sink", dbs.sink,
+                           "--tables", "public.ledger,public.accounts,public.bulk",
                            "--available-now", "--max-changes-per-batch", "400", "--wal-reader", "stream")
     assert first.returncode == 0, first.stderr
 

@@ -17,11 +17,12 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pytest
-from conftest import Dbs
 from test_replica import SCHEMA, TABLES, workload
 
-from changefeed.config import FeedSpec, FeedState
-from changefeed.feed import run
+from changefeed.control.runner import run
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
+from conftest import Dbs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -197,8 +198,9 @@ def test_compact_merges_files_keeps_rows_and_vacuum_deletes_orphans(dbs: Dbs, tm
     import os
     import shutil
 
-    from conftest import changefeed_cli
     from deltalake import DeltaTable
+
+    from conftest import changefeed_cli
 
     lake = tmp_path / "lake"
     with dbs.src() as c:
@@ -232,8 +234,8 @@ def test_a_renamed_column_stops_the_feed_until_the_table_is_read_again(dbs: Dbs,
                                                                        spark: object) -> None:
     """What the WAL cannot tell (RENAME COLUMN or DROP + ADD) stops a Delta feed before the change,
     as it stops a replica's; `changefeed snapshot --tables` is the way on."""
+    from changefeed.control.lifecycle import request_snapshot
     from changefeed.errors import UnfollowableChange
-    from changefeed.lifecycle import request_snapshot
 
     lake, tables = tmp_path / "lake", ("public.named",)
     with dbs.src() as c:

@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pytest
-from conftest import Dbs, changefeed_cli, kill_runs, writing
 
 from changefeed.sinks.delta.duck import connect as duckdb
+from conftest import Dbs, changefeed_cli, kill_runs, writing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import changefeed_cli
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]

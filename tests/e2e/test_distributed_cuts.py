@@ -20,9 +20,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs, assert_no_traceback, changefeed_cli, drop_slots, start_changefeed, wait_for
 
-from changefeed.local_postgres import LocalPostgres
+from changefeed.local.postgres import LocalPostgres
+from conftest import Dbs, assert_no_traceback, changefeed_cli, drop_slots, start_changefeed, wait_for
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 ACCOUNTS, BALANCE = 100, 1_000

@@ -19,6 +19,13 @@ from typing import Any
 
 import psycopg
 import pytest
+
+from changefeed.control.runner import run
+from changefeed.errors import SourceNotReady, TransactionInDoubt
+from changefeed.local.kafka import LocalKafka, committed, read_partition
+from changefeed.local.postgres import LocalPostgres
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
 from conftest import (
     Dbs,
     assert_no_traceback,
@@ -27,12 +34,6 @@ from conftest import (
     start_changefeed,
     wait_for,
 )
-
-from changefeed.config import FeedSpec, FeedState
-from changefeed.errors import SourceNotReady, TransactionInDoubt
-from changefeed.feed import run
-from changefeed.local_kafka import LocalKafka, committed, read_partition
-from changefeed.local_postgres import LocalPostgres
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 50, 1_000

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Dbs, changefeed_cli, start_changefeed, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Dbs, changefeed_cli, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Dbs, start_changefeed, wait_for
 
 from changefeed.core.hlc import physical_ms
 from changefeed.core.lsn import parse_lsn
+from conftest import Dbs, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
 
 from changefeed.core.lsn import parse_lsn
-from changefeed.local_kafka import LocalKafka, committed, read_partition
+from changefeed.local.kafka import LocalKafka, committed, read_partition
+from conftest import Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 COUNTERS = 25

@@ -20,10 +20,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, kill_runs, writing
 
 from changefeed.core.lsn import parse_lsn
-from changefeed.local_kafka import LocalKafka, committed, read_partition
+from changefeed.local.kafka import LocalKafka, committed, read_partition
+from conftest import Dbs, changefeed_cli, kill_runs, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS = 40

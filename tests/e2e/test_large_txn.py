@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

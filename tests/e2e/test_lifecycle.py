@@ -10,7 +10,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from changefeed.local_postgres import LocalPostgres
+
+from changefeed.local.postgres import LocalPostgres
 from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(600)

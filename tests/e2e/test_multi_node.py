@@ -13,6 +13,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
+from changefeed.control.runner import run
+from changefeed.control.status import status
+from changefeed.errors import ConnectionFailed, SourceNotReady
+from changefeed.faults import InjectedFault
+from changefeed.local.postgres import LocalPostgres
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
 from conftest import (
     Dbs,
     assert_no_traceback,
@@ -23,13 +31,6 @@ from conftest import (
     wait_for,
     writing,
 )
-
-from changefeed.config import FeedSpec, FeedState
-from changefeed.errors import ConnectionFailed, SourceNotReady
-from changefeed.faults import InjectedFault
-from changefeed.feed import run
-from changefeed.local_postgres import LocalPostgres
-from changefeed.status import status
 
 pytestmark = pytest.mark.timeout(900)
 NODES = ("n1", "n2", "n3")
@@ -129,8 +130,9 @@ def test_three_nodes_make_one_replica_read_by_parallel_tasks(dbs: Dbs, nodes: di
     assert all(set(positions) == set(NODES) for _, _, positions in reads)
     windows = [[r for r in batch_reads if "no" not in r and r.get("node")] for _, batch_reads, _ in reads]
     assert any(sorted(r["node"] for r in w) == list(NODES) and len({r["task"] for r in w}) == 3 for w in windows)
-    overlapping = [w for w in windows if any(a["node"] != b["node"] and a["began"] < b["ended"] and b["began"] < a["ended"]
-                                             for a in w for b in w)]
+    overlapping = [w for w in windows
+                   if any(a["node"] != b["node"] and a["began"] < b["ended"] and b["began"] < a["ended"]
+                          for a in w for b in w)]
     assert overlapping, reads
     shown = status(spec, FeedState(tmp_path / "state", spec.name))
     assert set(shown.nodes) == set(NODES) and all(n["lag_bytes"] == 0 for n in shown.nodes.values()), shown

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
+from changefeed.local.postgres import LocalPostgres
 from conftest import (
     Dbs,
     assert_no_traceback,
@@ -36,8 +38,6 @@ from conftest import (
     wait_for,
     writing,
 )
-
-from changefeed.local_postgres import LocalPostgres
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 

@@ -4,11 +4,12 @@ The source, or the replica, is a server of the test's own, crash-restarted (`pg_
 immediate`, started again seconds later) under a concurrent writer; or the feed's connections to
 the source are terminated (`pg_terminate_backend`) again and again for a few seconds; or a TCP
 proxy in front of a server (source, replica, Kafka broker) stalls or goes down; or a task fails
-with an error changefeed has no type for. Meanwhile `status` says the feed is retrying, naming the server and the failure, and `/metrics` has state `retrying`. Once the
-server is back, the feed catches up by itself: the replica equals the source. The test servers
-commit asynchronously, so a crashed source may take its last commits with it; the replica is
-compared with what survived (the feed reads only flushed WAL, so it never has a row the source
-lost), and a crashed replica loses only batches whose progress rows went with them (replayed).
+with an error changefeed has no type for. Meanwhile `status` says the feed is retrying, naming the
+server and the failure, and `/metrics` has state `retrying`. Once the server is back, the feed
+catches up by itself: the replica equals the source. The test servers commit asynchronously, so a
+crashed source may take its last commits with it; the replica is compared with what survived (the
+feed reads only flushed WAL, so it never has a row the source lost), and a crashed replica loses
+only batches whose progress rows went with them (replayed).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+
+from changefeed.local.postgres import LocalPostgres
 from conftest import (
     Dbs,
     assert_no_traceback,
@@ -39,8 +42,6 @@ from conftest import (
     writing,
 )
 from tcp_proxy import TcpProxy
-
-from changefeed.local_postgres import LocalPostgres
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -206,7 +207,9 @@ def test_a_stalled_connection_is_found_and_cut(dbs: Dbs, tmp_path: Path, path: s
     tell. The feed cuts the hung connections, retries, and carries on once the path flows again."""
     server = int(urlsplit(dbs.source if path == "source" else dbs.sink).port or 0)
     with TcpProxy(server) as proxy:
-        proxied = lambda uri: uri.replace(f":{server}/", f":{proxy.port}/")
+        def proxied(uri: str) -> str:
+            return uri.replace(f":{server}/", f":{proxy.port}/")
+
         source, sink = (proxied(dbs.source), dbs.sink) if path == "source" else (dbs.source, proxied(dbs.sink))
         with psycopg.connect(dbs.source, autocommit=True) as c:
             c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL)")
@@ -238,7 +241,7 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
     port), which for 30 s goes down (closing every connection) or stalls (forwarding nothing, so
     requests in flight hang and arrive late), then comes back: the same feed process retries
     meanwhile and the topic then holds every row exactly once."""
-    from changefeed.local_kafka import LocalKafka, committed
+    from changefeed.local.kafka import LocalKafka, committed
 
     broker_port = free_port()
     with TcpProxy(broker_port) as proxy, LocalKafka.start(tmp_path / "kafka", broker_port,
@@ -272,10 +275,11 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
             got = ids()
             if got != list(range(-199, written[0] + 1)):
                 doubled = {i for i in got if got.count(i) > 1}
-                found = [(p, r.offset, r.outcome, r.key) for p, part in enumerate(kafka_partitions(bootstrap, "public.t"))
+                found = [(p, r.offset, r.outcome, r.key)
+                         for p, part in enumerate(kafka_partitions(bootstrap, "public.t"))
                          for r in part if json.loads(r.key or b"")[0] in doubled]
-                progress = [(r.offset, r.outcome, r.value) for part in kafka_partitions(bootstrap, "_changefeed_progress")
-                            for r in part]
+                progress = [(r.offset, r.outcome, r.value)
+                            for part in kafka_partitions(bootstrap, "_changefeed_progress") for r in part]
                 raise AssertionError(f"{len(got)} ids for {written[0]} rows; doubled {sorted(doubled)[:20]}: "
                                      f"{found[:20]}\nprogress: {progress}\n{log.read_text()[-5000:]}")
             assert broker.running

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import Dbs, changefeed_cli, fingerprint, kill_runs
 
 pytestmark = pytest.mark.timeout(600)

@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs, fingerprint
 
-from changefeed.config import FeedSpec, FeedState
-from changefeed.feed import run
+from changefeed.control.runner import run
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
+from conftest import Dbs, fingerprint
 
 SCHEMA = """
 CREATE TABLE kinds (id int PRIMARY KEY, i int, b bigint, n numeric(30,8), t text, flag bool, ts timestamptz,

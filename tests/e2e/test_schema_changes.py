@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from conftest import Dbs, assert_no_traceback, changefeed_cli, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(900)
@@ -35,8 +36,8 @@ FOLLOWED = {  # table -> its DDL, run while writes go on
 def _tables(dbs: Dbs) -> None:
     with dbs.src() as c:
         for t in FOLLOWED:
-            extra = {"c_drop": ", gone text", "c_varchar": ", s varchar(10)", "c_null": ", w int NOT NULL DEFAULT 1, s text",
-                     "c_key": ", u int NOT NULL DEFAULT 0"}.get(t, "")
+            extra = {"c_drop": ", gone text", "c_varchar": ", s varchar(10)",
+                     "c_null": ", w int NOT NULL DEFAULT 1, s text", "c_key": ", u int NOT NULL DEFAULT 0"}.get(t, "")
             c.execute(f"CREATE TABLE {t} (id int PRIMARY KEY, v int{extra})")
             c.execute(f"INSERT INTO {t} (id, v) SELECT g, g FROM generate_series(1, 200) g")
         c.execute("UPDATE c_drop SET gone = 'g' || id")

@@ -19,9 +19,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import changefeed_cli, start_changefeed, wait_for
 
-from changefeed.local_postgres import LocalPostgres
+from changefeed.local.postgres import LocalPostgres
+from conftest import changefeed_cli, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 

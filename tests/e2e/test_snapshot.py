@@ -10,12 +10,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
 from test_replica import SCHEMA, TABLES, workload
 
-from changefeed.config import FeedSpec, FeedState
-from changefeed.feed import run
-
+from changefeed.control.runner import run
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
+from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 ROWS, CHUNK, ACCOUNTS = 40_000, 1_500, 40

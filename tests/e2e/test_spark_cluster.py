@@ -15,10 +15,10 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, drop_slots, writing
 
-from changefeed.local_postgres import LocalPostgres
+from changefeed.local.postgres import LocalPostgres
 from changefeed.spark.spark_home import use_linked_home
+from conftest import Dbs, changefeed_cli, drop_slots, writing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NODES = ("n1", "n2", "n3")
@@ -77,7 +77,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
 
         hide = root / "hide"
         hide.mkdir()
-        (hide / "sitecustomize.py").write_text(HIDE.format(root=str(root), src=str(Path(changefeed.__file__).parent.parent)))
+        (hide / "sitecustomize.py").write_text(
+            HIDE.format(root=str(root), src=str(Path(changefeed.__file__).parent.parent)))
         python = root / "python"
         python.write_text(f'#!/bin/sh\nexport PYTHONPATH="{hide}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
                           f'exec {sys.executable} "$@"\n')
@@ -91,7 +92,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
 
 
 def test_three_nodes_on_a_standalone_cluster_read_on_both_workers(
-        dbs: Dbs, servers: tuple[LocalPostgres, LocalPostgres], cluster: tuple[str, Path, Path], tmp_path: Path) -> None:
+        dbs: Dbs, servers: tuple[LocalPostgres, LocalPostgres], cluster: tuple[str, Path, Path],
+        tmp_path: Path) -> None:
     from test_multi_node import TABLES, bank, transfers, union
 
     master, root, python = cluster

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(900)
@@ -158,7 +159,7 @@ def test_verify_reads_a_kafka_sink_back_as_a_consumer_would(dbs: Dbs, tmp_path: 
                                                             fmt: str) -> None:
     from confluent_kafka import Producer
 
-    from changefeed.local_kafka import read_partition
+    from changefeed.local.kafka import read_partition
 
     _setup(dbs)
     prefix = f"{dbs.name}."

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
 
-from changefeed.local_postgres import LocalPostgres
+from changefeed.local.postgres import LocalPostgres
+from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from conftest import Dbs, changefeed_cli, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(600)

@@ -7,11 +7,11 @@ import subprocess
 import time
 
 import psycopg
-from conftest import Dbs
 
 from changefeed.core.lsn import parse_lsn
-from changefeed.local_postgres import bin_dir
+from changefeed.local.postgres import bin_dir
 from changefeed.postgres import source as src
+from conftest import Dbs
 
 SLOT, PUB = "caught_up_slot", "caught_up_pub"
 

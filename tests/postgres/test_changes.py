@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections import Counter
 import json
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,13 +22,15 @@ from typing import Any
 import psycopg
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, note, settings, strategies as st
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 from changefeed.core import change as ch
 from changefeed.core.copytext import split_line
-from changefeed.core.hlc import window_end_ts, ceiling_of_ms, from_millis
+from changefeed.core.hlc import ceiling_of_ms, from_millis, window_end_ts
 from changefeed.core.lsn import format_lsn
-from changefeed.postgres import changes, pgoutput as po
+from changefeed.postgres import changes
+from changefeed.postgres import pgoutput as po
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
 from changefeed.postgres.source import column_catalog
 

@@ -1,11 +1,10 @@
 """Snapshot chunk boundaries on a real table: chunks of `rows` rows in key order, no empty tail."""
 from __future__ import annotations
 
-from conftest import Dbs
-
 from changefeed.core.snapshot import Cursor
 from changefeed.postgres import source as src
 from changefeed.postgres.snapshot import chunk_boundary
+from conftest import Dbs
 
 
 def plan_all(dbs: Dbs, table: str, rows: int) -> list[tuple[object, object]]:

@@ -17,7 +17,6 @@ from changefeed.core.lsn import parse_lsn
 from changefeed.core.outbox import OutboxSpec, parse_columns
 from changefeed.errors import ConfigError, ConnectionFailed, DefiniteError, SourceNotReady
 from changefeed.postgres.outbox import OutboxCleanup, check_outbox_table
-
 from conftest import Dbs
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, note, settings, strategies as st
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 from changefeed.core.copytext import join_line, split_line
 from changefeed.postgres import pgoutput as po
@@ -133,7 +134,8 @@ def cap(servers: Any) -> Iterator[Capture]:
         ALTER TABLE t_ri REPLICA IDENTITY USING INDEX t_ri_code_key;
         CREATE TABLE t_unpublished (id int PRIMARY KEY);
     """)
-    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE t_types, t_toast, t_full, t_key, t_parent, t_child, t_origin, t_ri")
+    conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE "
+                 "t_types, t_toast, t_full, t_key, t_parent, t_child, t_origin, t_ri")
     conn.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
     steps: dict[str, dict[str, Any]] = {}
     try:
@@ -176,7 +178,8 @@ def cap(servers: Any) -> Iterator[Capture]:
             oc.execute("SET synchronous_commit = on")
             oc.execute("SELECT pg_replication_origin_create(%s)", (origin,))
             oc.execute("SELECT pg_replication_origin_session_setup(%s)", (origin,))
-            steps["origin"] = _txn(oc, f"SELECT pg_replication_origin_xact_setup('0/{ORIGIN_LSN:X}', '{ORIGIN_TIME.isoformat()}')",
+            steps["origin"] = _txn(oc, f"SELECT pg_replication_origin_xact_setup('0/{ORIGIN_LSN:X}', "
+                                       f"'{ORIGIN_TIME.isoformat()}')",
                                    "INSERT INTO t_origin VALUES (1)")
             oc.execute("SELECT pg_replication_origin_session_reset()")
         steps["heartbeat"] = {"lsn": int(conn.execute(
@@ -425,7 +428,8 @@ def _decodes_or_decode_error(data: bytes) -> None:
     except DecodeError:
         return
     assert isinstance(result, (po.Begin, po.Commit, po.Origin, po.Relation, po.Type, po.Insert, po.Update,
-                               po.Delete, po.Truncate, po.Message))
+                               po.Delete, po.Truncate, po.Message, po.BeginPrepare, po.Prepare, po.CommitPrepared,
+                               po.RollbackPrepared))
 
 
 ROBUST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,11 +13,12 @@ from unittest import mock
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_pgoutput import _encode_tuple as encode_tuple  # TupleData bytes from (kind, value) pairs
 
 from changefeed.postgres import pgoutput as po
 from changefeed.postgres import tuple_block as tb
-from test_pgoutput import _encode_tuple as encode_tuple  # TupleData bytes from (kind, value) pairs
 
 OID = 16384
 SPECIAL = b"\t\n\r\\"

@@ -10,16 +10,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import Dbs
 
 from changefeed.core import distributed as dist
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import SourceNotReady, TornTransaction
-from changefeed.postgres import consistent_point
+from changefeed.postgres import consistent_point, twophase
 from changefeed.postgres import source as src
-from changefeed.postgres import twophase
 from changefeed.postgres.changes import ChangeBuilder
 from changefeed.postgres.source import column_catalog
+from conftest import Dbs
 
 
 @pytest.fixture

@@ -16,16 +16,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from changefeed.config import SourceNode
 from changefeed.errors import ConnectionFailed
 from changefeed.postgres import replication
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.connect import connect
 from changefeed.postgres.wal_reader import wal_reader
-
+from changefeed.spec.definition import SourceNode
 from conftest import Dbs, decoded
 
 pytestmark = pytest.mark.timeout(600)

@@ -7,13 +7,13 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from conftest import Dbs
-from tcp_proxy import TcpProxy
 
 from changefeed.errors import ConnectionFailed
 from changefeed.postgres import watchdog
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.watchdog import WATCHDOG
+from conftest import Dbs
+from tcp_proxy import TcpProxy
 
 
 @pytest.fixture

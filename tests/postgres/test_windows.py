@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
-
 from conftest import Dbs
 
 pytestmark = pytest.mark.timeout(300)

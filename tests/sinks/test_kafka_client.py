@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
 from changefeed.errors import ConfigError
-from changefeed.local_kafka import LocalKafka, committed, read_partition
-from changefeed.sinks.kafka.options import KafkaOptions
+from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.sinks.kafka.admin import check_transactions
 from changefeed.sinks.kafka.batch import KafkaBatch
 from changefeed.sinks.kafka.client import STEP_MAX_S, STEP_MIN_S, TXN_MAX_MS, Timeouts
+from changefeed.sinks.kafka.options import KafkaOptions
 
 pytestmark = pytest.mark.timeout(300)
 CA = "/etc/ssl/certs/ca-certificates.crt"
@@ -207,7 +207,7 @@ def test_a_batch_time_refusal_names_the_users_setting() -> None:
     """Refusals are named the same way if they reach a writer task (run's checks come first)."""
     from confluent_kafka import KafkaError, KafkaException
 
-    from changefeed.sinks.kafka.batch import kafka_error
+    from changefeed.sinks.kafka.failures import kafka_error
 
     opts = KafkaOptions.parse('kafka://k:9092?kafka_config={"acks":"1"}')
     error: Any = kafka_error(KafkaException(KafkaError(KafkaError._INVALID_ARG, "`acks` must be set to `all` when "

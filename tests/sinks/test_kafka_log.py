@@ -9,8 +9,8 @@ import pytest
 from confluent_kafka import Producer
 
 from changefeed.errors import AuthenticationFailed, ConfigError
-from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.kafka.log import CorruptLog, last_committed, read_partition, scram, unsupported_settings
+from changefeed.sinks.kafka.options import KafkaOptions
 
 pytestmark = pytest.mark.timeout(120)
 

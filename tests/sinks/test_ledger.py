@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from changefeed.config import FeedSpec
 from changefeed.core.change import BatchProgress
 from changefeed.errors import ConfigError
 from changefeed.sinks.ledger import FileLedger
-from changefeed.sinks.registry import sink_of
+from changefeed.sinks.registry import sink_of, validated
+from changefeed.spec.definition import FeedSpec
 
 
 def batch(end: int, ts: int, changes: int, *chunks: dict[str, object]) -> BatchProgress:
@@ -72,14 +72,14 @@ def spec(sink: str, **kw: object) -> FeedSpec:
 ])
 def test_bad_sink_options_are_config_errors(sink: str, kw: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
-        spec(sink, **kw).validate()
+        validated(spec(sink, **kw))
 
 
 def test_a_delta_sink_refuses_a_feed_of_several_nodes() -> None:
     nodes = (("a", "postgresql://h/db"), ("b", "postgresql://h2/db"))
     with pytest.raises(ConfigError, match="several source nodes"):
-        FeedSpec("f", "", "delta:///lake", ("public.t",), nodes=nodes).validate()  # type: ignore[arg-type]
+        validated(FeedSpec("f", "", "delta:///lake", ("public.t",), nodes=nodes))  # type: ignore[arg-type]
 
 
 def test_webhook_spec_with_a_format_is_valid() -> None:
-    assert spec("webhook-https://h/p?resolved=true", format="debezium", diff=True).validate().format == "debezium"
+    assert validated(spec("webhook-https://h/p?resolved=true", format="debezium", diff=True)).format == "debezium"

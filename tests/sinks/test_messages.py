@@ -39,7 +39,8 @@ EVENT = ["e1", "order", "42", "OrderPlaced", '{"total": 9.90}']
 
 def test_outbox_rows_become_events_and_other_tables_stay_envelopes() -> None:
     stream = MessageStream(formatter("json", "f"), lambda s, t: f"{s}.{t}",
-                           outbox=OutboxSpec("app.outbox", snapshot_events=True), event_topic=lambda name: "cdc." + name)
+                           outbox=OutboxSpec("app.outbox", snapshot_events=True),
+                           event_topic=lambda name: "cdc." + name)
     batch = rows(("c", ORDERS, ["42", "9.90"]), ("c", OUTBOX, EVENT), ("d", OUTBOX, EVENT),
                  ("u", OUTBOX, EVENT), ("t", OUTBOX, None), ("r", OUTBOX, ["e0", "user", "7", "Seen", "{}"]))
     messages = list(stream.messages(batch))

@@ -20,7 +20,6 @@ from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.sinks.replica import apply as replica
 from changefeed.sinks.replica import insert_run
-
 from conftest import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,7 +35,8 @@ def _stream(dbs: Dbs, rows_per_batch: int = 500) -> tuple[list[Any], list[src.So
         c.execute("CREATE PUBLICATION p FOR TABLE t, gone")
         c.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
         for k in range(30):  # 30 transactions: the builder cuts chunks only between transactions
-            c.execute("INSERT INTO t SELECT g, 'v' || g, NULL FROM generate_series(%s::int, %s::int) g", (k * 100 + 1, k * 100 + 100))
+            c.execute("INSERT INTO t SELECT g, 'v' || g, NULL FROM generate_series(%s::int, %s::int) g",
+                      (k * 100 + 1, k * 100 + 100))
         c.execute("INSERT INTO gone SELECT generate_series(1, 50)")
         c.execute("UPDATE t SET big = %s WHERE id = 7", (BIG,))
         c.execute("UPDATE t SET v = 'touched' WHERE id = 7")  # big unchanged: TOAST marker

@@ -279,7 +279,7 @@ def test_resolved_body_is_the_message_itself() -> None:
 
 def test_idempotency_keys_are_deterministic_and_distinct() -> None:
     assert idempotency_key("orders", 12, 0, 999) == idempotency_key("orders", 12, 0, 999) == "orders-12-0-999"
-    keys = {idempotency_key("orders", b, f, l) for b in (1, 2) for f, l in ((0, 0), (0, 1), (1, 1))}
+    keys = {idempotency_key("orders", b, first, last) for b in (1, 2) for first, last in ((0, 0), (0, 1), (1, 1))}
     keys |= {idempotency_key("orders", 1, -1, -1), idempotency_key("other", 1, 0, 0)}
     assert len(keys) == 8
     assert idempotency_key("orders", 7, -1, -1) == "orders-7-resolved"

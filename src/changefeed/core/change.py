@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import IncompleteBatch
-from .nodes import DEFAULT_NODE
+from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.errors import IncompleteBatch
 
 FIELDS: tuple[tuple[str, str], ...] = (
     ("op", "string"), ("schema", "string"), ("table", "string"), ("lsn", "bigint"), ("seq", "int"),

@@ -64,12 +64,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple, Protocol
 
-from .. import __version__
-from ..errors import ConfigError
-from .change import TableShape
-from .copytext import split_line
-from .hlc import physical_ms
-from .pgvalue import Convert, base_name, converter
+from changefeed import __version__
+from changefeed.core.change import TableShape
+from changefeed.core.copytext import split_line
+from changefeed.core.hlc import physical_ms
+from changefeed.core.pgvalue import Convert, base_name, converter
+from changefeed.errors import ConfigError
 
 FORMATS = ("json", "debezium", "text")
 
@@ -110,7 +110,8 @@ class Change:
     @classmethod
     def from_row(cls, row: Mapping[str, Any], shape: TableShape | None) -> Change:
         """A change row (core.change fields, e.g. from RecordBatch.to_pylist()) of `shape`'s table."""
-        common = {"lsn": row["lsn"], "xid": row["xid"], "commit_time": row["commit_time"], "commit_ts": row["commit_ts"]}
+        common = {"lsn": row["lsn"], "xid": row["xid"], "commit_time": row["commit_time"],
+                  "commit_ts": row["commit_ts"]}
         if row["op"] == "m":
             return cls("m", None, prefix=json.loads(row["meta"])["prefix"], content=row["after"], **common)
         lines = {f: None if row[f] is None else split_line(row[f]) for f in ("after", "before", "old_key")}
@@ -255,7 +256,8 @@ class DebeziumFormat:
             return [Record(None, self._event(change, "t"))]
         key = self._key(change)
         if change.op == "d":
-            return [Record(key, self._event(change, "d", {"before": _before(change), "after": None})), Record(key, None)]
+            deleted = self._event(change, "d", {"before": _before(change), "after": None})
+            return [Record(key, deleted), Record(key, None)]
         if change.old_key is None:
             return [Record(key, self._event(change, change.op, {"before": _before(change), "after": _after(change)}))]
         old_key = self._key(change, old=True)

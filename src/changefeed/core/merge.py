@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..errors import IncompleteBatch, TornTransaction, UnfollowableChange
-from . import change as ch
+from changefeed.core import change as ch
+from changefeed.errors import IncompleteBatch, TornTransaction, UnfollowableChange
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import DefiniteError
-from .distributed import Part
-from .nodes import DEFAULT_NODE
-from .snapshot import Chunk, Cursor
+from changefeed.core.distributed import Part
+from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.core.snapshot import Chunk, Cursor
+from changefeed.errors import DefiniteError
 
 VERSION = 3  # the newest shape this code writes (a one-node offset is still written as version 1)
 

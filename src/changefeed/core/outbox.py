@@ -21,8 +21,8 @@ import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from .envelope import Change, Record
+from changefeed.core.envelope import Change, Record
+from changefeed.errors import ConfigError
 
 ROLES = ("id", "aggregate_type", "aggregate_id", "event_type", "payload")
 DEFAULT_TOPIC = "outbox.event.{aggregate_type}"

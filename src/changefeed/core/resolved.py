@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .hlc import window_end_ts
+from changefeed.core.hlc import window_end_ts
 
 
 @dataclass(frozen=True)

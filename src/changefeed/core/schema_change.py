@@ -25,8 +25,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import UnfollowableChange
-from .change import TableShape
+from changefeed.core.change import TableShape
+from changefeed.errors import UnfollowableChange
 
 _INTS = ("smallint", "integer", "bigint")
 _VARCHAR = re.compile(r"character varying(?:\((\d+)\))?$")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .nodes import classic
+from changefeed.core.nodes import classic
 
 Key = list[str]
 # (table, exclusive lower key or None, rows) -> the key closing a chunk of that many rows, or

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .lsn import format_lsn
+from changefeed.core.lsn import format_lsn
 
 Sums = dict[int, tuple[int, int]]  # chunk -> (rows, sum of row hashes)
 MISSING, EXTRA, CHANGED = "missing on the sink", "extra on the sink", "differs"
@@ -117,7 +117,8 @@ class TableResult:
         if more > 0:
             out.append(f"  ... and {more} more keys")
         if self.repaired:
-            out.append(f"  repaired {self.repaired} keys (the sink now holds the source's rows at a new consistent point)")
+            out.append(f"  repaired {self.repaired} keys "
+                       "(the sink now holds the source's rows at a new consistent point)")
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -27,16 +27,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ..core import change as ch
-from ..core.change import HEARTBEAT_PREFIX
-from ..core.hlc import next_commit_ts
-from ..core.lsn import format_lsn
-from ..errors import TornTransaction
-from . import pgoutput as po
-from . import tuple_block as tb
-from .pgoutput import RelationInfo
-from .rows import Chunk, Rows
-
+from changefeed.core import change as ch
+from changefeed.core.change import HEARTBEAT_PREFIX
+from changefeed.core.hlc import next_commit_ts
+from changefeed.core.lsn import format_lsn
+from changefeed.errors import TornTransaction
+from changefeed.postgres import pgoutput as po
+from changefeed.postgres import tuple_block as tb
+from changefeed.postgres.pgoutput import RelationInfo
+from changefeed.postgres.rows import Chunk, Rows
 
 Catalog = Callable[[po.Relation], RelationInfo]
 

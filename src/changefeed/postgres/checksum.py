@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .connect import connect, lost_connection
-from .source import split_table
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.source import split_table
 
 # Output settings both sides render values under (timestamps in UTC, ISO dates, exact floats).
 SETTINGS = {"DateStyle": "ISO, YMD", "TimeZone": "UTC", "IntervalStyle": "postgres",

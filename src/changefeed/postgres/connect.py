@@ -13,9 +13,9 @@ from typing import Any
 
 import psycopg
 
-from ..errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
-from ..secrets import resolve
-from .watchdog import WATCHDOG, WatchedConnection
+from changefeed.errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
+from changefeed.postgres.watchdog import WATCHDOG, WatchedConnection
+from changefeed.spec.secrets import resolve
 
 
 def redact(uri: str) -> str:
@@ -87,7 +87,7 @@ def _credentials_hint(uri: str) -> str:
 
     if urlsplit(uri).password is not None:
         return "check the user and the password (or the variable ${VAR} that holds it) in the URI"
-    from ..secrets import passfile_problem
+    from changefeed.spec.secrets import passfile_problem
 
     problem = passfile_problem()
     return (f"the URI has no password and {problem}" if problem else

@@ -17,10 +17,10 @@ from typing import Any
 
 import psycopg
 
-from ..core.lsn import parse_lsn
-from ..errors import ConnectionFailed, SourceNotReady
-from ..secrets import resolve
-from .connect import KEEPALIVES, redact
+from changefeed.core.lsn import parse_lsn
+from changefeed.errors import ConnectionFailed, SourceNotReady
+from changefeed.postgres.connect import KEEPALIVES, redact
+from changefeed.spec.secrets import resolve
 
 
 @dataclass

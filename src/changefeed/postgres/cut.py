@@ -17,12 +17,12 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from ..config import SourceNode
-from ..core import distributed as dist
-from ..core.offsets import Offset
-from ..errors import TornTransaction, TransactionInDoubt
-from . import source as src
-from . import twophase
+from changefeed.core import distributed as dist
+from changefeed.core.offsets import Offset
+from changefeed.errors import TornTransaction, TransactionInDoubt
+from changefeed.postgres import source as src
+from changefeed.postgres import twophase
+from changefeed.spec.definition import SourceNode
 
 On = Callable[[str], AbstractContextManager[Any]]
 

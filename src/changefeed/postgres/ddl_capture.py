@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..errors import SourceNotReady
+from changefeed.errors import SourceNotReady
 
 PREFIX = "changefeed.ddl"
 

@@ -31,11 +31,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..core.lsn import format_lsn, parse_lsn
-from ..core.outbox import ROLES, OutboxSpec
-from ..errors import ChangefeedError, ConfigError, DefiniteError, SourceNotReady, TransientError
-from .connect import connect
-from .source import split_table, table_oid
+from changefeed.core.lsn import format_lsn, parse_lsn
+from changefeed.core.outbox import ROLES, OutboxSpec
+from changefeed.errors import ChangefeedError, ConfigError, DefiniteError, SourceNotReady, TransientError
+from changefeed.postgres.connect import connect
+from changefeed.postgres.source import split_table, table_oid
 
 REQUIRED_ROLES = ("id", "aggregate_type", "aggregate_id", "event_type")  # NULL in these stops the router
 PAYLOAD_TYPES = ("json", "jsonb", "text")

@@ -13,9 +13,9 @@ import struct
 from dataclasses import dataclass
 from typing import Final, Union
 
-from ..core.copytext import NULL, join_line
-from ..core.hlc import PG_EPOCH_US
-from ..errors import DefiniteError
+from changefeed.core.copytext import NULL, join_line
+from changefeed.core.hlc import PG_EPOCH_US
+from changefeed.errors import DefiniteError
 
 REPORT_HINT = ("nothing of this WAL window was applied and the slot keeps it; this is a changefeed bug or a "
                "pgoutput it does not know: report it with the PostgreSQL version and the window's messages "

@@ -31,9 +31,9 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
-from ..config import SourceNode
-from . import source as src
-from .connect import connect
+from changefeed.postgres import source as src
+from changefeed.postgres.connect import connect
+from changefeed.spec.definition import SourceNode
 
 SPOOL = Path(tempfile.gettempdir()) / "changefeed-read-ahead"
 STALE_S = 600.0  # a spool file this old is nobody's any more

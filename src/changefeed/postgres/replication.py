@@ -37,10 +37,10 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from ..core.hlc import PG_EPOCH_US
-from ..core.lsn import format_lsn
-from .connect import connect, lost_connection
-from .source import slot_errors
+from changefeed.core.hlc import PG_EPOCH_US
+from changefeed.core.lsn import format_lsn
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.source import slot_errors
 
 STATUS_INTERVAL_S = 10.0  # well inside the server's wal_sender_timeout (60 s by default)
 SILENT_S = 30.0  # nothing heard for this long, pings unanswered: the path is stalled, the stream is cut

@@ -30,11 +30,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..core import change as ch
-from ..core.lsn import parse_lsn
-from ..core.snapshot import Key
-from ..errors import SourceNotReady, TransientError
-from .source import SourceTable, describe_tables, missing_values, split_table
+from changefeed.core import change as ch
+from changefeed.core.lsn import parse_lsn
+from changefeed.core.snapshot import Key
+from changefeed.errors import SourceNotReady, TransientError
+from changefeed.postgres.source import SourceTable, describe_tables, missing_values, split_table
 
 STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
 

@@ -18,9 +18,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..core.lsn import format_lsn, parse_lsn
-from .pgoutput import RelationInfo
-from ..errors import FeedBusy, SlotLost, SourceNotReady, TransientError, start_over_hint
+from changefeed.core.lsn import format_lsn, parse_lsn
+from changefeed.errors import FeedBusy, SlotLost, SourceNotReady, TransientError, start_over_hint
+from changefeed.postgres.pgoutput import RelationInfo
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
 
@@ -182,7 +182,8 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
 def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
     row = conn.execute(
         "SELECT slot_name, plugin, confirmed_flush_lsn::text, restart_lsn::text, active_pid, wal_status, "
-        "to_jsonb(s) ->> 'invalidation_reason', coalesce((to_jsonb(s) ->> 'two_phase')::bool, false) FROM pg_replication_slots s WHERE slot_name = %s",
+        "to_jsonb(s) ->> 'invalidation_reason', coalesce((to_jsonb(s) ->> 'two_phase')::bool, false) "
+        "FROM pg_replication_slots s WHERE slot_name = %s",
         (slot,)).fetchone()
     if row is None:
         return None

@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 
 import psycopg
 
-from ..config import WAL_READERS, SourceNode
-from ..core.change import HEARTBEAT_PREFIX
-from ..errors import ConfigError
-from . import source as src
+from changefeed.core.change import HEARTBEAT_PREFIX
+from changefeed.errors import ConfigError
+from changefeed.postgres import source as src
+from changefeed.spec.definition import WAL_READERS, SourceNode
 
 
 class WalReader:
@@ -79,7 +79,7 @@ class StreamReader(WalReader):
 
     def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
                end: int) -> Iterator[list[bytes]]:
-        from .replication import WindowStream
+        from changefeed.postgres.replication import WindowStream
 
         return WindowStream(node.uri, role, node.slot, node.publication, at, end).blocks()
 

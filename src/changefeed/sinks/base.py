@@ -11,23 +11,14 @@ writes in parallel (Delta) commits there, once, with everything the tasks wrote.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from changefeed.sinks.batch_input import BatchInput
+
 if TYPE_CHECKING:
-    from ..config import FeedSpec, FeedState
-    from .batch_input import BatchInput
-    from .ledger import Ledger
-
-
-@dataclass(frozen=True)
-class Task:
-    """Which writer task is writing: Spark's ids, passed by spark.writer (sinks do not import Spark)."""
-
-    batch_id: int  # the micro-batch: the same when Spark replays it after a crash
-    query_id: str  # the streaming query: kept in its checkpoint, the same after every restart
-    partition: int  # this task's share of the batch (0 when one task writes it)
-    attempt: int  # Spark's task attempt id: unique per try
+    from changefeed.sinks.ledger import Ledger
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 
 class BatchWriter(Protocol):

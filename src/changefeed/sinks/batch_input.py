@@ -9,10 +9,21 @@ commits anything of it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from ..core import change as ch
-from .base import Task
+from changefeed.core import change as ch
+
+
+@dataclass(frozen=True)
+class Task:
+    """Which writer task is writing: Spark's ids, passed by spark.writer (sinks do not import Spark)."""
+
+    batch_id: int  # the micro-batch: the same when Spark replays it after a crash
+    query_id: str  # the streaming query: kept in its checkpoint, the same after every restart
+    partition: int  # this task's share of the batch (0 when one task writes it)
+    attempt: int  # Spark's task attempt id: unique per try
+
 
 
 class BatchInput:
@@ -43,7 +54,7 @@ class BatchInput:
 
     def merged(self, renumber: bool = False) -> list[Any]:
         """A multi-node batch read whole and put in one order, `P` rows last (`progress` known after)."""
-        from ..core import merge
+        from changefeed.core import merge
 
         parts = merge.split(self.batches())
         merge.refuse_truncate(parts)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..core.change import BatchProgress
+from changefeed.core.change import BatchProgress
 
 RATE_WINDOW_S = 60
 

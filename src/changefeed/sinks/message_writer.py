@@ -10,13 +10,14 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core import change as ch
-from ..core.envelope import Formatter, formatter
-from .base import ledger_path
-from .ledger import FileLedger
+from changefeed.core import change as ch
+from changefeed.core.envelope import Formatter, formatter
+from changefeed.sinks.base import ledger_path
+from changefeed.sinks.ledger import FileLedger
 
 if TYPE_CHECKING:
-    from ..config import FeedSpec, FeedState
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from ..core import change as ch
-from ..core.envelope import Change, Formatter, Record
-from ..core.outbox import OutboxEvent, OutboxRouter, OutboxSpec
-from ..errors import SinkError
+from changefeed.core import change as ch
+from changefeed.core.envelope import Change, Formatter, Record
+from changefeed.core.outbox import OutboxEvent, OutboxRouter, OutboxSpec
+from changefeed.errors import SinkError
 
 
 class Message(NamedTuple):

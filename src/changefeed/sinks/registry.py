@@ -8,12 +8,13 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from changefeed.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..config import FeedSpec, FeedState
-    from .base import Sink
-    from .ledger import Ledger
+    from changefeed.sinks.base import Sink
+    from changefeed.sinks.ledger import Ledger
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 SCHEMES = {"postgresql": "replica", "postgres": "replica", "kafka": "kafka", "webhook-http": "webhook",
            "webhook-https": "webhook", "delta": "delta", "delta+s3": "delta", "delta+gs": "delta",
@@ -34,9 +35,20 @@ def sink_of(uri: str) -> "Sink":
     return sink_named(SCHEMES[scheme])
 
 
-def validate_sink(uri: str) -> None:
-    """Check the sink URI and its options without connecting."""
-    sink_of(uri).validate(uri)
+def validated(spec: "FeedSpec") -> "FeedSpec":
+    """`spec`, checked as a whole: the definition itself, then the sink URI's options and what the
+    sink says of the feed (without connecting)."""
+    spec.validate()
+    sink = sink_of(spec.sink)
+    sink.validate(spec.sink)
+    sink.check_feed(spec)
+    if not sink.messages and (spec.format != "json" or spec.diff):
+        raise ConfigError("--format and --diff apply to message sinks (Kafka, webhook), not to a replica",
+                          "leave them out: a replica receives rows")
+    if spec.outbox and not sink.messages:
+        raise ConfigError("--outbox needs a message sink (kafka://, webhook-https://)",
+                          "a replica copies the outbox table like any other: leave --outbox out")
+    return spec
 
 
 def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":

@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import FeedSpec, FeedState
-from ..sinks.registry import sink_of
-from . import jvm_archive, shipping, spark_log
-from .spark_home import use_linked_home
+from changefeed.sinks.registry import sink_of
+from changefeed.spark import jvm_archive, shipping, spark_log
+from changefeed.spark.spark_home import use_linked_home
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
 
 
 def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None,
@@ -35,8 +36,8 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
-    from .source import ChangefeedSource
-    from .writer import SinkSource
+    from changefeed.spark.source import ChangefeedSource
+    from changefeed.spark.writer import SinkSource
 
     conf = (SparkConf().setMaster(master).setAppName(app)
             .set("spark.driver.extraJavaOptions", f"-Xss64m {java_options}".strip())

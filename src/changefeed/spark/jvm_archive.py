@@ -18,10 +18,9 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from .spark_home import default_cache, use_linked_home
+from changefeed.spark.spark_home import default_cache, use_linked_home
 
 
 def archive_path(cache: Path | None = None) -> Path | None:
@@ -69,33 +68,11 @@ def usable(archive: Path) -> bool:
 
 
 def _jvm_runs(option: str) -> bool:
-    done = subprocess.run([sys.executable, "-m", f"{__package__}.jvm_archive", "--exercise", option],
+    done = subprocess.run([sys.executable, "-m", f"{__package__}.jvm_exercise", option],
                           capture_output=True, text=True, timeout=600)
     return done.returncode == 0
 
 
-def _exercise(option: str) -> None:
-    """Start a SparkSession whose driver JVM has `option`, run the kinds of work a feed runs, and
-    wait for the JVM to exit (it writes an archive as it exits)."""
-    from .job import spark_session
-
-    spark = spark_session("local[2]", "changefeed-jvm-archive", java_options=option)
-    spark.range(100).count()
-    spark.sparkContext.parallelize(range(100), 1).map(lambda x: x + 1).sum()  # a Python worker
-    query = spark.readStream.format("rate").load().writeStream.format("noop").start()
-    deadline = time.monotonic() + 120
-    while query.lastProgress is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    query.stop()
-    jvm = spark.sparkContext._gateway.proc
-    spark.stop()
-    jvm.stdin.close()  # the JVM exits when its stdin closes
-    jvm.wait(timeout=600)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--exercise"]:
-        _exercise(sys.argv[2])
-    else:
-        built = build()
-        print(f"JVM class archive: {built}" if built else "JVM class archive: not built (this JVM cannot)")
+    built = build()
+    print(f"JVM class archive: {built}" if built else "JVM class archive: not built (this JVM cannot)")

@@ -22,21 +22,21 @@ from typing import Any
 from pyspark import TaskContext
 from pyspark.sql.datasource import InputPartition
 
-from .. import faults
-from ..config import SourceNode, node_role
-from ..core import change as ch
-from ..core import distributed as dist
-from ..core import snapshot
-from ..core.lsn import format_lsn
-from ..core.offsets import Offset
-from ..errors import carried
-from ..postgres import pgoutput as po
-from ..postgres import read_ahead
-from ..postgres import snapshot as snap_pg
-from ..postgres import source as src
-from ..postgres.connect import connect, lost_connection
-from ..postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
-from ..postgres.wal_reader import wal_reader
+from changefeed import faults
+from changefeed.core import change as ch
+from changefeed.core import distributed as dist
+from changefeed.core import snapshot
+from changefeed.core.lsn import format_lsn
+from changefeed.core.offsets import Offset
+from changefeed.errors import carried
+from changefeed.postgres import pgoutput as po
+from changefeed.postgres import read_ahead
+from changefeed.postgres import snapshot as snap_pg
+from changefeed.postgres import source as src
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
+from changefeed.postgres.wal_reader import wal_reader
+from changefeed.spec.definition import SourceNode, node_role
 
 # A snapshot chunk travels in pieces of about this size, so that the sink applies one while the
 # next is being read (the replica streams a chunk's pieces into one COPY: sinks.replica.insert_run).
@@ -118,7 +118,7 @@ def reader(began: float) -> dict[str, Any]:
 
 def _read_window(partition: WindowPartition) -> Iterator[Any]:
     """A node's changes in its WAL window of the batch, read from its slot."""
-    from ..postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
+    from changefeed.postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
 
     node, began = partition.node, time.time()
     role = node_role(node.name, partition.positions is not None)

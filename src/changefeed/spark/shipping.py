@@ -15,7 +15,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from .spark_home import default_cache
+from changefeed.spark.spark_home import default_cache
 
 
 def needs_shipping(master: str) -> bool:

@@ -27,25 +27,31 @@ from typing import Any
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
-from ..config import DEFAULT_CHUNK_ROWS, DEFAULT_CHUNKS_PER_BATCH, DEFAULT_MAX_BYTES, SourceNode, node_role
-from ..core import barrier as bar
-from ..core import change as ch
-from ..core import distributed as dist
-from ..core import snapshot
-from ..core.hlc import window_end_ts
-from ..core.nodes import DEFAULT_NODE, classic
-from ..core.offsets import Offset
-from ..core.resolved import Frontier, resolved_ts
-from ..core.requests import SnapshotRequests
-from ..errors import carried
-from ..postgres import cut as nodes_cut
-from ..postgres import read_ahead
-from ..postgres import snapshot as snap_pg
-from ..postgres import source as src
-from ..postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
-from ..postgres.wal_reader import WalReader, wal_reader
-from ..postgres.connect import connect, lost_connection
-from .reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
+from changefeed.core import barrier as bar
+from changefeed.core import change as ch
+from changefeed.core import distributed as dist
+from changefeed.core import snapshot
+from changefeed.core.hlc import window_end_ts
+from changefeed.core.nodes import DEFAULT_NODE, classic
+from changefeed.core.offsets import Offset
+from changefeed.core.requests import SnapshotRequests
+from changefeed.core.resolved import Frontier, resolved_ts
+from changefeed.errors import carried
+from changefeed.postgres import cut as nodes_cut
+from changefeed.postgres import read_ahead
+from changefeed.postgres import snapshot as snap_pg
+from changefeed.postgres import source as src
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
+from changefeed.postgres.wal_reader import WalReader, wal_reader
+from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
+from changefeed.spec.definition import (
+    DEFAULT_CHUNK_ROWS,
+    DEFAULT_CHUNKS_PER_BATCH,
+    DEFAULT_MAX_BYTES,
+    SourceNode,
+    node_role,
+)
 
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow

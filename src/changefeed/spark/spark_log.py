@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import DefiniteError
+from changefeed.errors import DefiniteError
 
 MAX_BYTES = 16 << 20  # past this at a start, the log moves to spark.log.1 (one old copy kept)
 

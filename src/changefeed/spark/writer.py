@@ -22,10 +22,11 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from ..errors import SinkError, carried
+from changefeed.errors import SinkError, carried
 
 if TYPE_CHECKING:
-    from ..sinks.base import BatchWriter, Task
+    from changefeed.sinks.base import BatchWriter
+    from changefeed.sinks.batch_input import Task
 
 
 class Written(WriterCommitMessage):
@@ -49,7 +50,7 @@ class SinkSource(DataSource):
 
 def task() -> "Task":
     """Which writer task this is; Spark passes the batch and query as task properties."""
-    from ..sinks.base import Task
+    from changefeed.sinks.batch_input import Task
 
     ctx = TaskContext.get()
     batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
@@ -65,12 +66,12 @@ class SinkStreamWriter(DataSourceStreamArrowWriter):
         self.options = options
 
     def _writer(self) -> "BatchWriter":
-        from ..sinks.registry import sink_named
+        from changefeed.sinks.registry import sink_named
 
         return sink_named(self.options["sink"]).writer(self.options)
 
     def write(self, iterator: Iterator[Any]) -> Written:
-        from ..sinks.batch_input import BatchInput
+        from changefeed.sinks.batch_input import BatchInput
 
         with carried("sink"):
             rows = BatchInput(iterator, task(), multi_node=self.options.get("multi_node") == "true")

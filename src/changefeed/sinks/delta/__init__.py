@@ -10,12 +10,13 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ...errors import ConfigError
-from ..base import BatchWriter, Sink
+from changefeed.errors import ConfigError
+from changefeed.sinks.base import BatchWriter, Sink
 
 if TYPE_CHECKING:
-    from ...config import FeedSpec, FeedState
-    from ..ledger import Ledger
+    from changefeed.sinks.ledger import Ledger
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 
 class DeltaSink(Sink):
@@ -23,7 +24,7 @@ class DeltaSink(Sink):
     parallel_reads = True  # each task orders its rows itself (by commit position)
 
     def validate(self, uri: str) -> None:
-        from .options import DeltaOptions
+        from changefeed.sinks.delta.options import DeltaOptions
 
         opts = DeltaOptions.parse(uri)
         if not opts.local:
@@ -36,21 +37,21 @@ class DeltaSink(Sink):
                               "use a replica, Kafka or webhook sink for it")
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
-        from .ledger import DeltaLedger
-        from .options import DeltaOptions
+        from changefeed.sinks.delta.ledger import DeltaLedger
+        from changefeed.sinks.delta.options import DeltaOptions
 
         return DeltaLedger(DeltaOptions.parse(spec.sink), spec.name)
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
-        from .writer import DeltaWriter
+        from changefeed.sinks.delta.writer import DeltaWriter
 
         return DeltaWriter(options)
 
     def plan(self, changes: Any, spec: "FeedSpec", parallel_reads: bool) -> Any:
         """Each input partition is split by table and bucket (delta.split), then shuffled to the
         writer tasks by that key: a bucket's changes all reach one task, tasks write at once."""
-        from .options import DeltaOptions
-        from .split import SPLIT_DDL, split
+        from changefeed.sinks.delta.options import DeltaOptions
+        from changefeed.sinks.delta.split import SPLIT_DDL, split
 
         opts = DeltaOptions.parse(spec.sink)
         tasks = opts.tasks or changes.sparkSession.sparkContext.defaultParallelism

@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ...core.copytext import NULL, unescape
-from ...core.pgvalue import base_name, parse_array
+from changefeed.core.copytext import NULL, unescape
+from changefeed.core.pgvalue import base_name, parse_array
 
 _SCALARS: dict[str, pa.DataType] = {
     "smallint": pa.int16(), "integer": pa.int32(), "bigint": pa.int64(),

@@ -23,13 +23,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ...core import change as ch
-from ...core.hlc import physical_ms
-from .mirror import Bucket, Key, Move, Position, keys_of, old_key_of, ordered_changes, positions
-from .rows import fills, source_schema
-
-VALIDITY = pa.schema([("_valid_from", pa.timestamp("us", tz="UTC")), ("_valid_to", pa.timestamp("us", tz="UTC")),
-                      ("_current", pa.bool_()), ("_commit_ts", pa.int64())])
+from changefeed.core import change as ch
+from changefeed.core.hlc import physical_ms
+from changefeed.sinks.delta.mirror import Bucket, Key, Move, Position, keys_of, old_key_of, ordered_changes, positions
+from changefeed.sinks.delta.rows import VALIDITY, fills, source_schema
 
 
 def _when(time_us: int | None, ts: int) -> datetime:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from ...core.change import BatchProgress
-from ...errors import ConfigError
-from ..ledger import FileLedger, _Entry
-from .options import DeltaOptions
-from .table import committed, open_table
+from changefeed.core.change import BatchProgress
+from changefeed.errors import ConfigError
+from changefeed.sinks.delta.options import DeltaOptions
+from changefeed.sinks.delta.table import committed, open_table
+from changefeed.sinks.ledger import FileLedger, _Entry
 
 COMPACT_EVERY = 100  # ledger versions between compactions (one file per batch otherwise)
 
@@ -41,7 +41,7 @@ class DeltaLedger(FileLedger):
 
     def prepare(self, tables: list[Any]) -> None:
         """Create the tables of `tables` (postgres.source.SourceTable) that are missing, empty."""
-        from .shapes import create_tables
+        from changefeed.sinks.delta.shapes import create_tables
 
         self.check()
         create_tables(self.opts, tables)

@@ -23,10 +23,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ...core import change as ch
-from .columns import decode
-from .rows import data_rows, fills, source_schema, typed, unchanged_names, unify
-from .split import MOVED
+from changefeed.core import change as ch
+from changefeed.sinks.delta.columns import decode
+from changefeed.sinks.delta.rows import data_rows, fills, source_schema, typed, unchanged_names, unify
+from changefeed.sinks.delta.split import MOVED
 
 Key = tuple[Any, ...]
 Position = tuple[int, int, int]  # a change's place in the stream: (commit ts, LSN, seq)

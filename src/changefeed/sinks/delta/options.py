@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from ...errors import ConfigError
+from changefeed.errors import ConfigError
 
 MODES = ("changelog", "mirror", "history")
 EXAMPLE = "delta:///data/lake?mode=mirror (or delta+s3://BUCKET/PREFIX?storage.AWS_REGION=eu-west-1)"
@@ -84,7 +84,7 @@ class DeltaOptions:
     @property
     def storage(self) -> dict[str, str]:
         """The storage options for the Delta library, references resolved (see secrets.py)."""
-        from ...secrets import mapped
+        from changefeed.spec.secrets import mapped
 
         return mapped(self.storage_given, lambda k: f"the --sink option storage.{k}")
 

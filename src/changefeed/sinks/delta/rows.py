@@ -23,15 +23,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ...core import change as ch
-from ...errors import UnfollowableChange
-from .columns import Unrepresentable, arrow_type, decode
-from .split import with_columns
+from changefeed.core import change as ch
+from changefeed.errors import UnfollowableChange
+from changefeed.sinks.delta.columns import Unrepresentable, arrow_type, decode
+from changefeed.sinks.delta.split import with_columns
 
 CHANGELOG_META = pa.schema([("_op", pa.string()), ("_commit_ts", pa.int64()),
                             ("_commit_time", pa.timestamp("us", tz="UTC")), ("_lsn", pa.int64()),
                             ("_xid", pa.int64()), ("_seq", pa.int64()), ("_batch", pa.int64()),
                             ("_unchanged", pa.list_(pa.string()))])
+VALIDITY = pa.schema([("_valid_from", pa.timestamp("us", tz="UTC")), ("_valid_to", pa.timestamp("us", tz="UTC")),
+                      ("_current", pa.bool_()), ("_commit_ts", pa.int64())])  # a history table's own columns
 BUCKET = "_bucket"
 DATA_OPS = ("c", "u", "d", "r", "t")
 
@@ -52,7 +54,6 @@ def table_schema(mode: str, shape: ch.TableShape, diff: bool = False) -> pa.Sche
     if mode == "changelog":
         before = [pa.field("_before", pa.struct(list(source)))] if diff else []
         return pa.schema([*source, *CHANGELOG_META, *before])
-    from .history import VALIDITY
 
     return pa.schema([*source, *(VALIDITY if mode == "history" else []), pa.field(BUCKET, pa.int32())])
 
@@ -61,7 +62,7 @@ def fills(shape: ch.TableShape) -> dict[str, Any]:
     """The value each column added with a default reads as in rows written before it (PostgreSQL's
     missing value; core.change.TableShape.missing), typed: a Delta file that predates the column
     must hold it too, or readers would see null."""
-    from ...core.copytext import join_line
+    from changefeed.core.copytext import join_line
 
     given = [(i, v) for i, v in enumerate(shape.missing) if v is not None]
     if not given:

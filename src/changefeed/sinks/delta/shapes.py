@@ -14,11 +14,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from ...core import schema_change
-from ...core.change import TableShape
-from ...errors import UnfollowableChange
-from .options import DeltaOptions
-from .table import open_table
+from changefeed.core import schema_change
+from changefeed.core.change import TableShape
+from changefeed.errors import UnfollowableChange
+from changefeed.sinks.delta.options import DeltaOptions
+from changefeed.sinks.delta.table import open_table
 
 HISTORY_DEPTH = 50  # commits searched back for the last recorded shape (past compactions, column adds)
 
@@ -67,7 +67,7 @@ def create_tables(opts: DeltaOptions, tables: list[Any]) -> None:
     recording the source shape it starts from (the shape the stream's first change is checked against)."""
     from deltalake import CommitProperties, DeltaTable
 
-    from .rows import BUCKET, table_schema
+    from changefeed.sinks.delta.rows import BUCKET, table_schema
 
     for t in tables:
         uri = opts.table_uri(t.schema, t.name)

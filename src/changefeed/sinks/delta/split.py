@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ...core import change as ch
+from changefeed.core import change as ch
 
 SPLIT_DDL = "`part` bigint, `rows` int, `changes` binary"
 RUN_ROWS = 8192  # changelog: a table's rows go to one group per run of this many

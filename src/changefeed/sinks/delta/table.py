@@ -22,8 +22,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ...errors import TransientError, UnfollowableChange
-from .rows import BUCKET
+from changefeed.errors import TransientError, UnfollowableChange
+from changefeed.sinks.delta.rows import BUCKET
 
 
 @dataclass
@@ -151,7 +151,7 @@ def fill_moved(files: list[Files]) -> None:
     unchanged TOASTed value is the old row's, which the old key's bucket reported as departed
     (by the move, so two moves of one key in a batch each find their own row).
     A patched file is written anew in place of the first one (never committed, so just deleted)."""
-    from .mirror import Move
+    from changefeed.sinks.delta.mirror import Move
 
     departed = {m: v for f in files for m, v in f.departed.items()}
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
-from .ledger import DeltaLedger
-from .options import DeltaOptions
-from .table import open_table
+from changefeed.errors import ConfigError
+from changefeed.sinks.delta.ledger import DeltaLedger
+from changefeed.sinks.delta.options import DeltaOptions
+from changefeed.sinks.delta.table import open_table
 
 MIN_RETAIN_H = 1.0
 DEFAULT_TARGET_SIZE = 128 * 1024 * 1024

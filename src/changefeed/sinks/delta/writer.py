@@ -19,17 +19,17 @@ from typing import Any
 
 import pyarrow as pa
 
-from ... import faults
-from ...core import change as ch
-from ...core.lsn import format_lsn
-from ..batch_input import BatchInput
-from . import rows as delta_rows
-from .history import apply_history
-from .ledger import DeltaLedger
-from .mirror import apply_mirror
-from .options import DeltaOptions
-from .shapes import follow
-from .table import Files, bucket_rows, commit, committed, open_table, write_file
+from changefeed import faults
+from changefeed.core import change as ch
+from changefeed.core.lsn import format_lsn
+from changefeed.sinks.batch_input import BatchInput
+from changefeed.sinks.delta import rows as delta_rows
+from changefeed.sinks.delta.history import apply_history
+from changefeed.sinks.delta.ledger import DeltaLedger
+from changefeed.sinks.delta.mirror import apply_mirror
+from changefeed.sinks.delta.options import DeltaOptions
+from changefeed.sinks.delta.shapes import follow
+from changefeed.sinks.delta.table import Files, bucket_rows, commit, committed, open_table, write_file
 
 
 @dataclass

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..base import BatchWriter, Sink, ledger_path
-from ..message_writer import message_options
+from changefeed.sinks.base import BatchWriter, Sink, ledger_path
+from changefeed.sinks.message_writer import message_options
 
 if TYPE_CHECKING:
-    from ...config import FeedSpec, FeedState
-    from ..ledger import Ledger
+    from changefeed.sinks.ledger import Ledger
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 
 class KafkaSink(Sink):
@@ -21,25 +22,25 @@ class KafkaSink(Sink):
     messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
 
     def validate(self, uri: str) -> None:
-        from .options import KafkaOptions
+        from changefeed.sinks.kafka.options import KafkaOptions
 
         KafkaOptions.parse(uri)
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
-        from .admin import KafkaLedger
-        from .options import KafkaOptions
+        from changefeed.sinks.kafka.admin import KafkaLedger
+        from changefeed.sinks.kafka.options import KafkaOptions
 
         return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), spec.name, outbox=spec.outbox)
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
-        from .options import KafkaOptions
+        from changefeed.sinks.kafka.options import KafkaOptions
 
         opts = KafkaOptions.parse(spec.sink)
         topics = [opts.topic(*t.split(".", 1)) for t in spec.tables if t != spec.outbox]  # events: their own topics
         return {**message_options(spec, state), "topics": ",".join(topics)}
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
-        from .writer import KafkaWriter
+        from changefeed.sinks.kafka.writer import KafkaWriter
 
         return KafkaWriter(options)
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ...errors import ConfigError, ConnectionFailed, SinkError
-from ..ledger import FileLedger
-from .options import KafkaOptions
+from changefeed.errors import ConfigError, ConnectionFailed, SinkError
+from changefeed.sinks.kafka.failures import kafka_error
+from changefeed.sinks.kafka.options import KafkaOptions
+from changefeed.sinks.ledger import FileLedger
 
 _known: set[tuple[str, str]] = set()  # (bootstrap, topic) seen to exist by this process
 
@@ -38,8 +39,6 @@ def check_cluster(opts: KafkaOptions) -> set[str]:
     """The cluster's topics; a typed error when it cannot be reached or refuses us."""
     from confluent_kafka import KafkaException
 
-    from .batch import kafka_error
-
     try:
         return set(admin(opts).list_topics(timeout=opts.timeout_s).topics)
     except KafkaException as e:
@@ -56,8 +55,6 @@ def check_transactions(opts: KafkaOptions, feed: str) -> None:
     transaction, as every batch does): the broker's word on the transactional id and timeout
     comes before the slot is created, not at the first batch."""
     from confluent_kafka import KafkaError, KafkaException, Producer
-
-    from .batch import kafka_error
 
     try:
         Producer(opts.producer_config(feed)).init_transactions(opts.timeout_s)
@@ -82,8 +79,6 @@ def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool =
     """Create those of `topics` that are missing (`progress`: as the one-partition compacted progress topic)."""
     from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
-
-    from .batch import kafka_error
 
     missing = [t for t in dict.fromkeys(topics) if (opts.bootstrap, t) not in _known]
     if not missing:

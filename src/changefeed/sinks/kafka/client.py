@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError, SinkError
+from changefeed.errors import ConfigError, SinkError
 
 STEP_MIN_S, STEP_MAX_S = 1.0, 900.0  # the documented range of `timeout`
 TXN_MIN_MS, TXN_MAX_MS = 60_000, 900_000  # X's range when derived; 900 s: Kafka's transaction.max.timeout.ms
@@ -97,7 +97,7 @@ class Timeouts:
 
 def parse_step(text: str) -> float:
     """The `timeout` option: a duration within [1 s, 15 min]."""
-    from ...config import parse_duration
+    from changefeed.spec.units import parse_duration
 
     try:
         seconds = parse_duration(text)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ...errors import ConfigError, SinkError, TransientError
+from changefeed.errors import ConfigError, SinkError, TransientError
 
 Outcome = Literal["committed", "aborted", "open", "none"]
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -178,7 +178,7 @@ def scram(mechanism: str, user: str, password: str, exchange: Callable[[bytes], 
 
 
 def _auth_failed(what: str) -> Exception:
-    from ...errors import AuthenticationFailed
+    from changefeed.errors import AuthenticationFailed
 
     return AuthenticationFailed(f"Kafka progress reader: {what}", "check sasl.username / sasl.password and "
                                 "sasl.mechanism in the --sink URI")
@@ -262,6 +262,9 @@ class _Connection:
 
 # --- reading a partition ---------------------------------------------------------------------------------------------
 
+_BROKER_DOWN = "the broker may be down; the feed resumes from its checkpoint when run again"
+
+
 class PartitionReader:
     """Reads one partition from its leader; `with PartitionReader(...) as r: r.offsets(); r.read(a, b)`."""
 
@@ -272,7 +275,7 @@ class PartitionReader:
             self.conn = _Connection(host, port, config, timeout)
         except OSError as e:
             raise TransientError(f"cannot read {topic}[{partition}] from its leader {host}:{port}: {e}",
-                                 "the broker may be down; the feed resumes from its checkpoint when run again") from None
+                                 _BROKER_DOWN) from None
 
     def __enter__(self) -> PartitionReader:
         return self
@@ -288,7 +291,7 @@ class PartitionReader:
             meta = AdminClient(dict(self.config)).list_topics(self.topic, timeout=self.timeout)
         except KafkaException as e:
             raise TransientError(f"cannot read the metadata of {self.topic}: {e.args[0].str()}",
-                                 "the broker may be down; the feed resumes from its checkpoint when run again") from None
+                                 _BROKER_DOWN) from None
         t = meta.topics.get(self.topic)
         p = t.partitions.get(self.partition) if t is not None and t.error is None else None
         if p is None or p.leader < 0 or p.leader not in meta.brokers:

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from ...errors import ConfigError
-from ...secrets import mapped, secret_name
-from .client import Timeouts, parse_step
+from changefeed.errors import ConfigError
+from changefeed.sinks.kafka.client import Timeouts, parse_step
+from changefeed.spec.secrets import mapped, secret_name
 
 SCHEME = "kafka"
 DELIVERIES = ("exactly_once", "at_least_once")
@@ -135,7 +135,7 @@ class KafkaOptions:
                               "remove it from the --sink URI (the transactional id is changefeed-FEED)")
         opts = cls(**given, client=tuple(sorted(client.items())))
         if opts.delivery == "exactly_once":
-            from .log import unsupported_settings
+            from changefeed.sinks.kafka.log import unsupported_settings
 
             why = unsupported_settings(opts.client_config(resolved=False))
             if why:
@@ -175,14 +175,14 @@ class KafkaOptions:
     def check_client(self, feed: str) -> None:
         """Make the producer and the admin client from these options (librdkafka checks its settings
         when a client is made, before any request): a ConfigError naming the user's setting if refused."""
-        from .client import check_settings
+        from changefeed.sinks.kafka.client import check_settings
 
         for config, producer in ((self.client_config(), False), (self.producer_config(feed), True)):
             check_settings(config, self.refused, producer=producer)
 
     def refused(self, text: str) -> ConfigError:
         """librdkafka's refusal `text` of these options, naming the user's settings (kafka.client.refused)."""
-        from .client import refused
+        from changefeed.sinks.kafka.client import refused
 
         return refused(text, dict(self.client), self.timeout_s, SECRET_KEYS)
 

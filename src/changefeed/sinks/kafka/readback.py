@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .log import PartitionReader, committed
-from .options import KafkaOptions
+from changefeed.sinks.kafka.log import PartitionReader, committed
+from changefeed.sinks.kafka.options import KafkaOptions
 
 Rows = dict[str, dict[str, Any]]  # key (JSON list of the key values) -> column -> value
 

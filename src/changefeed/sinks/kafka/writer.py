@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from ... import faults
-from ...core.envelope import resolved
-from ...errors import SinkError
-from ..batch_input import BatchInput
-from ..message_writer import Delivered, MessageWriter
-from ..messages import MessageStream, outbox_spec
-from .batch import KafkaBatch
-from .options import KafkaOptions
+from changefeed import faults
+from changefeed.core.envelope import resolved
+from changefeed.errors import SinkError
+from changefeed.sinks.batch_input import BatchInput
+from changefeed.sinks.kafka.batch import KafkaBatch
+from changefeed.sinks.kafka.options import KafkaOptions
+from changefeed.sinks.message_writer import Delivered, MessageWriter
+from changefeed.sinks.messages import MessageStream, outbox_spec
 
 
 class KafkaWriter(MessageWriter):

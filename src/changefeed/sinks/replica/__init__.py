@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ..base import BatchWriter, Sink
+from changefeed.sinks.base import BatchWriter, Sink
 
 if TYPE_CHECKING:
-    from ...config import FeedSpec, FeedState
-    from ..ledger import Ledger
+    from changefeed.sinks.ledger import Ledger
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 
 class ReplicaSink(Sink):
@@ -20,8 +21,8 @@ class ReplicaSink(Sink):
     parallel_reads = True
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
-        from ...postgres.connect import connect
-        from .apply import ReplicaLedger
+        from changefeed.postgres.connect import connect
+        from changefeed.sinks.replica.apply import ReplicaLedger
 
         return ReplicaLedger(connect(spec.sink, "sink"), spec.name)
 
@@ -29,7 +30,7 @@ class ReplicaSink(Sink):
         return {"renamed": json.dumps(spec.renamed)}
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
-        from .writer import ReplicaWriter
+        from changefeed.sinks.replica.writer import ReplicaWriter
 
         return ReplicaWriter(options)
 

@@ -25,16 +25,16 @@ import pyarrow.compute as pc
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from ... import faults
-from ...core import change as ch
-from ...core.copytext import NULL
-from ...core.lsn import format_lsn
-from ...core.nodes import DEFAULT_NODE
-from ...errors import ChangefeedError, SinkError
-from ...postgres.ddl_capture import PREFIX as DDL_PREFIX
-from ..ledger import RATE_WINDOW_S, LastBatch
-from . import shape as replica_shape
-from .insert_run import INSERT_RUN_ROWS, DirectCopy, insert_runs, terminated, write_lines
+from changefeed import faults
+from changefeed.core import change as ch
+from changefeed.core.copytext import NULL
+from changefeed.core.lsn import format_lsn
+from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.errors import ChangefeedError, SinkError
+from changefeed.postgres.ddl_capture import PREFIX as DDL_PREFIX
+from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
+from changefeed.sinks.replica import shape as replica_shape
+from changefeed.sinks.replica.insert_run import INSERT_RUN_ROWS, DirectCopy, insert_runs, terminated, write_lines
 
 META_SCHEMA = "changefeed"
 SESSION_MEMORY = "256MB"

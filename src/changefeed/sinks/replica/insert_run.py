@@ -19,7 +19,7 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ... import faults
+from changefeed import faults
 
 # An insert run at least this long is COPYed straight into the target (shorter ones are merged
 # with their neighbours: a statement per run would cost more than it saves).

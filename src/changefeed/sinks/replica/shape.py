@@ -12,11 +12,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ...core import schema_change
-from ...core.change import TableShape
-from ...core.schema_change import Current, Step
-from ...errors import UnfollowableChange
-from ...postgres.source import split_table
+from changefeed.core import schema_change
+from changefeed.core.change import TableShape
+from changefeed.core.schema_change import Current, Step
+from changefeed.errors import UnfollowableChange
+from changefeed.postgres.source import split_table
 
 
 class Follower:

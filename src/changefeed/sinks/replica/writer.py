@@ -13,10 +13,10 @@ import queue
 import threading
 from typing import Any
 
-from ...core import change as ch
-from ...postgres.connect import connect, lost_connection
-from ..batch_input import BatchInput
-from . import apply as replica
+from changefeed.core import change as ch
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.sinks.batch_input import BatchInput
+from changefeed.sinks.replica import apply as replica
 
 QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the database merges
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..base import BatchWriter, Sink, ledger_path
-from ..message_writer import message_options
+from changefeed.sinks.base import BatchWriter, Sink, ledger_path
+from changefeed.sinks.message_writer import message_options
 
 if TYPE_CHECKING:
-    from ...config import FeedSpec, FeedState
-    from ..ledger import Ledger
+    from changefeed.sinks.ledger import Ledger
+    from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.state import FeedState
 
 
 class WebhookSink(Sink):
@@ -19,13 +20,13 @@ class WebhookSink(Sink):
     messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
 
     def validate(self, uri: str) -> None:
-        from .options import WebhookOptions
+        from changefeed.sinks.webhook.options import WebhookOptions
 
         WebhookOptions.parse(uri)
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
-        from .batch import WebhookLedger
-        from .options import WebhookOptions
+        from changefeed.sinks.webhook.batch import WebhookLedger
+        from changefeed.sinks.webhook.options import WebhookOptions
 
         return WebhookLedger(ledger_path(state), WebhookOptions.parse(spec.sink))
 
@@ -33,7 +34,7 @@ class WebhookSink(Sink):
         return message_options(spec, state)
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
-        from .writer import WebhookWriter
+        from changefeed.sinks.webhook.writer import WebhookWriter
 
         return WebhookWriter(options)
 

@@ -13,10 +13,10 @@ import json
 import time
 from collections.abc import Callable
 
-from ...core.envelope import resolved
-from ..ledger import FileLedger
-from .client import WebhookClient, idempotency_key, request_body, resolved_body
-from .options import WebhookOptions
+from changefeed.core.envelope import resolved
+from changefeed.sinks.ledger import FileLedger
+from changefeed.sinks.webhook.client import WebhookClient, idempotency_key, request_body, resolved_body
+from changefeed.sinks.webhook.options import WebhookOptions
 
 
 class WebhookLedger(FileLedger):

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Self
 from urllib.parse import unquote, urlsplit
 
-from ... import __version__
-from ...errors import ConnectionFailed, SinkError, TransientError
-from ...secrets import resolve
-from .options import WebhookOptions, _redact, _show
+from changefeed import __version__
+from changefeed.errors import ConnectionFailed, SinkError, TransientError
+from changefeed.sinks.webhook.options import WebhookOptions, _redact, _show
+from changefeed.spec.secrets import resolve
 
 USER_AGENT = f"changefeed/{__version__}"
 EXCERPT_CHARS = 200  # of a response body, in error messages

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import unquote_plus, urlsplit
 
-from ...config import parse_duration
-from ...errors import ConfigError
+from changefeed.errors import ConfigError
+from changefeed.spec.units import parse_duration
 
 SCHEMES = ("webhook-http", "webhook-https")
 _EXAMPLE = "webhook-https://HOST/PATH?flush_messages=500&retry_max=inf&timeout=10s"
@@ -112,13 +112,13 @@ class WebhookOptions:
 
     def resolved_headers(self) -> dict[str, str]:
         """The extra headers with their references resolved (in the writer task)."""
-        from ...secrets import resolve
+        from changefeed.spec.secrets import resolve
 
         return {name: resolve(value, f"the --sink header {name}") for name, value in self.headers}
 
     def signing_key(self) -> bytes | None:
         """The key the requests are signed with, None without signing_secret."""
-        from ...secrets import resolve
+        from changefeed.spec.secrets import resolve
 
         return signing_key(resolve(self.signing_secret, "the --sink signing_secret")) if self.signing_secret else None
 

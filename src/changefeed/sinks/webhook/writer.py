@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 
-from ...core.outbox import OutboxEvent
-from ..batch_input import BatchInput
-from ..message_writer import Delivered, MessageWriter
-from ..messages import MessageStream, outbox_spec
-from .batch import WebhookBatch
-from .client import WebhookClient
-from .options import WebhookOptions
+from changefeed.core.outbox import OutboxEvent
+from changefeed.sinks.batch_input import BatchInput
+from changefeed.sinks.message_writer import Delivered, MessageWriter
+from changefeed.sinks.messages import MessageStream, outbox_spec
+from changefeed.sinks.webhook.batch import WebhookBatch
+from changefeed.sinks.webhook.client import WebhookClient
+from changefeed.sinks.webhook.options import WebhookOptions
 
 
 class WebhookWriter(MessageWriter):

@@ -1,0 +1,229 @@
+"""A running feed's lag, throughput, snapshot progress and state, for Prometheus.
+
+The runner writes the latest values into a `FeedMetrics` at every progress report; the HTTP
+server's threads only read a frozen copy, so a scrape never waits on the feed or sees half an
+update. Output is the text exposition format 0.0.4. Pure Python: no Spark, no database.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from changefeed.errors import ConfigError
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STATES = ("starting", "running", "retrying", "paused", "stopped", "failed")
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    """Snapshot progress of one table: chunks and rows applied, and whether reading goes on."""
+
+    chunks: int = 0
+    rows: int = 0
+    pending: bool = False
+
+
+@dataclass(frozen=True)
+class NodeValues:
+    """One source node of a feed of several nodes."""
+
+    checkpoint_lsn: int = 0
+    lag_bytes: int = 0
+    checkpoint_lag_seconds: float = 0.0
+    slot_retained_wal_bytes: int = 0
+    slot_active: bool = False
+    prepared_transactions: int = 0  # prepared there, not decided yet (their parts wait, see core.distributed)
+
+
+@dataclass(frozen=True)
+class Values:
+    """The latest gauge values; None where nothing was measured yet (the sample is left out)."""
+
+    state: str = "starting"
+    reason: str = ""  # why it failed (state failed), or what it waits out (state retrying)
+    component: str = ""  # what is retried: source, sink, query
+    checkpoint_lag_seconds: float | None = None
+    resolved_lag_seconds: float | None = None
+    slot_retained_wal_bytes: int | None = None
+    changes_per_second: float | None = None
+    batch_duration_seconds: float | None = None
+    changes_total: int = 0
+    batches_total: int = 0
+    verify_mismatched_rows: int | None = None  # from the last `verify` (or run --every)
+    verify_last_timestamp_seconds: float | None = None  # when it compared (Unix time)
+    snapshot: Mapping[str, TableSnapshot] = field(default_factory=dict)
+    nodes: Mapping[str, NodeValues] = field(default_factory=dict)  # a feed of several nodes: per node
+
+
+class FeedMetrics:
+    """Thread-safe holder of one feed's latest `Values`."""
+
+    def __init__(self, feed: str) -> None:
+        self.feed = feed
+        self._lock = threading.Lock()
+        self._values = Values()
+
+    def update(self, **changed: Any) -> None:
+        """Replace the given fields (names of `Values`), keep the others."""
+        for name in ("snapshot", "nodes"):
+            if name in changed:
+                changed[name] = dict(changed[name])  # the caller's dict may change later
+        with self._lock:
+            self._values = replace(self._values, **changed)
+
+    def read(self) -> Values:
+        with self._lock:
+            return self._values
+
+
+# name, type, help, Values field
+_SCALARS = (
+    ("changefeed_checkpoint_lag_seconds", "gauge",
+     "Age of the replica's last applied resolved timestamp on the source clock, 0 when it has applied all WAL "
+     "(the RPO: changes committed that long ago may not be on the replica yet).", "checkpoint_lag_seconds"),
+    ("changefeed_resolved_lag_seconds", "gauge",
+     "Source clock now minus the last applied resolved timestamp, also while caught up.", "resolved_lag_seconds"),
+    ("changefeed_slot_retained_wal_bytes", "gauge",
+     "WAL the source keeps for the feed's replication slot (current flush LSN minus restart LSN).",
+     "slot_retained_wal_bytes"),
+    ("changefeed_changes_per_second", "gauge",
+     "Changes applied per second over the last report interval.", "changes_per_second"),
+    ("changefeed_batch_duration_seconds", "gauge",
+     "Duration of the last completed micro-batch (plan, read, apply, commit).", "batch_duration_seconds"),
+    ("changefeed_changes_total", "counter", "Changes applied since this runner started.", "changes_total"),
+    ("changefeed_batches_total", "counter", "Batches applied since this runner started.", "batches_total"),
+    ("changefeed_verify_mismatched_rows", "gauge",
+     "Rows that differed between source and replica at the last verification (verify, run --every).",
+     "verify_mismatched_rows"),
+    ("changefeed_verify_last_timestamp_seconds", "gauge", "When the last verification compared (Unix time).",
+     "verify_last_timestamp_seconds"),
+)
+_TABLES = (
+    ("changefeed_snapshot_rows", "Snapshot rows of the table applied to the replica.", "rows"),
+    ("changefeed_snapshot_chunks", "Snapshot chunks of the table applied to the replica.", "chunks"),
+    ("changefeed_snapshot_pending", "1 while the table's existing rows are still being read, else 0.", "pending"),
+)
+_NODES = (
+    ("changefeed_node_checkpoint_lsn", "The node's WAL position the replica has applied up to.", "checkpoint_lsn"),
+    ("changefeed_node_lag_bytes", "The node's WAL past that position (0 when caught up).", "lag_bytes"),
+    ("changefeed_node_checkpoint_lag_seconds", "The node's checkpoint lag (0 when the replica has applied all its "
+     "WAL, else the age of the last applied resolved timestamp).", "checkpoint_lag_seconds"),
+    ("changefeed_node_slot_retained_wal_bytes", "WAL the node keeps for the feed's slot there.",
+     "slot_retained_wal_bytes"),
+    ("changefeed_node_slot_active", "1 while a reader holds the node's slot, else 0.", "slot_active"),
+    ("changefeed_node_prepared_transactions", "Transactions prepared on the node and not decided yet.",
+     "prepared_transactions"),
+)
+
+
+def render(metrics: FeedMetrics) -> str:
+    """The metrics in Prometheus text exposition format 0.0.4."""
+    v = metrics.read()
+    return "".join(_lines(metrics.feed, v))
+
+
+def _lines(feed: str, v: Values) -> Iterator[str]:
+    yield from _family("changefeed_up", "gauge", "1 while the feed streams (state running), else 0.",
+                       [({"feed": feed}, int(v.state == "running"))])
+    yield from _family("changefeed_state", "gauge", f"The feed's state: 1 for the current one of {', '.join(STATES)}.",
+                       [({"feed": feed, "state": s}, int(v.state == s)) for s in STATES])
+    yield from _family("changefeed_failure_info", "gauge", "Why the feed failed, while its state is failed.",
+                       [({"feed": feed, "reason": v.reason}, 1)] if v.state == "failed" else [])
+    yield from _family("changefeed_retrying_info", "gauge", "What a running feed waits out (the component and "
+                       "the last failure), while its state is retrying.",
+                       [({"feed": feed, "component": v.component, "reason": v.reason}, 1)]
+                       if v.state == "retrying" else [])
+    for name, kind, text, attr in _SCALARS:
+        value = getattr(v, attr)
+        yield from _family(name, kind, text, [] if value is None else [({"feed": feed}, value)])
+    tables = sorted(v.snapshot.items())
+    for name, text, attr in _TABLES:
+        yield from _family(name, "gauge", text,
+                           [({"feed": feed, "table": t}, int(getattr(s, attr))) for t, s in tables])
+    nodes = sorted(v.nodes.items())
+    for name, text, attr in _NODES if nodes else ():
+        yield from _family(name, "gauge", text,
+                           [({"feed": feed, "node": n}, float(getattr(s, attr))) for n, s in nodes])
+
+
+def _family(name: str, kind: str, text: str, samples: list[tuple[dict[str, str], float]]) -> Iterator[str]:
+    yield f"# HELP {name} {_escape_help(text)}\n"
+    yield f"# TYPE {name} {kind}\n"
+    for labels, value in samples:
+        pairs = ",".join(f'{k}="{escape_label(val)}"' for k, val in labels.items())
+        yield f"{name}{{{pairs}}} {format_value(value)}\n"
+
+
+def escape_label(value: str) -> str:
+    """Label values escape backslash, double quote and newline."""
+    return value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+
+
+def _escape_help(text: str) -> str:
+    """HELP text escapes backslash and newline (quotes stay)."""
+    return text.replace("\\", r"\\").replace("\n", r"\n")
+
+
+def format_value(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """Answers GET /metrics from a daemon thread until `close()`."""
+
+    daemon_threads = True
+
+    def __init__(self, metrics: FeedMetrics, host: str, port: int) -> None:
+        super().__init__((host, port), _Handler)
+        self.metrics = metrics
+        self._thread = threading.Thread(target=self.serve_forever, name="changefeed-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/metrics"
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self._thread.join()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server protocol)
+        if self.path.split("?", 1)[0] != "/metrics":
+            self.send_error(404, "only /metrics is served here")
+            return
+        body = render(self.server.metrics).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        """Silent: a scrape every few seconds would drown the feed's own report lines."""
+
+
+def serve(metrics: FeedMetrics, host: str, port: int) -> MetricsServer:
+    """Serve `metrics` on http://HOST:PORT/metrics (port 0: any free one, see `.url`)."""
+    try:
+        return MetricsServer(metrics, host, port)
+    except (OSError, OverflowError) as e:
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {getattr(e, 'strerror', None) or e}",
+                          "choose a free --metrics-port (0 to 65535; 0 picks a free one) and a --metrics-host "
+                          "this machine has, or stop what listens there") from None

@@ -1,0 +1,395 @@
+"""The runner's loop: start the streaming query, report, check retention and the nodes, ride out
+transient faults (retry) and stop cleanly on a signal.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from typing import Any
+
+import psycopg
+
+from changefeed import errors, faults
+from changefeed.control import retention
+from changefeed.control.attach import Prepared, about, attach, follow_renames
+from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
+from changefeed.control.retry import Retry, Retrying, write_note
+from changefeed.control.runner_lock import Stopped, state_lock
+from changefeed.control.status import counted
+from changefeed.core.hlc import physical_ms
+from changefeed.errors import (
+    ChangefeedError,
+    ConfigError,
+    DefiniteError,
+    FeedBusy,
+    QueryFailed,
+    TransientError,
+)
+from changefeed.postgres import source as src
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.outbox import OutboxCleanup
+from changefeed.sinks.registry import sink_of, validated
+from changefeed.spark.checkpoint import chunks_to_read, resyncing
+from changefeed.spec.definition import PARALLEL_READ_SLOTS, FeedSpec
+from changefeed.spec.state import FeedState
+
+
+def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
+        report: Callable[[str], None] = print, report_every_s: float = 2.0,
+        stop_event: threading.Event | None = None, handle_signals: bool = True,
+        metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False,
+        retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None,
+        alongside: Callable[[threading.Event], None] | None = None, locked: bool = False) -> None:
+    """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
+    with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
+    Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
+
+    A transient fault (a server restarted, a connection lost, a sink down) stops the query, waits
+    (retry.Retry) and carries on from the checkpoint, at the start too once the feed has a
+    checkpoint (a host that reboots starts the feed before its servers); a new feed's first start
+    ends at once on any fault, so a mistyped URI shows. Definite faults end the run with their
+    typed error. `locked`: the caller holds the feed's state folder lock already (verify running a
+    stopped feed up to its point). `alongside(stop)` starts work that lasts as long as the run
+    (`run --every`'s verification), once Spark is up."""
+    stop = stop_event or threading.Event()
+    if state.paused:
+        raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
+    retry = Retry(retry_max_backoff_s, give_up_after_s)
+    if handle_signals and threading.current_thread() is threading.main_thread():
+        _stop_on_signals(stop)
+    with ExitStack() as stack:
+        metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
+        prepared: Prepared | None = None
+        fault: TransientError | None = None
+        try:
+            validated(spec)
+            if not locked:
+                try:
+                    stack.enter_context(state_lock(state, stop=stop, report=report))
+                except Stopped:
+                    report(f"feed {spec.name}: stopped before it started")
+                    return
+            attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
+            try:
+                prepared = attach(spec, state, attempt, report)
+                _check_retention(prepared, report)
+            except TransientError as e:
+                if not state.has_checkpoint():
+                    raise
+                prepared, fault = None, e
+        except FeedBusy:
+            raise  # about this runner, not the feed
+        except ChangefeedError as e:
+            state.record_failure(e)  # only if the state folder exists: bad input leaves none
+            raise
+        state.failed_file.unlink(missing_ok=True)
+        _warn_if_readable(state, report)
+        stack.callback(write_note, state.retrying_file, None)
+        faults.mark_feed_group()
+        faults.reach("startup")
+        from changefeed.spark.job import spark_session
+        from changefeed.spec.secrets import executor_env
+
+        spark = None if stop.is_set() else spark_session(  # stopped while it attached: no Spark to start
+            master, log=None if verbose else state.spark_log,
+            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink]))
+        if alongside is not None:
+            alongside(stop)
+        meter: Meter | None = None
+        report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
+               f"checkpoint in {state.checkpoint}")
+        while not stop.is_set() and (fault is None or not _wait_out(fault, retry, spec, state, attempt, metrics,
+                                                                     stop, report)):
+            try:
+                if prepared is None:  # after a transient fault: connect and check again
+                    prepared = attach(spec, state, attempt, report)
+                    _check_retention(prepared, report)
+                if meter is None:
+                    meter = Meter(report, prepared.ledger.totals)
+                else:  # the sink's ledger of this attempt
+                    meter.totals = prepared.ledger.totals
+                _run_query(prepared, spark, meter, metrics, stop, retry, attempt, report,
+                           available_now=available_now, report_every_s=report_every_s)
+                break
+            except NodesChanged as e:
+                spec, prepared, fault = e.spec, None, None
+                attempt.close()
+                report(f"feed {spec.name}: its nodes are now {', '.join(n.name for n in spec.sources)}: "
+                       "restarting the query to read them")
+            except TransientError as e:
+                prepared, fault = None, e
+            except ChangefeedError as e:
+                state.record_failure(e)
+                raise
+        changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
+        report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
+               f"{counted(batches, 'batch')}")
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """SIGINT/SIGTERM stop the feed cleanly at its next step, from the start on (a runner that waits
+    for a verify, connects or starts Spark finishes that step, then stops); a second one ends the
+    process at once."""
+    def handle(sig: int, _frame: Any) -> None:
+        if stop.is_set():
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
+
+
+def _warn_if_readable(state: FeedState, report: Callable[[str], None]) -> None:
+    """A state folder other users may read or enter (made by an older changefeed, or by hand)."""
+    from changefeed.spec.secrets import loose
+
+    mode = loose(state.dir)
+    if mode:
+        report(f"warning: the state folder {state.dir} is open to other users ({mode}): its checkpoint and logs "
+               f"are the feed's; chmod -R go-rwx {state.dir}")
+
+
+class NodesChanged(Exception):
+    """The feed's stored nodes differ from the running query's: start again with `spec`."""
+
+    def __init__(self, spec: FeedSpec) -> None:
+        super().__init__(f"nodes changed to {[n.name for n in spec.sources]}")
+        self.spec = spec
+
+
+def _wait_out(fault: TransientError, retry: Retry, spec: FeedSpec, state: FeedState, attempt: ExitStack,
+              metrics: Any, stop: threading.Event, report: Callable[[str], None]) -> bool:
+    """After a transient fault: close the attempt's connections, note the fault (status, metrics,
+    the console) and wait before the next attempt. True when stopped meanwhile; raises the fault
+    once retrying gives up or past the retention budget."""
+    attempt.close()  # this attempt's connections (and the source's lock) and outbox cleanup
+    try:
+        delay = retry.failed(fault)
+    except TransientError:
+        state.record_failure(fault)
+        raise
+    assert retry.current is not None
+    _check_retention_meanwhile(spec, state, retry.current)
+    write_note(state.retrying_file, retry.current)
+    if metrics is not None:
+        metrics.update(state="retrying", reason=retry.current.reason, component=retry.current.component)
+    report(f"feed {spec.name}: {retry.current.describe()}; next attempt in {delay:.1f}s")
+    return stop.wait(delay)
+
+
+def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop: threading.Event, retry: Retry,
+               attempt: ExitStack, report: Callable[[str], None], *, available_now: bool,
+               report_every_s: float) -> None:
+    """One attempt: start the query, report, check and clean up until it stops, is stopped or fails;
+    a failure is raised as its typed error (a lost connection as ConnectionFailed)."""
+    from pyspark.errors import StreamingQueryException
+
+    from changefeed.spark.job import start_query
+
+    spec, state = prepared.spec, prepared.state
+    meter.snapshot = SnapshotMeter(report, prepared.source_conn, prepared.ledger)
+    meter.gauges = Gauges(metrics, prepared) if metrics else None
+    cleanup = _outbox_cleanup(prepared, attempt)
+    state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
+    parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
+    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync)
+    batches_at_start = meter.batches
+    try:
+        with _lost_connections(prepared):
+            while query.isActive and not stop.is_set():
+                with suppress(StreamingQueryException):  # a failed query is handled below
+                    query.awaitTermination(report_every_s)
+                meter.update(query)
+                if retry.current is not None and meter.batches > batches_at_start:
+                    report(f"feed {spec.name}: the {retry.current.component} is back; carrying on")
+                    retry.succeeded()
+                    write_note(state.retrying_file, None)
+                _clean_outbox(cleanup, prepared, report)
+                if spec.snapshot == "only" and _snapshot_done(query):
+                    report(f"feed {spec.name}: snapshot complete (--snapshot only)")
+                    break
+                _check_retention(prepared, report)
+                if state.paused:
+                    report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
+                    break
+                stored = state.load()
+                if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
+                    raise NodesChanged(stored)
+                if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
+                    follow_renames(stored or spec, state, conns=prepared.sources)
+                wanted = (_parallel_reads(spec, state, spark), resyncing(state))  # (a snapshot request taken in:
+                if query.isActive and (parallel, resync) != wanted:       # its tables follow only what they can)
+                    if parallel != wanted[0]:
+                        report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read "
+                                                        "them in parallel tasks" if wanted[0] else
+                                                        "snapshot read: restarting the query without the shuffle"))
+                    parallel, resync = wanted
+                    _stop(query, state)
+                    if query.exception() is not None:  # it failed before it stopped: a failure like any other
+                        break
+                    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
+                                        resync=resync)
+            if query.exception() is not None:
+                _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
+                raise _query_error(query.exception(), state)
+            _release_wal(prepared, query)
+            _clean_outbox(cleanup, prepared, report)
+    finally:
+        if query.isActive:
+            report(f"feed {spec.name}: stopping")
+            _stop(query, state)
+        with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
+            meter.update(query)
+
+
+def _stop(query: Any, state: FeedState) -> None:
+    """Stop the query. A stop that Spark gives up on (a task that would not end within
+    spark.sql.streaming.stopTimeout) is QueryFailed: the next attempt starts over."""
+    try:
+        query.stop()
+    except Exception as e:  # noqa: BLE001 - py4j and pyspark raise their own kinds here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise QueryFailed(f"the streaming query did not stop: {first}",
+                          f"Spark's log is {state.spark_log}; the feed restarts from its checkpoint",
+                          component="query") from None
+
+
+@contextmanager
+def _lost_connections(prepared: Prepared) -> Iterator[None]:
+    """The runner's own work on the source nodes and the sink: a lost connection is
+    ConnectionFailed, naming the server whose connection broke."""
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        broken = [n for n, conn in prepared.sources.items() if conn.broken]
+        role = prepared.spec.role(broken[0]) if broken else "sink"
+        with lost_connection(role):
+            raise e from None
+
+
+def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
+    """Stop (typed error, recorded) when PostgreSQL invalidated a node's slot or past the
+    retention budget on a node; warn near the budget. A connection lost meanwhile is
+    ConnectionFailed."""
+    spec = prepared.spec
+    try:
+        with _lost_connections(prepared):
+            checkpoint = prepared.ledger.checkpoint() or {}
+            resolved = prepared.ledger.last_resolved_ts()
+        for node in spec.sources:
+            conn = prepared.sources[node.name]
+            with about(spec, node):
+                slot = src.slot_state(conn, node.slot)
+                src.check_slot_usable(slot, node.slot, checkpoint.get(node.name), spec.name)
+                if spec.multi_node:
+                    src.check_slot_usable(src.slot_state(conn, node.prepare_slot), node.prepare_slot, None, spec.name)
+                assert slot is not None
+                if slot.restart_lsn is None:
+                    continue
+                current, now_ms = src.flush_lsn(conn)
+            held = retention.Holding(node.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
+                                     None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000),
+                                     node.name if spec.multi_node else "")
+            warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
+            if warning:
+                report(warning)
+    except DefiniteError as e:
+        prepared.state.record_failure(e)
+        raise
+
+
+def _check_retention_meanwhile(spec: FeedSpec, state: FeedState, fault: Retrying) -> None:
+    """The retention budget while a fault lasts: nothing was delivered since it began, so the
+    checkpoint is at least that old; the WAL each node's slot holds is asked of the nodes that
+    answer. Past a budget the run ends (RetentionExceeded, recorded)."""
+    try:
+        for node in spec.sources:
+            retained, restart = 0, 0
+            if spec.max_retained_wal:
+                with suppress(ChangefeedError), connect(node.uri, "source") as conn, lost_connection("source"):
+                    slot = src.slot_state(conn, node.slot)
+                    if slot is not None and slot.restart_lsn is not None:
+                        restart, retained = slot.restart_lsn, max(0, src.flush_lsn(conn)[0] - slot.restart_lsn)
+            retention.check(retention.Holding(node.slot, restart, retained, time.time() - fault.since,
+                                              node.name if spec.multi_node else ""),
+                            spec.name, spec.retention_s, spec.max_retained_wal)
+    except ChangefeedError as e:
+        state.record_failure(e)
+        raise
+
+
+def _outbox_cleanup(prepared: Prepared, stack: ExitStack) -> OutboxCleanup | None:
+    outbox = prepared.spec.outbox_spec
+    if outbox is None or not outbox.ttl_s:
+        return None
+    cleanup = OutboxCleanup(prepared.spec.sources[0].uri, outbox, prepared.state.outbox_marks)
+    stack.callback(cleanup.close)
+    return cleanup
+
+
+def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Callable[[str], None]) -> None:
+    """Delete delivered outbox rows past their TTL; not while a snapshot is read (its rows are not
+    delivered yet, whatever the checkpoint says). A failed cleanup is reported, not fatal: the
+    rows stay, the feed goes on, the next tick tries again."""
+    if cleanup is None or chunks_to_read(prepared.spec, prepared.state):
+        return
+    try:
+        checkpoint = prepared.ledger.checkpoint()
+        deleted = cleanup.tick(None if checkpoint is None else checkpoint[prepared.spec.sources[0].name])
+    except ChangefeedError as e:
+        report(f"feed {prepared.spec.name}: outbox cleanup failed, rows kept: {e}")
+        return
+    if deleted:
+        report(f"feed {prepared.spec.name}: outbox cleanup deleted {deleted} delivered rows of {cleanup.spec.table}")
+
+
+def _snapshot_done(query: Any) -> bool:
+    """The last completed batch left no table to snapshot."""
+    end = end_offset(query.lastProgress)
+    return end is not None and not end.cursor.pending
+
+
+def _parallel_reads(spec: FeedSpec, state: FeedState, spark: Any) -> bool:
+    """Whether the query should read a batch's partitions in parallel tasks: always on a feed of
+    several nodes (see spark.job.start_query); else while there are snapshot chunks to read, if
+    the sink allows it (see sinks.registry) and `--snapshot-reads` asks for it (auto: Spark has
+    PARALLEL_READ_SLOTS task slots, asked each time, as a cluster's executors may come later)."""
+    if spec.multi_node:
+        return True
+    if spec.snapshot_reads == "sequential" or not (sink_of(spec.sink).parallel_reads and chunks_to_read(spec, state)):
+        return False
+    return spec.snapshot_reads == "parallel" or spark.sparkContext.defaultParallelism >= PARALLEL_READ_SLOTS
+
+
+def _release_wal(prepared: Prepared, query: Any) -> None:
+    """Advance each node's slot past the last batch the sink committed.
+
+    Spark commits a batch to the source only when it plans the next one, so without this the slots
+    would hold one batch of WAL more than needed after an AvailableNow run or a stop.
+    """
+    for p in reversed(query.recentProgress):
+        end = end_offset(p)
+        if end:
+            for node in prepared.spec.sources:
+                if node.name in end.lsns:
+                    with about(prepared.spec, node):
+                        conn, lsn = prepared.sources[node.name], end.lsns[node.name]
+                        src.advance(conn, node.slot, lsn)
+                        if prepared.spec.multi_node:
+                            src.advance(conn, node.prepare_slot, lsn)
+            return
+
+
+def _query_error(exc: Any, state: FeedState) -> ChangefeedError:
+    """A query failure as the typed error it carries (errors.carried); any other failure (Spark's
+    own, a Python worker that crashed) as QueryFailed."""
+    text = str(exc)
+    return errors.carried_in(text) or QueryFailed(
+        f"the streaming query failed: {text.splitlines()[0] if text else exc!r}",
+        f"Spark's log is {state.spark_log} (or run with --verbose); the feed restarts from its checkpoint",
+        component="query")

@@ -1,0 +1,261 @@
+"""Feed definitions: what to capture, where to deliver, and how big a batch may be."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+
+from changefeed.core.nodes import DEFAULT_NODE, classic
+from changefeed.core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
+from changefeed.errors import ConfigError
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+_TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
+# A node name goes into its slot's name (at most 63 bytes with the feed's): short, lowercase.
+_NODE = re.compile(r"^[a-z][a-z0-9_]{0,10}$")
+DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_RESOLVED_S = 1.0
+SNAPSHOT_MODES = ("initial", "never", "only")
+DEFAULT_CHUNK_ROWS = 50_000
+DEFAULT_CHUNKS_PER_BATCH = 4  # also the snapshot's read parallelism: one Spark task per chunk
+# How a batch's snapshot chunks are read: `auto` reads them in parallel tasks (shuffled to the
+# writer) when Spark has at least PARALLEL_READ_SLOTS task slots, else in the writer's task one
+# after the other (measured faster with 2: bench/snapshot_throughput.py).
+SNAPSHOT_READS = ("auto", "parallel", "sequential")
+PARALLEL_READ_SLOTS = 4
+DEFAULT_RETENTION_S = 24 * 3600.0
+DEFAULT_MAX_CLOCK_SKEW_S = 0.5
+WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
+
+
+@dataclass(frozen=True)
+class SourceNode:
+    """One PostgreSQL server (node) a feed reads, with the slot and publication it has there."""
+
+    name: str
+    uri: str
+    slot: str
+    publication: str
+
+    @property
+    def prepare_slot(self) -> str:
+        """The node's prepare slot on a feed of several nodes (postgres/twophase.py), beside `slot`."""
+        return "cf2pc_" + self.slot.removeprefix("changefeed_")
+
+
+def node_role(node: str, multi_node: bool) -> str:
+    """How messages name a source node: just "source" on a one-node feed."""
+    return f"source node {node}" if multi_node else "source"
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """One named changefeed. Slot and publication names derive from the feed name (and, but for
+    node n1, the node's: `changefeed_FEED_NODE`, so that two nodes may share a server).
+
+    A feed of one node named n1 keeps its URI in `source` (the shape every feed had before nodes
+    existed); any other feed lists its nodes in `nodes` as (name, URI) pairs and leaves `source`
+    empty."""
+
+    name: str
+    source: str
+    sink: str
+    tables: tuple[str, ...]
+    max_bytes_per_batch: int = DEFAULT_MAX_BYTES
+    max_changes_per_batch: int = 0
+    trigger_interval_s: float = 0.0
+    resolved_interval_s: float = DEFAULT_RESOLVED_S
+    snapshot: str = "initial"  # existing rows first (initial), not at all (never), or only them (only)
+    snapshot_chunk_rows: int = DEFAULT_CHUNK_ROWS
+    snapshot_chunks_per_batch: int = DEFAULT_CHUNKS_PER_BATCH
+    snapshot_reads: str = SNAPSHOT_READS[0]
+    retention_s: float = DEFAULT_RETENTION_S  # most checkpoint age the slot may hold WAL for; 0 = no limit
+    max_retained_wal: int = 0  # most WAL bytes the slot may hold; 0 = no limit
+    format: str = "json"  # envelope of a message sink (core.envelope.FORMATS)
+    diff: bool = False  # json envelope: also the old row (`before`)
+    outbox: str = ""  # schema.table whose rows are events (core.outbox); "" = none
+    outbox_columns: str = ""  # role=column,... (core.outbox.parse_columns); "" = the default names
+    outbox_topic: str = DEFAULT_TOPIC
+    outbox_ttl_s: float = 0.0  # delete outbox rows this old once delivered; 0 = never
+    outbox_snapshot_events: bool = False  # a snapshot's reads of the outbox are events too (core.outbox)
+    nodes: tuple[tuple[str, str], ...] = ()  # (name, URI) of each node; () = one node, n1, at `source`
+    renamed: tuple[tuple[str, str], ...] = ()  # (old, new) schema.table renamed on the source (alter --rename-table)
+    capture_ddl: bool = False  # DDL of captured tables as messages in the stream (postgres.ddl_capture)
+    wal_reader: str = WAL_READERS[0]
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S  # how far the nodes' clocks may disagree (core.distributed)
+
+    @property
+    def sources(self) -> tuple[SourceNode, ...]:
+        """The nodes the feed reads, in the order they were named."""
+        pairs = self.nodes or ((DEFAULT_NODE, self.source),)
+        return tuple(SourceNode(n, uri, *(2 * (self.slot if n == DEFAULT_NODE else f"{self.slot}_{n}",)))
+                     for n, uri in pairs)
+
+    def protected(self) -> "FeedSpec":
+        """This feed as it may be stored and handed on: literal secrets in its URIs encrypted (see
+        secrets.py; references stay as they are)."""
+        from changefeed.spec.secrets import protect_uri
+
+        return FeedSpec(**{**self.__dict__, "source": protect_uri(self.source, "--source") if self.source else "",
+                           "nodes": tuple((n, protect_uri(u, f"--source {n}")) for n, u in self.nodes),
+                           "sink": protect_uri(self.sink, "--sink")})
+
+    def check_secrets(self) -> None:
+        """ConfigError unless every reference in the URIs can be resolved here, and a password file
+        named for the URIs without a password can be used (before anything is created)."""
+        from urllib.parse import urlsplit
+
+        from changefeed.spec.secrets import check, passfile_problem
+
+        uris = [(n.uri, f"--source {n.name}" if self.multi_node else "--source") for n in self.sources]
+        for uri, option in [*uris, (self.sink, "--sink")]:
+            check(uri, option)
+            postgres = uri.startswith(("postgresql://", "postgres://"))
+            if postgres and urlsplit(uri).password is None and os.environ.get("PGPASSFILE") and \
+                    (why := passfile_problem()):
+                raise ConfigError(f"{option} has no password and {why}",
+                                  "fix the file (mode 0600, readable by this user) or give the password by "
+                                  "reference, postgresql://USER:${VAR}@HOST/DB")
+
+    def role(self, node: str) -> str:
+        """How messages name source node `node` of this feed (see node_role)."""
+        return node_role(node, self.multi_node)
+
+    @property
+    def multi_node(self) -> bool:
+        """Whether the feed is not the classic one-node feed (see core.nodes)."""
+        return not classic(n.name for n in self.sources)
+
+    @property
+    def outbox_spec(self) -> OutboxSpec | None:
+        if not self.outbox:
+            return None
+        return OutboxSpec(self.outbox, parse_columns(self.outbox_columns), self.outbox_topic, self.outbox_ttl_s,
+                          self.outbox_snapshot_events)
+
+    @property
+    def slot(self) -> str:
+        return f"changefeed_{self.name}"
+
+    @property
+    def publication(self) -> str:
+        return f"changefeed_{self.name}"
+
+    def validate(self) -> "FeedSpec":
+        """ConfigError for what is wrong with the definition itself; what the sink says of it is
+        checked by sinks.registry.validated."""
+        if not _NAME.match(self.name):
+            raise ConfigError(f"feed name {self.name!r} is not allowed",
+                              "use 1-40 lowercase letters, digits or _, starting with a letter")
+        required = (("source", self.source or self.nodes), ("sink", self.sink), ("tables", self.tables))
+        missing = [f"--{option}" for option, value in required if not value]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required for a new feed",
+                              "e.g. --source postgresql://USER:PASSWORD@HOST:5432/DB --sink "
+                              "postgresql://USER:PASSWORD@REPLICA:5432/DB --tables public.accounts")
+        self._validate_nodes()
+        from changefeed.core.envelope import FORMATS
+
+        if self.format not in FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
+                              "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
+        bad = [t for t in self.tables if not _TABLE.match(t)]
+        if bad:
+            raise ConfigError(f"table names must be schema.table: {', '.join(bad)}", "e.g. public.accounts")
+        if len(set(self.tables)) != len(self.tables):
+            raise ConfigError("--tables lists a table twice", "list each table once")
+        negative = [o for o, v in (("max-bytes-per-batch", self.max_bytes_per_batch),
+                                   ("max-changes-per-batch", self.max_changes_per_batch),
+                                   ("trigger-interval", self.trigger_interval_s),
+                                   ("resolved", self.resolved_interval_s), ("retention", self.retention_s),
+                                   ("max-retained-wal", self.max_retained_wal),
+                                   ("max-clock-skew", self.max_clock_skew_s)) if v < 0]
+        if negative:
+            raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
+        if self.wal_reader not in WAL_READERS:
+            raise ConfigError(f"--wal-reader must be one of {', '.join(WAL_READERS)}, got {self.wal_reader!r}",
+                              "peek: the SQL function (default); stream: the streaming replication protocol")
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"--snapshot must be one of {', '.join(SNAPSHOT_MODES)}, got {self.snapshot!r}",
+                              "initial: existing rows, then changes; never: changes only; only: existing rows")
+        if self.snapshot_chunk_rows < 1:
+            raise ConfigError(f"--snapshot-chunk-rows must be at least 1, got {self.snapshot_chunk_rows}",
+                              f"the default is {DEFAULT_CHUNK_ROWS}")
+        if self.snapshot_reads not in SNAPSHOT_READS:
+            raise ConfigError(f"--snapshot-reads must be one of {', '.join(SNAPSHOT_READS)}, "
+                              f"got {self.snapshot_reads!r}",
+                              f"auto: parallel with {PARALLEL_READ_SLOTS} or more Spark task slots, else sequential")
+        if self.snapshot_chunks_per_batch < 1:
+            raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
+                              f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")
+        if self.outbox:
+            self._validate_outbox()
+        return self
+
+    def _validate_nodes(self) -> None:
+        if self.source and self.nodes:
+            raise ConfigError("a feed has either one source URI or named nodes, not both",
+                              "list every node as --source NAME=URI")
+        for node in self.sources:
+            if not _NODE.match(node.name):
+                raise ConfigError(f"node name {node.name!r} is not allowed",
+                                  "use 1-11 lowercase letters, digits or _, starting with a letter")
+            if not node.uri.startswith(("postgresql://", "postgres://")):
+                scheme = node.uri.split("://")[0] if "://" in node.uri else "<no scheme>"
+                raise ConfigError(f"--source {node.name} must be a postgresql:// URI, got scheme {scheme!r}",
+                                  "e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
+        for what, values in (("name", [n.name for n in self.sources]), ("URI", [n.uri for n in self.sources])):
+            twice = sorted({v for v in values if values.count(v) > 1})
+            if twice:
+                shown = twice[0] if what == "name" else "a URI"
+                raise ConfigError(f"two nodes have the same {what} ({shown})", "name each node once, each with "
+                                  "its own server or database")
+        if self.multi_node and self.outbox:
+            raise ConfigError("a feed with named nodes (--source NAME=URI) has no --outbox (this version)",
+                              "run one feed per node for its outbox events")
+
+    def _validate_outbox(self) -> None:
+        if not _TABLE.match(self.outbox):
+            raise ConfigError(f"--outbox must be schema.table, got {self.outbox!r}", "e.g. --outbox public.outbox")
+        if self.outbox not in self.tables:
+            raise ConfigError(f"--outbox {self.outbox} is not among the captured --tables",
+                              "add it to --tables")
+        if self.outbox_ttl_s < 0:
+            raise ConfigError("--outbox-ttl must not be negative", "e.g. 1h; 0 keeps outbox rows")
+        check_topic_template(self.outbox_topic)
+        assert self.outbox_spec is not None  # parses the columns
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, origin: str) -> "FeedSpec":
+        try:
+            data = json.loads(text)
+            known = {f.name for f in fields(cls)}
+            unknown = set(data) - known
+            if unknown:
+                raise ConfigError(f"{origin}: unknown keys {sorted(unknown)}", f"known keys: {sorted(known)}")
+            data["tables"] = tuple(data["tables"])
+            data["nodes"] = tuple((str(n), str(u)) for n, u in data.get("nodes", ()))
+            data["renamed"] = tuple((str(a), str(b)) for a, b in data.get("renamed", ()))
+            return cls(**data).validate()
+        except (ValueError, TypeError, KeyError) as e:
+            raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None
+
+
+def parse_sources(given: list[str]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """`--source` values (`URI` or `NAME=URI`, in order) -> FeedSpec's (source, nodes): one
+    unnamed or n1 URI is a plain `source`; unnamed nodes are n1, n2, ... by position."""
+    pairs = [parse_node(text, i) for i, text in enumerate(given, 1)]
+    if len(pairs) == 1 and pairs[0][0] == DEFAULT_NODE:
+        return pairs[0][1], ()
+    return "", tuple(pairs)
+
+
+def parse_node(text: str, position: int) -> tuple[str, str]:
+    """One `--source` value -> (name, URI); unnamed, the node at `position` (1-based) is n<position>."""
+    name, sep, uri = text.partition("=")
+    named = bool(sep) and "://" not in name and "/" not in name
+    return (name.strip(), uri.strip()) if named else (f"n{position}", text.strip())

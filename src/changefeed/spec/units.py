@@ -1,0 +1,26 @@
+"""Option values as people write them: tables, sizes, durations."""
+from __future__ import annotations
+
+import re
+
+from changefeed.errors import ConfigError
+
+
+def parse_tables(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() if "." in t else f"public.{t.strip()}" for t in text.split(",") if t.strip())
+
+
+def parse_size(text: str) -> int:
+    """'64MB', '1g', '1000' -> bytes."""
+    m = re.match(r"^\s*(\d+)\s*([kmgt]?)i?b?\s*$", text.lower())
+    if not m:
+        raise ConfigError(f"not a size: {text!r}", "use e.g. 64MB, 1GB or a number of bytes")
+    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+
+
+def parse_duration(text: str) -> float:
+    """'1s', '500ms', '2m', '1.5' (seconds) -> seconds."""
+    m = re.match(r"^\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h)?\s*$", text.lower())
+    if not m:
+        raise ConfigError(f"not a duration: {text!r}", "use e.g. 1s, 500ms, 2m or a number of seconds")
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
