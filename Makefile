@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test test-fast lint bench install clean
 
 $(BIN)/changefeed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,12 +18,18 @@ demo: install
 	$(BIN)/changefeed demo
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=40
 
-# Lint: ruff (style, imports), import-linter (the layers and no import circles: pyproject.toml).
+# The inner loop: every test that needs no Spark (pure units, real PostgreSQL and broker servers).
+test-fast: install
+	$(BIN)/pytest -q tests/core tests/spec tests/postgres tests/sinks tests/control tests/cli/test_docs_links.py
+
+# Lint: ruff (style, imports), import-linter (the layers, no import circles), mypy --strict
+# (settings of all three in pyproject.toml).
 lint: install
 	$(BIN)/ruff check src tests bench
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python bench/replica_throughput.py

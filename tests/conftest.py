@@ -19,8 +19,15 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, settings
 
 from changefeed.local.postgres import LocalPostgres
+
+# Hypothesis: `ci` (set by CI=true, as .ci/run does) prints the blob that reproduces a failure and
+# does not fail a pure property on a slow, busy machine's timing; a test's own @settings (the ones
+# that start servers) still sets its number of examples.
+settings.register_profile("ci", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "default"))
 
 _counter = itertools.count()
 

@@ -11,7 +11,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from changefeed.core.envelope import FORMATS
 from changefeed.errors import ChangefeedError, ConfigError
@@ -261,7 +261,8 @@ def cmd_compact(args: argparse.Namespace) -> int:
     from changefeed.sinks.delta.options import DeltaOptions
     from changefeed.sinks.delta.upkeep import compact
 
-    compact(DeltaOptions.parse(spec.sink), spec.name, [tuple(t.split(".", 1)) for t in spec.tables],  # type: ignore[misc]
+    tables = [(schema, name) for schema, _, name in (t.partition(".") for t in spec.tables)]
+    compact(DeltaOptions.parse(spec.sink), spec.name, tables,
             target_size=_option("target-size", _size, args.target_size),
             vacuum_retain_h=_option("vacuum", parse_duration, args.vacuum) / 3600 if args.vacuum else None)
     return 0
@@ -299,7 +300,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 class _Parser(argparse.ArgumentParser):
     """Malformed options exit like every other bad input: typed message, hint, exit 64."""
 
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         print(f"changefeed: error: {message}\n  hint: see '{self.prog} --help'", file=sys.stderr)
         sys.exit(ConfigError.exit_code)
 

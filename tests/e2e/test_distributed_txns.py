@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -270,7 +271,8 @@ def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: di
                 assert p.wait(timeout=300) == -signal.SIGKILL, log.read_text()[-3000:]
                 assert (fault_dir / f".fault-{env['CHANGEFEED_KILL_AT'].split(':')[0]}").exists()
             else:
-                time.sleep(8)
+                ran = done[0]
+                wait_for("transfers made while this run goes on", lambda: done[0] >= ran + 40, log)
                 stop.set()
                 writer.join()
                 expected = union(nodes)
@@ -326,15 +328,19 @@ def test_a_node_down_for_20_s_stalls_the_feed_which_then_catches_up(dbs: Dbs, no
     try:
         wait_for("the snapshot", lambda: _has_accounts(dbs.sink) and len(balances(dbs.sink)) == 2 * ACCOUNTS, log)
         writer.start()
-        time.sleep(3)
+        wait_for("transfers on both nodes", lambda: done[0] >= 20, log)
         second.stop("immediate")
-        time.sleep(10)
-        shown = changefeed_cli("status", *base)
-        assert "source node n2" in shown.stdout + shown.stderr, shown.stdout + shown.stderr
-        time.sleep(10)
+
+        def failures_of_n2() -> int:
+            shown = changefeed_cli("status", *base)
+            found = re.search(r"after (\d+) failure\(s\) of the source node n2", shown.stdout)
+            return int(found.group(1)) if found else 0
+
+        wait_for("status to name n2's repeated failures", lambda: failures_of_n2() >= 4, log)
         assert p.poll() is None, log.read_text()[-3000:]  # it waits, it does not give up or skip the node
         LocalPostgres.start(second.datadir, port=second.port, settings={"max_prepared_transactions": "16"})
-        time.sleep(3)
+        back = done[0]
+        wait_for("transfers after n2 is back", lambda: done[0] >= back + 20, log)
         stop.set()
         writer.join()
         expected = union(nodes)

@@ -325,7 +325,7 @@ def test_the_retention_budget_holds_while_retrying(dbs: Dbs, tmp_path: Path) -> 
 
 
 def test_a_failover_to_a_standby_that_has_the_slot_is_waited_out(dbs: Dbs, tmp_path: Path) -> None:
-    """The README's failover set-up, for real (PostgreSQL 17+): the operator made the feed's slot
+    """The failover set-up of docs/operations.md, for real (PostgreSQL 17+): the operator made the feed's slot
     with failover enabled before the first run, a hot standby synchronizes it, and `--source`
     names both servers with target_session_attrs=read-write. The primary crashes and the standby
     is promoted under a writer: the same feed process reaches the new primary, carries on from the

@@ -138,7 +138,7 @@ def test_every_change_arrives_in_key_order_through_faults_and_a_kill(dbs: Dbs, t
 
     p = start_changefeed(*args, log=log)
     try:
-        # the snapshot first: its rows and the changes racing it may arrive in either order (see README)
+        # the snapshot first: its rows and the changes racing it may arrive in either order (docs/sinks.md)
         wait_for("the snapshot at the endpoint", lambda: len(replay(rec.messages())) == 200, log)
         workload(range(0, 30))
         wait_for("a request to hold", lambda: rec.held.wait(0.1), log)

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from changefeed.postgres import read_ahead
@@ -55,8 +55,8 @@ def test_a_prediction_is_the_cut_the_planner_makes_next(end: int, more: int, lat
     reader._block = 8192  # as after the first byte-limit cut
     frontier = end + more
     predicted = read_ahead.predict(end, frontier, max_bytes, reader.block_size, fixed)
-    if predicted is None:
-        return
+    event("no certain cut" if predicted is None else "a cut predicted")
+    assume(predicted is not None)  # (about 40% of the examples; test_no_prediction_without_a_certain_cut has them)
     seen_next = frontier if fixed else frontier + later
     cut = reader.cut(None, NODE, end, seen_next, max_bytes=max_bytes)  # type: ignore[arg-type]
     assert predicted == cut
@@ -143,7 +143,7 @@ def _rows(conn: Any, blocks: Any, start: int, end: int) -> list[dict[str, Any]]:
         conn.commit()
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(txns=st.lists(st.tuples(st.sampled_from(["insert", "update", "delete", "note"]), st.integers(1, 900)),
                      min_size=1, max_size=14),
        max_bytes=st.sampled_from([8192, 40_000, 100_000]))

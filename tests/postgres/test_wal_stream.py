@@ -90,7 +90,7 @@ def table(dbs: Dbs) -> Dbs:
     return dbs
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(step, min_size=1, max_size=12),
        cuts=st.lists(st.one_of(st.tuples(st.just("bytes"), st.sampled_from([1, 8192, 40_000, 400_000])),
                                st.tuples(st.just("changes"), st.integers(1, 3000))), min_size=1, max_size=6))
@@ -141,17 +141,34 @@ def test_a_consumer_slower_than_the_sender_timeout_keeps_the_stream(table: Dbs, 
     monkeypatch.setattr(replication, "BLOCK_MESSAGES", 200)
     monkeypatch.setattr(replication, "QUEUE_BLOCKS", 1)  # the receiver waits on the consumer at once
     node, start, end = _window(table, "slow", 20_000)
-    stream = replication.WindowStream(node.uri, "source", node.slot, node.publication, start, end,
+    with table.src() as c:
+        layout = src.wal_layout(c)
+    stream = replication.WindowStream(node.uri, "source", node.slot, node.publication, start, end, layout=layout,
                                       status_interval=status_interval, options="-c wal_sender_timeout=1s")
     got = 0
     blocks = stream.blocks()
+
+    def sender_gone() -> bool:
+        with psycopg.connect(table.source, autocommit=True) as c:
+            return not c.execute("SELECT 1 FROM pg_stat_replication r JOIN pg_replication_slots s "
+                                 "ON s.active_pid = r.pid WHERE s.slot_name = 'slow'").fetchone()
+
+    def busy_sink() -> None:
+        """The sink applies something big: it takes until the stream has sent five status updates
+        meanwhile (the server's 1 s sender timeout passed several times), or, without updates,
+        until the server gave the connection up (at most 60 s either way)."""
+        updates, deadline = stream.updates, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if stream.updates >= updates + 5 or (status_interval > 1 and sender_gone()):
+                return
+            time.sleep(0.1)
 
     def consume() -> None:
         nonlocal got
         for i, block in enumerate(blocks):
             got += len(block)
             if i == 1:
-                time.sleep(3.5)  # the sink applies something big: three sender timeouts long
+                busy_sink()
 
     if status_interval > 1:  # no status updates in time: the server gives the connection up
         with pytest.raises(ConnectionFailed, match="lost the connection to the source"):
@@ -207,7 +224,8 @@ def test_a_stalled_path_is_cut(table: Dbs, monkeypatch: pytest.MonkeyPatch) -> N
     port = int(urlsplit(table.source).port or 0)
     with TcpProxy(port) as proxy:
         stream = replication.WindowStream(node.uri.replace(f":{port}/", f":{proxy.port}/"), "source", node.slot,
-                                          node.publication, start, end, status_interval=0.3, silent=1.5)
+                                          node.publication, start, end, layout=(8192, 16 << 20),
+                                          status_interval=0.3, silent=1.5)
         began = time.monotonic()
         with pytest.raises(ConnectionFailed, match="the connection is stalled"):
             for i, _ in enumerate(stream.blocks()):

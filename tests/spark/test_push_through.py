@@ -17,7 +17,10 @@ from pyspark import cloudpickle
 from changefeed.core import change as ch
 from changefeed.spark import reads as feed_reads
 
-WAIT_S = 8.0
+# With push-through the reader waits for the sink to have the first chunk: the bound only ends a
+# hang (the chunk would never come), it is no claim about speed. Without, the probe waits a while
+# to see that the chunk does not come (Spark keeps it in the worker's buffer).
+HANG_S, PROBE_S = 120.0, 3.0
 
 
 def _chunk(n: int) -> Any:
@@ -26,13 +29,14 @@ def _chunk(n: int) -> Any:
 
 
 def _read(options: dict[str, str]) -> Any:
-    """Yield a chunk, then wait until the sink has it (or WAIT_S), then yield a last chunk."""
+    """Yield a chunk, then wait until the sink has it (or the `wait` option's seconds), then yield a
+    last chunk."""
     marker = Path(options["dir"]) / "got-1"
     yield _chunk(1)
     if options["push"] == "1":
         yield from feed_reads._push_through()
     t0 = time.monotonic()
-    while not marker.exists() and time.monotonic() - t0 < WAIT_S:
+    while not marker.exists() and time.monotonic() - t0 < float(options["wait"]):
         time.sleep(0.02)
     (Path(options["dir"]) / "waited").write_text(f"{time.monotonic() - t0:.3f} {marker.exists()}")
     yield _chunk(2)
@@ -91,9 +95,10 @@ def _register(spark: Any) -> None:
 
 def _run(spark: Any, tmp: Path, push: bool) -> tuple[float, bool]:
     tmp.mkdir()
-    (spark.read.format("changefeed-push-through-probe").option("dir", str(tmp)).option("push", "1" if push else "0")
-     .load().coalesce(1).write.format("changefeed-push-through-probe").option("dir", str(tmp))
-     .option("push", "0").mode("append").save())
+    probe = "changefeed-push-through-probe"
+    (spark.read.format(probe).option("dir", str(tmp)).option("push", "1" if push else "0")
+     .option("wait", str(HANG_S if push else PROBE_S)).load()
+     .coalesce(1).write.format(probe).option("dir", str(tmp)).option("push", "0").mode("append").save())
     waited, seen = (tmp / "waited").read_text().split()
     assert (tmp / "got-2").exists(), "the last chunk never reached the sink"
     return float(waited), seen == "True"
@@ -102,10 +107,10 @@ def _run(spark: Any, tmp: Path, push: bool) -> tuple[float, bool]:
 def test_chunk_reaches_sink_before_the_next_is_read(spark: object, tmp_path: Path) -> None:
     _register(spark)
     _, seen = _run(spark, tmp_path / "pushed", push=True)
-    assert seen, f"the sink did not get the first chunk within {WAIT_S}s of its read"
+    assert seen, "the sink did not get the first chunk before the next was read"
     # The probe can tell: without the push-through row the first chunk waits for the second.
     waited, seen = _run(spark, tmp_path / "plain", push=False)
-    assert not seen and waited >= WAIT_S - 0.1, "Spark now flushes each batch: push_through may be dropped"
+    assert not seen and waited >= PROBE_S - 0.1, "Spark now flushes each batch: push_through may be dropped"
 
 
 def test_unpack_skips_push_through_rows() -> None:

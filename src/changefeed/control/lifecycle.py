@@ -98,8 +98,8 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
-        for (node, conn), tables in zip(conns, described):
-            src.ensure_publication(conn, node.publication, tables)
+        for (node, conn), node_tables in zip(conns, described):
+            src.ensure_publication(conn, node.publication, node_tables)
             if spec.capture_ddl:  # the new tables' shapes
                 ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)

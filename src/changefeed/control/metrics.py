@@ -1,21 +1,27 @@
 """A running feed's lag, throughput, snapshot progress and state, for Prometheus.
 
-The runner writes the latest values into a `FeedMetrics` at every progress report; the HTTP
-server's threads only read a frozen copy, so a scrape never waits on the feed or sees half an
-update. Output is the text exposition format 0.0.4. Pure Python: no Spark, no database.
+The runner writes the latest values into a `FeedMetrics` at every progress report; a scrape reads
+one frozen copy through a `prometheus_client` collector, so it never waits on the feed or sees half
+an update. prometheus_client writes the text exposition format 0.0.4 (escaping, counters' `_total`);
+the small HTTP server stays ours because it answers only /metrics (404 elsewhere) and turns a
+taken port into a ConfigError. Pure Python: no Spark, no database.
 """
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 from changefeed.errors import ConfigError
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 STATES = ("starting", "running", "retrying", "paused", "stopped", "failed")
 
 
@@ -81,27 +87,29 @@ class FeedMetrics:
             return self._values
 
 
-# name, type, help, Values field
-_SCALARS = (
-    ("changefeed_checkpoint_lag_seconds", "gauge",
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+
+# name, family, help, Values field
+_SCALARS: tuple[tuple[str, _Family, str, str], ...] = (
+    ("changefeed_checkpoint_lag_seconds", GaugeMetricFamily,
      "Age of the replica's last applied resolved timestamp on the source clock, 0 when it has applied all WAL "
      "(the RPO: changes committed that long ago may not be on the replica yet).", "checkpoint_lag_seconds"),
-    ("changefeed_resolved_lag_seconds", "gauge",
+    ("changefeed_resolved_lag_seconds", GaugeMetricFamily,
      "Source clock now minus the last applied resolved timestamp, also while caught up.", "resolved_lag_seconds"),
-    ("changefeed_slot_retained_wal_bytes", "gauge",
+    ("changefeed_slot_retained_wal_bytes", GaugeMetricFamily,
      "WAL the source keeps for the feed's replication slot (current flush LSN minus restart LSN).",
      "slot_retained_wal_bytes"),
-    ("changefeed_changes_per_second", "gauge",
+    ("changefeed_changes_per_second", GaugeMetricFamily,
      "Changes applied per second over the last report interval.", "changes_per_second"),
-    ("changefeed_batch_duration_seconds", "gauge",
+    ("changefeed_batch_duration_seconds", GaugeMetricFamily,
      "Duration of the last completed micro-batch (plan, read, apply, commit).", "batch_duration_seconds"),
-    ("changefeed_changes_total", "counter", "Changes applied since this runner started.", "changes_total"),
-    ("changefeed_batches_total", "counter", "Batches applied since this runner started.", "batches_total"),
-    ("changefeed_verify_mismatched_rows", "gauge",
+    ("changefeed_changes_total", CounterMetricFamily, "Changes applied since this runner started.", "changes_total"),
+    ("changefeed_batches_total", CounterMetricFamily, "Batches applied since this runner started.", "batches_total"),
+    ("changefeed_verify_mismatched_rows", GaugeMetricFamily,
      "Rows that differed between source and replica at the last verification (verify, run --every).",
      "verify_mismatched_rows"),
-    ("changefeed_verify_last_timestamp_seconds", "gauge", "When the last verification compared (Unix time).",
-     "verify_last_timestamp_seconds"),
+    ("changefeed_verify_last_timestamp_seconds", GaugeMetricFamily,
+     "When the last verification compared (Unix time).", "verify_last_timestamp_seconds"),
 )
 _TABLES = (
     ("changefeed_snapshot_rows", "Snapshot rows of the table applied to the replica.", "rows"),
@@ -121,55 +129,68 @@ _NODES = (
 )
 
 
+class FeedCollector(Collector):
+    """The feed's metric families, built from one `read()` per scrape: every sample of a scrape
+    comes from the same update."""
+
+    def __init__(self, metrics: FeedMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        feed, v = self.metrics.feed, self.metrics.read()
+        yield _family(GaugeMetricFamily, "changefeed_up", "1 while the feed streams (state running), else 0.",
+                      feed, [((), int(v.state == "running"))])
+        yield _family(GaugeMetricFamily, "changefeed_state",
+                      f"The feed's state: 1 for the current one of {', '.join(STATES)}.",
+                      feed, [((s,), int(v.state == s)) for s in STATES], "state")
+        yield _family(GaugeMetricFamily, "changefeed_failure_info", "Why the feed failed, while its state is failed.",
+                      feed, [((v.reason,), 1)] if v.state == "failed" else [], "reason")
+        yield _family(GaugeMetricFamily, "changefeed_retrying_info", "What a running feed waits out (the component "
+                      "and the last failure), while its state is retrying.",
+                      feed, [((v.component, v.reason), 1)] if v.state == "retrying" else [], "component", "reason")
+        for name, kind, text, attr in _SCALARS:
+            value = getattr(v, attr)
+            yield _family(kind, name, text, feed, [] if value is None else [((), value)])
+        tables = sorted(v.snapshot.items())
+        for name, text, attr in _TABLES:
+            yield _family(GaugeMetricFamily, name, text, feed,
+                          [((t,), int(getattr(s, attr))) for t, s in tables], "table")
+        nodes = sorted(v.nodes.items())
+        for name, text, attr in _NODES if nodes else ():  # a feed of one node has none
+            yield _family(GaugeMetricFamily, name, text, feed,
+                          [((n,), float(getattr(s, attr))) for n, s in nodes], "node")
+
+
+def _family(kind: _Family, name: str, text: str, feed: str, samples: Iterable[tuple[Sequence[str], float]],
+            *labels: str) -> Metric:
+    """One family labelled `feed` and `labels`; no samples still writes its HELP and TYPE lines."""
+    family = kind(name, text, labels=("feed", *labels))
+    for values, value in samples:
+        family.add_metric((feed, *values), value)
+    return family
+
+
+def feed_registry(metrics: FeedMetrics) -> CollectorRegistry:
+    """A registry of `metrics` alone. Not prometheus_client's global default one: that also exports
+    the Python process's own metrics, and would be shared by every server of the process."""
+    r = CollectorRegistry(auto_describe=False)
+    r.register(FeedCollector(metrics))
+    return r
+
+
 def render(metrics: FeedMetrics) -> str:
     """The metrics in Prometheus text exposition format 0.0.4."""
-    v = metrics.read()
-    return "".join(_lines(metrics.feed, v))
-
-
-def _lines(feed: str, v: Values) -> Iterator[str]:
-    yield from _family("changefeed_up", "gauge", "1 while the feed streams (state running), else 0.",
-                       [({"feed": feed}, int(v.state == "running"))])
-    yield from _family("changefeed_state", "gauge", f"The feed's state: 1 for the current one of {', '.join(STATES)}.",
-                       [({"feed": feed, "state": s}, int(v.state == s)) for s in STATES])
-    yield from _family("changefeed_failure_info", "gauge", "Why the feed failed, while its state is failed.",
-                       [({"feed": feed, "reason": v.reason}, 1)] if v.state == "failed" else [])
-    yield from _family("changefeed_retrying_info", "gauge", "What a running feed waits out (the component and "
-                       "the last failure), while its state is retrying.",
-                       [({"feed": feed, "component": v.component, "reason": v.reason}, 1)]
-                       if v.state == "retrying" else [])
-    for name, kind, text, attr in _SCALARS:
-        value = getattr(v, attr)
-        yield from _family(name, kind, text, [] if value is None else [({"feed": feed}, value)])
-    tables = sorted(v.snapshot.items())
-    for name, text, attr in _TABLES:
-        yield from _family(name, "gauge", text,
-                           [({"feed": feed, "table": t}, int(getattr(s, attr))) for t, s in tables])
-    nodes = sorted(v.nodes.items())
-    for name, text, attr in _NODES if nodes else ():
-        yield from _family(name, "gauge", text,
-                           [({"feed": feed, "node": n}, float(getattr(s, attr))) for n, s in nodes])
-
-
-def _family(name: str, kind: str, text: str, samples: list[tuple[dict[str, str], float]]) -> Iterator[str]:
-    yield f"# HELP {name} {_escape_help(text)}\n"
-    yield f"# TYPE {name} {kind}\n"
-    for labels, value in samples:
-        pairs = ",".join(f'{k}="{escape_label(val)}"' for k, val in labels.items())
-        yield f"{name}{{{pairs}}} {format_value(value)}\n"
+    return generate_latest(feed_registry(metrics)).decode()
 
 
 def escape_label(value: str) -> str:
-    """Label values escape backslash, double quote and newline."""
+    """Label values escape backslash, double quote and newline (as prometheus_client writes them),
+    for text that quotes a label outside the endpoint."""
     return value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
 
 
-def _escape_help(text: str) -> str:
-    """HELP text escapes backslash and newline (quotes stay)."""
-    return text.replace("\\", r"\\").replace("\n", r"\n")
-
-
 def format_value(value: float) -> str:
+    """A sample value as the text format spells it; whole numbers without the `.0`."""
     if isinstance(value, int):
         return str(value)
     if math.isnan(value):
@@ -180,19 +201,20 @@ def format_value(value: float) -> str:
 
 
 class MetricsServer(ThreadingHTTPServer):
-    """Answers GET /metrics from a daemon thread until `close()`."""
+    """Answers GET /metrics from a daemon thread until `close()`, from a registry of its own."""
 
     daemon_threads = True
 
     def __init__(self, metrics: FeedMetrics, host: str, port: int) -> None:
-        super().__init__((host, port), _Handler)
         self.metrics = metrics
+        self.registry = feed_registry(metrics)
+        super().__init__((host, port), _Handler)
         self._thread = threading.Thread(target=self.serve_forever, name="changefeed-metrics", daemon=True)
         self._thread.start()
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]  # as server_address, but typed str (not str | bytes)
         return f"http://{host}:{port}/metrics"
 
     def close(self) -> None:
@@ -208,14 +230,14 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] != "/metrics":
             self.send_error(404, "only /metrics is served here")
             return
-        body = render(self.server.metrics).encode()
+        body = generate_latest(self.server.registry)
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the name http.server gives it
         """Silent: a scrape every few seconds would drown the feed's own report lines."""
 
 

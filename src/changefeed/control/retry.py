@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from changefeed.core.backoff import full_jitter
 from changefeed.errors import TransientError
 
 FIRST_BACKOFF_S = 0.5
@@ -62,7 +63,7 @@ class Retry:
         if past_deadline or (error.max_attempts is not None and same >= error.max_attempts):
             error.message = f"{error.message} (gave up after {now - since:.0f}s and {attempts} attempt(s))"
             raise error
-        return self._rng() * min(self.max_backoff_s, self.first_s * 2 ** (attempts - 1))
+        return full_jitter(attempts, self.first_s, self.max_backoff_s, self._rng)
 
     def succeeded(self) -> None:
         self.current = self._kind = None

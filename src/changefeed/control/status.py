@@ -40,7 +40,7 @@ class FeedStatus:
     nodes: dict[str, dict[str, object]] = field(default_factory=dict)  # a feed of several nodes: per node,
     # slot, slot_state, slot_retained_wal_bytes, checkpoint_lsn, lag_bytes (the top level sums them), and
     # prepared_transactions (undecided ones: their distributed transactions wait)
-    verified: dict[str, object] | None = None  # the last verify: at (Unix time), equal, mismatched_rows, lsns
+    verified: dict[str, Any] | None = None  # the last verify: at (Unix time), equal, mismatched_rows, lsns
     unreachable: dict[str, str] = field(default_factory=dict)  # what could not be asked now (sink, source [node
     #                                                           NAME]) and why: the fields it would give are unknown
 
@@ -51,7 +51,7 @@ class FeedStatus:
                 for what, why in self.unreachable.items()]
         if self.verified:
             v = self.verified
-            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(v["at"])))  # type: ignore[arg-type]
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(v["at"])))
             out.append(f"verified: {when}, " + ("equal" if v["equal"] else f"{v['mismatched_rows']} rows differ"))
         out += [f"node {n}: " + ", ".join(f"{k.replace('_', ' ')} {'-' if v is None else v}" for k, v in d.items())
                 for n, d in self.nodes.items()]
@@ -83,7 +83,7 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     return found
 
 
-def verified(feed_state: FeedState) -> dict[str, object] | None:
+def verified(feed_state: FeedState) -> dict[str, Any] | None:
     """The last verification's time, outcome and position (see verify), None if never verified."""
     found = feed_state.last_verified()
     return None if found is None else {k: found[k] for k in ("at", "equal", "mismatched_rows", "lsns")}

@@ -27,7 +27,7 @@ from changefeed.core import barrier as bar
 from changefeed.core import verify as cv
 from changefeed.errors import ChangefeedError, ConfigError, TransientError
 from changefeed.postgres import checksum as cs
-from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.connect import connect, lost_connection, one_row
 from changefeed.postgres.source import describe_tables
 from changefeed.sinks.registry import sink_of
 from changefeed.spec.definition import FeedSpec, node_role
@@ -53,7 +53,8 @@ def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repa
             if point.sink_conn is None:
                 from changefeed.control.verify_messages import compare_topic
 
-                results = [(compare_topic(spec, point.sources, point.marks[t], t), []) for t in chosen]
+                results: list[tuple[cv.TableResult, list[str]]] = [
+                    (compare_topic(spec, point.sources, point.marks[t], t), []) for t in chosen]
             else:
                 results = [_compare(spec, point, t, workers, chunk_rows) for t in chosen]
         finally:
@@ -130,8 +131,8 @@ def _compare(spec: FeedSpec, point: Point, table: str, workers: int, chunk_rows:
                                  "--rename-table)"]
                 return result, []
             described = describe_tables(conn, [table])[0]
-            rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(  # (each node about as many)
-                sql.Identifier(described.schema, described.name))).fetchone()[0]  # type: ignore[index]
+            rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(  # (each node about as many)
+                sql.Identifier(described.schema, described.name))))[0]
         with sessions.on(sink.uri, sink.role, sink.snapshot) as conn:
             sink_cols = cs.columns(conn, table)
         if sink_cols is None:

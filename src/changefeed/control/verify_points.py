@@ -33,7 +33,7 @@ from changefeed.errors import DefiniteError, FeedBusy, TransientError
 from changefeed.postgres import checksum as cs
 from changefeed.postgres import consistent_point
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.connect import connect, lost_connection, one_row
 from changefeed.sinks.base import ledger_path
 from changefeed.sinks.ledger import FileLedger
 from changefeed.sinks.registry import open_ledger, sink_of
@@ -219,7 +219,12 @@ def _advisory_lock(spec: FeedSpec, node: Any, undo: ExitStack) -> tuple[str, Any
 
 def _take_points(spec: FeedSpec, undo: ExitStack) -> dict[str, consistent_point.ConsistentPoint]:
     sources: dict[str, consistent_point.ConsistentPoint] = {}
-    undo.callback(lambda: [p.close() for p in sources.values()])
+
+    def close_all() -> None:
+        for p in sources.values():
+            p.close()
+
+    undo.callback(close_all)
     for node in spec.sources:
         sources[node.name] = consistent_point.take(node.uri, node_role(node.name, spec.multi_node))
     return sources
@@ -258,7 +263,7 @@ def _sink_side(spec: FeedSpec, state: FeedState, at: dict[str, int], sources: di
         sink.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         if (_position(sink, spec.name) or {}) != at or not chunks_read_later and _chunk_read_past(sink, spec.name, at):
             return None
-        snapshot = sink.execute("SELECT pg_export_snapshot()").fetchone()[0]  # type: ignore[index]
+        snapshot = one_row(sink.execute("SELECT pg_export_snapshot()"))[0]
     return Point(dict(at), sources, sink, snapshot, sink_at=dict(at))
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 COMMIT, PREPARE, COMMIT_PREPARED, ROLLBACK_PREPARED = "commit", "prepare", "commit_prepared", "rollback_prepared"
 GIVE_WAY = 24  # doublings of the read limits before they are dropped
@@ -79,9 +80,9 @@ class Part:
         return [self.gid, self.prepare, self.xid, self.changes]
 
     @classmethod
-    def from_json(cls, data: list[object]) -> Part:
+    def from_json(cls, data: list[Any]) -> Part:
         gid, prepare, xid, changes = data
-        return cls(str(gid), int(prepare), int(xid), int(changes))  # type: ignore[call-overload]
+        return cls(str(gid), int(prepare), int(xid), int(changes))
 
 
 @dataclass(frozen=True)

@@ -114,9 +114,10 @@ class Change:
                   "commit_ts": row["commit_ts"]}
         if row["op"] == "m":
             return cls("m", None, prefix=json.loads(row["meta"])["prefix"], content=row["after"], **common)
-        lines = {f: None if row[f] is None else split_line(row[f]) for f in ("after", "before", "old_key")}
+        after, before, old_key = (None if row[f] is None else split_line(row[f])
+                                  for f in ("after", "before", "old_key"))
         unchanged = frozenset(int(i) for i in row["unchanged"][1:-1].split(",")) if row["unchanged"] else frozenset()
-        return cls(row["op"], shape, unchanged=unchanged, **lines, **common)  # type: ignore[arg-type]
+        return cls(row["op"], shape, after=after, before=before, old_key=old_key, unchanged=unchanged, **common)
 
     @property
     def table_shape(self) -> TableShape:
@@ -198,7 +199,7 @@ def _key_values(change: Change, old: bool = False) -> list[Any]:
         return [None if v is None else conv(v.decode("utf-8")) for (_, conv), v in zip(keys, change.old_key)]
     values = change.before if change.op == "d" else change.after
     assert values is not None, f"a {change.op!r} change without its row"
-    return [None if values[i] is None else conv(values[i].decode("utf-8")) for i, conv in keys]  # type: ignore[union-attr]
+    return [None if (v := values[i]) is None else conv(v.decode("utf-8")) for i, conv in keys]
 
 
 @lru_cache(maxsize=256)

@@ -20,6 +20,7 @@ import json
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from changefeed.core.envelope import Change, Record
 from changefeed.errors import ConfigError
@@ -79,11 +80,11 @@ class OutboxSpec:
                 "snapshot_events": self.snapshot_events}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, object]) -> OutboxSpec:
+    def from_json(cls, d: Mapping[str, Any]) -> OutboxSpec:
         columns = d.get("columns") or {}
         assert isinstance(columns, Mapping)
         return cls(str(d["table"]), tuple((r, str(columns.get(r, r))) for r in ROLES),
-                   str(d.get("topic", DEFAULT_TOPIC)), float(d.get("ttl_s", 0.0)),  # type: ignore[arg-type]
+                   str(d.get("topic", DEFAULT_TOPIC)), float(d.get("ttl_s", 0.0)),
                    bool(d.get("snapshot_events", False)))
 
 
@@ -141,9 +142,9 @@ class OutboxRouter:
                 raise ConfigError(f"outbox table {self.spec.table}: an event without {role} "
                                   f"(column {self.spec.column(role)} is NULL) at LSN {change.lsn:X}",
                                   f"make {self.spec.column(role)} NOT NULL; the feed stopped before delivering it")
-        raw = {role: (v.decode() if isinstance(v, bytes) else v) for role, v in values.items()}
-        return OutboxEvent(raw["id"], raw["aggregate_type"], raw["aggregate_id"], raw["event_type"],
-                           raw["payload"])
+        text = {role: v.decode() for role, v in values.items() if v is not None}  # a NULL payload left out
+        return OutboxEvent(text["id"], text["aggregate_type"], text["aggregate_id"], text["event_type"],
+                           text.get("payload"))
 
     def topic(self, event: OutboxEvent) -> str:
         return self.spec.topic.format(aggregate_type=event.aggregate_type, event_type=event.event_type)

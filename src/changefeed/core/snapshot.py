@@ -14,7 +14,7 @@ are read in turn.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,7 +74,7 @@ class Cursor:
         return {"pending": list(self.pending), "after": self.after, "no": self.next_no, "req": self.requests}
 
     @classmethod
-    def from_offset(cls, offset: dict[str, Any]) -> "Cursor":
+    def from_offset(cls, offset: Mapping[str, Any]) -> "Cursor":
         s = offset.get("snap") or {}
         return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)))
 

@@ -20,6 +20,7 @@ import psycopg
 from changefeed.demo.workload import ACCOUNTS, SCHEMA, TABLES, failed, writer
 from changefeed.errors import DefiniteError
 from changefeed.local.postgres import LocalPostgres
+from changefeed.postgres.connect import one_row
 from changefeed.sinks.delta.duck import connect as duckdb
 from changefeed.sinks.delta.ledger import DeltaLedger
 from changefeed.sinks.delta.options import DeltaOptions
@@ -79,7 +80,7 @@ def demo_delta(workdir: Path, *, seconds: float = 45, master: str = "local[*]", 
         for t in threads:
             t.join()
         with psycopg.connect(source.uri(), autocommit=True) as c:
-            target = int(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])  # type: ignore[index]
+            target = int(one_row(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))[0])
         print(f"demo: workload done ({sum(counts)} transfers); waiting for the mirror to catch up")
         ledger, deadline = DeltaLedger(DeltaOptions.parse(mirror.sink), mirror.name), time.monotonic() + 300
         while min((ledger.checkpoint() or {"": 0}).values()) < target:
@@ -108,13 +109,13 @@ def _compare(uri: str, lake: Path) -> int:
     print("demo: comparing the mirror (DuckDB over Delta) with the source")
     with psycopg.connect(uri) as c:
         for table, sums in CHECKS.items():
-            a = tuple(c.execute(f"SELECT {sums} FROM {table}").fetchone())  # type: ignore[arg-type]
-            b = tuple(con.sql(f"SELECT {sums} FROM delta_scan('{lake}/{table}')").fetchone())  # type: ignore[arg-type]
+            a = tuple(one_row(c.execute(f"SELECT {sums} FROM {table}")))
+            b = tuple(con.sql(f"SELECT {sums} FROM delta_scan('{lake}/{table}')").fetchone())
             same = tuple(map(float, a)) == tuple(map(float, b))
             ok &= same
             shown = [", ".join(str(v) for v in x) for x in (a, b)]
             print(f"  {table:18} source ({shown[0]})  mirror ({shown[1]})  {'equal' if same else 'DIFFERENT'}")
-        transfers = c.execute("SELECT count(*) FROM transfers").fetchone()[0]  # type: ignore[index]
+        transfers = one_row(c.execute("SELECT count(*) FROM transfers"))[0]
     accounts_log = f"delta_scan('{lake}/log/public.accounts')"
     ops = con.sql(f"SELECT _op, count(*) FROM {accounts_log} GROUP BY 1 ORDER BY 1").fetchall()
     print(f"demo: change log of public.accounts by operation: {dict(ops)}")
@@ -126,7 +127,7 @@ def _compare(uri: str, lake: Path) -> int:
         print(f"  {row[0]}  {row[1]}  balance {row[2]}")
     same = logged == (transfers, transfers)
     ok &= same
-    print(f"  change log: {logged[0]} transfer inserts, source {transfers} transfers  "  # type: ignore[index]
+    print(f"  change log: {logged[0]} transfer inserts, source {transfers} transfers  "
           f"{'equal' if same else 'DIFFERENT'}")
     print(f"demo: verdict: {'lake == source' if ok else 'lake DIFFERS from source'}")
     return 0 if ok else 1

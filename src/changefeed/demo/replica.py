@@ -15,6 +15,7 @@ import psycopg
 
 from changefeed.demo.workload import ACCOUNTS, SCHEMA, TABLES, failed, writer
 from changefeed.local.postgres import LocalPostgres
+from changefeed.postgres.connect import one_row
 from changefeed.sinks.replica.apply import applied_upto
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
@@ -22,9 +23,9 @@ from changefeed.spec.state import FeedState
 
 def _fingerprint(uri: str, table: str) -> tuple[int, str]:
     with psycopg.connect(uri) as c:
-        row = c.execute(f"SELECT count(*), coalesce(md5(string_agg(x::text, '|' ORDER BY x::text)), '') "
-                        f"FROM {table} x").fetchone()
-    return int(row[0]), str(row[1])  # type: ignore[index]
+        row = one_row(c.execute(f"SELECT count(*), coalesce(md5(string_agg(x::text, '|' ORDER BY x::text)), '') "
+                                f"FROM {table} x"))
+    return int(row[0]), str(row[1])
 
 
 def _caught_up(sink: str, feed: str, target_lsn: int) -> bool:
@@ -76,7 +77,7 @@ def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writer
         for t in threads:
             t.join()
         with psycopg.connect(source.uri(), autocommit=True) as c:
-            target = int(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()[0])  # type: ignore[index]
+            target = int(one_row(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))[0])
         print(f"demo: workload done ({sum(counts)} transfers); waiting for the replica to catch up")
         deadline = time.monotonic() + 300
         while not _caught_up(replica.uri(), spec.name, target):

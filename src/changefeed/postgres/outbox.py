@@ -34,7 +34,7 @@ from psycopg import sql
 from changefeed.core.lsn import format_lsn, parse_lsn
 from changefeed.core.outbox import ROLES, OutboxSpec
 from changefeed.errors import ChangefeedError, ConfigError, DefiniteError, SourceNotReady, TransientError
-from changefeed.postgres.connect import connect
+from changefeed.postgres.connect import connect, one_row
 from changefeed.postgres.source import split_table, table_oid
 
 REQUIRED_ROLES = ("id", "aggregate_type", "aggregate_id", "event_type")  # NULL in these stops the router
@@ -178,10 +178,10 @@ class OutboxCleanup:
 
     def _take_mark(self) -> Mark:
         # two autocommit statements, so the LSN is read after the snapshot that gave the horizon
-        horizon = int(self._query("SELECT pg_snapshot_xmin(pg_current_snapshot())::text",
-                                  what="reading the xid horizon").fetchone()[0])  # type: ignore[index]
-        lsn = parse_lsn(self._query("SELECT pg_current_wal_insert_lsn()::text",
-                                    what="reading the WAL position").fetchone()[0])  # type: ignore[index]
+        horizon = int(one_row(self._query("SELECT pg_snapshot_xmin(pg_current_snapshot())::text",
+                                          what="reading the xid horizon"))[0])
+        lsn = parse_lsn(one_row(self._query("SELECT pg_current_wal_insert_lsn()::text",
+                                            what="reading the WAL position"))[0])
         return Mark(self.clock(), horizon, lsn)  # the clock read after: the snapshot was no later
 
     def _delete_below(self, horizon: int) -> int:
@@ -198,8 +198,8 @@ class OutboxCleanup:
         same ctid, and `ctid IN (...)` on the parent would delete both. Rows another session holds
         locked are skipped (SKIP LOCKED), not waited for: the next tick takes them.
         """
-        nxt = int(self._query("SELECT pg_snapshot_xmax(pg_current_snapshot())::text",
-                              what="reading the next xid").fetchone()[0])  # type: ignore[index]
+        nxt = int(one_row(self._query("SELECT pg_snapshot_xmax(pg_current_snapshot())::text",
+                                      what="reading the next xid"))[0])
         if nxt - horizon >= MAX_HORIZON_AGE:
             raise ConfigError(
                 f"outbox cleanup of {self.spec.table}: the usable mark is {nxt - horizon:,} transactions old; "

@@ -10,6 +10,7 @@ server sends for such a slot whatever protocol version is asked for.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Union
 
@@ -274,7 +275,7 @@ def copy_tuple(buf: bytes, pos: int) -> tuple[bytes, list[int] | None, int]:
 
 def copy_line(values: list[Value]) -> bytes:
     """Values -> COPY text line; an unchanged TOAST value is NULL there."""
-    return join_line(None if v is UNCHANGED else v for v in values)  # type: ignore[misc]
+    return join_line(None if isinstance(v, _Unchanged) else v for v in values)
 
 
 def decode(data: bytes) -> PgOutputMessage:
@@ -397,7 +398,7 @@ def _rollback_prepared(b: bytes) -> RollbackPrepared:
                             _pg_time(_I64.unpack_from(b, 26)[0]), _U32.unpack_from(b, 34)[0], gid)
 
 
-_DECODERS = {
+_DECODERS: dict[int, Callable[[bytes], PgOutputMessage]] = {
     ord("B"): _begin, ord("C"): _commit, ord("O"): _origin, ord("R"): _relation, ord("Y"): _type,
     ord("I"): _insert, ord("U"): _update, ord("D"): _delete, ord("T"): _truncate, ord("M"): _message,
     ord("b"): _begin_prepare, ord("P"): _prepare, ord("K"): _commit_prepared, ord("r"): _rollback_prepared,

@@ -14,8 +14,9 @@ holds (the window's read position), so the slot moves only where it always did, 
 advances it after a sink commit. The window ends where a peek up to `end` would end (see
 postgres/changes.py): the stream stops at the first keepalive whose WAL end is at or past `end`
 (every record that starts before `end` was decoded and sent by then), or at a non-transactional
-message that ends past `end`; a transaction committed past `end` is recognised and dropped by the
-change builder, which stops reading there.
+message whose record starts at or past `end` (one that straddles `end` is the window's); a
+transaction committed past `end` is recognised and dropped by the change builder, which stops
+reading there.
 
 Why this client and not psycopg2's `LogicalReplicationConnection`: psycopg2, on a keepalive that
 follows no data, forwards the flush position it reports to the server's WAL end, which would move
@@ -36,11 +37,13 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
+from psycopg.pq.abc import PGconn, PGresult
 
 from changefeed.core.hlc import PG_EPOCH_US
 from changefeed.core.lsn import format_lsn
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.source import slot_errors
+from changefeed.postgres.wal_layout import message_record_length, starts_before
 
 STATUS_INTERVAL_S = 10.0  # well inside the server's wal_sender_timeout (60 s by default)
 SILENT_S = 30.0  # nothing heard for this long, pings unanswered: the path is stalled, the stream is cut
@@ -53,6 +56,7 @@ _PAUSE_S = 0.002  # a block goes to the builder early when the server pauses thi
 _POLL_S = 0.5
 
 _XLOG_DATA = struct.Struct("!QQq")  # after 'w': data start, WAL end, send time
+_LENGTH = struct.Struct("!i")  # a pgoutput Message's content length, after its prefix
 _KEEPALIVE = struct.Struct("!Qq?")  # after 'k': WAL end, send time, reply requested
 _STATUS = struct.Struct("!cQQQq?")  # 'r': written, flushed, applied, client time, reply requested
 _W, _K, _M = ord("w"), ord("k"), ord("M")
@@ -75,12 +79,19 @@ def status_update(position: int, ping: bool = False) -> bytes:
     return _STATUS.pack(b"r", position, position, position, now, ping)
 
 
-def past_end(data: memoryview | bytes, end: int) -> bool:
-    """Whether XLogData `data` (its 'w' header included) is a non-transactional message ending
-    past `end`: a record that starts at or after `end` (a peek up to `end` does not decode it)."""
+def past_end(data: memoryview | bytes, end: int, page: int, segment: int) -> bool:
+    """Whether XLogData `data` (its 'w' header included) is a non-transactional message whose
+    record starts at or after `end` (a peek up to `end` does not decode it; one that straddles
+    `end` it does: see wal_layout). `page` and `segment`: the server's WAL page and segment size."""
     if data[25] != _M or data[26] & 1:  # not a pgoutput Message, or a transactional one
         return False
-    return _XLOG_DATA.unpack_from(data, 1)[0] > end
+    record_end: int = _XLOG_DATA.unpack_from(data, 1)[0]
+    if record_end <= end:
+        return False
+    prefix_end = bytes(data[35:]).index(b"\0") + 35  # 'M', flags, LSN, then the prefix
+    (content_length,) = _LENGTH.unpack_from(data, prefix_end + 1)
+    length = message_record_length(bytes(data[35:prefix_end]), content_length)
+    return not starts_before(record_end, length, end, page, segment)
 
 
 class WindowStream:
@@ -88,13 +99,15 @@ class WindowStream:
     received over a replication connection of its own (see the module docstring)."""
 
     def __init__(self, uri: str, role: str, slot: str, publication: str, at: int, end: int, *,
-                 status_interval: float = STATUS_INTERVAL_S, silent: float = SILENT_S, **connect_kwargs: Any) -> None:
+                 layout: tuple[int, int], status_interval: float = STATUS_INTERVAL_S, silent: float = SILENT_S,
+                 **connect_kwargs: Any) -> None:
         self.uri, self.role, self.slot, self.publication, self.at, self.end = uri, role, slot, publication, at, end
+        self.page, self.segment = layout  # the server's WAL page and segment size (see past_end)
         self.status_interval, self.silent, self.connect_kwargs = status_interval, silent, connect_kwargs
         self._queue: queue.Queue[list[bytes] | BaseException | None] = queue.Queue(QUEUE_BLOCKS)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pg: pq.PGconn | None = None
+        self._pg: PGconn | None = None
         self._sent_at = self._heard_at = 0.0
         self.updates = 0  # status updates sent (tests)
 
@@ -147,7 +160,7 @@ class WindowStream:
                     self._send_status()
         return False
 
-    def _start(self, pg: pq.PGconn) -> None:
+    def _start(self, pg: PGconn) -> None:
         """START_REPLICATION; a slot still held by a reader that is ending (the previous window's
         walsender, a killed task's) is waited for, up to `IN_USE_WAIT_S`."""
         waited_until = time.monotonic() + IN_USE_WAIT_S
@@ -165,7 +178,7 @@ class WindowStream:
                 raise error or psycopg.OperationalError(f"START_REPLICATION gave no stream: {pg.get_error_message()}")
             time.sleep(0.05)
 
-    def _stream(self, pg: pq.PGconn) -> None:
+    def _stream(self, pg: PGconn) -> None:
         block: list[bytes] = []
         size = 0
         while not self._stop.is_set():
@@ -174,7 +187,7 @@ class WindowStream:
                 self._heard_at = time.monotonic()
                 kind = data[0]
                 if kind == _W:
-                    if past_end(data, self.end):
+                    if past_end(data, self.end, self.page, self.segment):
                         break
                     block.append(bytes(data[25:]))
                     size += n
@@ -228,7 +241,7 @@ class WindowStream:
         self.updates += 1
 
 
-def _end(pg: pq.PGconn) -> None:
+def _end(pg: PGconn) -> None:
     """End the stream the polite way (CopyDone, then what the server still sent): the server
     releases the slot before this returns, so the next window's reader finds it free. A server
     slow to end is left to notice the closed connection."""
@@ -244,7 +257,7 @@ def _end(pg: pq.PGconn) -> None:
             pass
 
 
-def _result(pg: pq.PGconn, deadline: float = float("inf")) -> pq.PGresult | None:
+def _result(pg: PGconn, deadline: float = float("inf")) -> PGresult | None:
     """PQgetResult without blocking inside libpq, which would hold the GIL (and every thread of
     the process) until the server answers; waiting happens in select, which lets go of it.
     A deadline passed or the socket closed is a lost connection."""
@@ -256,13 +269,13 @@ def _result(pg: pq.PGconn, deadline: float = float("inf")) -> pq.PGresult | None
     return pg.get_result()
 
 
-def _flush(pg: pq.PGconn) -> None:
+def _flush(pg: PGconn) -> None:
     """Send what libpq buffered, waiting in select (see _result) while the socket is full."""
     while pg.flush():
         select.select([], [pg.socket], [], _POLL_S)
 
 
-def _error(result: pq.PGresult) -> psycopg.Error:
+def _error(result: PGresult) -> psycopg.Error:
     """The server's error as the psycopg exception of its SQLSTATE (slot_errors maps the slot's)."""
     state = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
     message = (result.error_message or b"").decode(errors="replace").strip()

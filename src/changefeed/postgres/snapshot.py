@@ -34,6 +34,7 @@ from changefeed.core import change as ch
 from changefeed.core.lsn import parse_lsn
 from changefeed.core.snapshot import Key
 from changefeed.errors import SourceNotReady, TransientError
+from changefeed.postgres.connect import one_row
 from changefeed.postgres.source import SourceTable, describe_tables, missing_values, split_table
 
 STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
@@ -78,8 +79,8 @@ def estimated_rows(conn: psycopg.Connection[Any], qualified: str) -> int | None:
 
 
 def _shape(conn: psycopg.Connection[Any], table: SourceTable) -> ch.TableShape:
-    oid, ident = conn.execute("SELECT oid, relreplident::text FROM pg_class WHERE oid = %s::regclass",
-                              (f'"{table.schema}"."{table.name}"',)).fetchone()  # type: ignore[misc]
+    oid, ident = one_row(conn.execute("SELECT oid, relreplident::text FROM pg_class WHERE oid = %s::regclass",
+                                      (f'"{table.schema}"."{table.name}"',)))
     missing = missing_values(conn, oid)
     return ch.TableShape(table.schema, table.name, table.columns, table.types, table.key, ident,
                          tuple(missing.get(c) for c in table.columns), ahead=True)
@@ -89,9 +90,9 @@ def _stable_snapshot(conn: psycopg.Connection[Any]) -> None:
     """Open a REPEATABLE READ transaction whose snapshot misses no written commit (see above)."""
     for _ in range(STALL_RETRIES):
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        stalled = conn.execute(
+        stalled = one_row(conn.execute(
             "SELECT array_agg(x::text) FROM pg_snapshot_xip(pg_current_snapshot()) x "
-            "WHERE pg_xact_status(x) = 'committed'").fetchone()[0]  # type: ignore[index]
+            "WHERE pg_xact_status(x) = 'committed'"))[0]
         if not stalled:
             return
         conn.execute("ROLLBACK")
@@ -122,7 +123,7 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
     table = tables[0]
     _stable_snapshot(conn)
     try:
-        result.read_lsn = parse_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+        result.read_lsn = parse_lsn(one_row(conn.execute("SELECT pg_current_wal_lsn()::text"))[0])
         shape = _shape(conn, table)
         query = sql.SQL("COPY (SELECT {} FROM {}{} ORDER BY {}) TO STDOUT").format(
             sql.SQL(", ").join(map(sql.Identifier, table.columns)), sql.Identifier(table.schema, table.name),

@@ -20,6 +20,7 @@ from psycopg import sql
 
 from changefeed.core.lsn import format_lsn, parse_lsn
 from changefeed.errors import FeedBusy, SlotLost, SourceNotReady, TransientError, start_over_hint
+from changefeed.postgres.connect import one_row
 from changefeed.postgres.pgoutput import RelationInfo
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
@@ -66,7 +67,7 @@ def split_table(qualified: str) -> tuple[str, str]:
 
 
 def check_wal_level(conn: psycopg.Connection[Any]) -> None:
-    level = conn.execute("SHOW wal_level").fetchone()[0]  # type: ignore[index]
+    level = one_row(conn.execute("SHOW wal_level"))[0]
     if level != "logical":
         raise SourceNotReady(
             f"the source has wal_level={level}; logical decoding needs wal_level=logical",
@@ -150,8 +151,8 @@ def check_rights(conn: psycopg.Connection[Any], publication: str, tables: list[S
     have = {(r[0], r[1]) for r in conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
     todo = [t for t in tables if (t.schema, t.name) not in have]
-    if todo and not have and not conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')"
-                                              ).fetchone()[0]:  # type: ignore[index]
+    if todo and not have and not one_row(conn.execute("SELECT has_database_privilege(current_database(), 'CREATE')"
+                                                      ))[0]:
         raise SourceNotReady(f"user {user} may not create the publication {publication} (no CREATE on the database)",
                              f"GRANT CREATE ON DATABASE ... TO {user}")
     for t in todo:
@@ -187,16 +188,19 @@ def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
         (slot,)).fetchone()
     if row is None:
         return None
-    lsn = lambda v: None if v is None else parse_lsn(v)  # noqa: E731
+
+    def lsn(v: str | None) -> int | None:
+        return None if v is None else parse_lsn(v)
+
     return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6], row[7])
 
 
 def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False) -> int:
     """Create the pgoutput slot; returns the LSN from which it will deliver commits."""
     args = ", false, true" if two_phase else ""  # (temporary, two_phase): PostgreSQL 14+
-    row = conn.execute(f"SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput'{args})",
-                       (slot,)).fetchone()
-    return parse_lsn(row[0])  # type: ignore[index]
+    row = one_row(conn.execute(f"SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput'{args})",
+                               (slot,)))
+    return parse_lsn(row[0])
 
 
 def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | None, feed: str) -> None:
@@ -218,17 +222,17 @@ def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | 
 
 def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     """(WAL flush position, server clock in Unix ms): everything at or before it is decodable."""
-    row = conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
-                       "(extract(epoch FROM clock_timestamp()) * 1000)::bigint").fetchone()
-    return parse_lsn(row[0]), int(row[1])  # type: ignore[index]
+    row = one_row(conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
+                               "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"))
+    return parse_lsn(row[0]), int(row[1])
 
 
 def flush_point(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     """(WAL flush position, then the server clock in Unix µs): every commit before the position
     took its commit time before that clock reading."""
-    row = conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
-                       "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint").fetchone()
-    return parse_lsn(row[0]), int(row[1])  # type: ignore[index]
+    row = one_row(conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
+                               "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"))
+    return parse_lsn(row[0]), int(row[1])
 
 
 def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: int, upto: int,
@@ -285,7 +289,15 @@ def captured_change_after(conn: psycopg.Connection[Any], slot: str, publication:
 
 
 def wal_block_size(conn: psycopg.Connection[Any]) -> int:
-    return int(conn.execute("SHOW wal_block_size").fetchone()[0])  # type: ignore[index]
+    return int(one_row(conn.execute("SHOW wal_block_size"))[0])
+
+
+def wal_layout(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    """The server's WAL page and segment size, in bytes."""
+    page, segment = one_row(conn.execute(
+        "SELECT current_setting('wal_block_size')::int, "
+        "(SELECT setting::bigint FROM pg_settings WHERE name = 'wal_segment_size')"))
+    return int(page), int(segment)
 
 
 def page_cut(start: int, max_bytes: int, block: int) -> int:
@@ -346,7 +358,7 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str, *, by: str = "changefeed
     conn.execute("SELECT set_config('application_name', %s, false)",
                  (f"{by}:{feed}@{socket.gethostname()}:{os.getpid()}"[:63],))
     deadline = time.monotonic() + patience_s
-    while not conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()[0]:  # type: ignore[index]
+    while not one_row(conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)))[0]:
         if time.monotonic() >= deadline:
             raise FeedBusy(f"feed {feed} is already running: held by {_lock_holder(conn, key)}",
                            "stop the other runner first, or use another --name")
@@ -371,12 +383,13 @@ def heartbeat(conn: psycopg.Connection[Any], prefix: str, pad: int = 0) -> tuple
     The message also keeps an idle slot moving.
     """
     if conn.info.server_version >= 170000:
-        row = conn.execute("SELECT pg_logical_emit_message(false, %s, repeat(' ', %s), true)::text",
-                           (prefix, pad)).fetchone()
-        lsn = parse_lsn(row[0])  # type: ignore[index]
+        row = one_row(conn.execute("SELECT pg_logical_emit_message(false, %s, repeat(' ', %s), true)::text",
+                                   (prefix, pad)))
+        lsn = parse_lsn(row[0])
     else:
-        row = conn.execute("SELECT pg_logical_emit_message(false, %s, repeat(' ', %s))::text", (prefix, pad)).fetchone()
-        lsn = parse_lsn(row[0])  # type: ignore[index]
+        row = one_row(conn.execute("SELECT pg_logical_emit_message(false, %s, repeat(' ', %s))::text",
+                                   (prefix, pad)))
+        lsn = parse_lsn(row[0])
         while flush_lsn(conn)[0] < lsn:
             time.sleep(0.02)
     return lsn, flush_lsn(conn)[1]

@@ -189,7 +189,7 @@ def _views(buf: bytearray, at: np.ndarray, size: np.ndarray) -> np.ndarray:
 
     Read as 16 bytes from 4 before each piece; then the size goes in front and the mask keeps
     of the rest what the size says."""
-    views = _view(buf, "V16")[at - 4].view(np.uint32).reshape(-1, 4)
+    views: np.ndarray = _view(buf, "V16")[at - 4].view(np.uint32).reshape(-1, 4)
     views &= np.take(_VIEW_MASK, np.minimum(size, 13), axis=0)
     views[:, 0] = size
     np.bitwise_or(views[:, 3], np.where(size > 12, at, 0).astype(np.uint32), out=views[:, 3])
@@ -207,4 +207,5 @@ def _needs_escape(text: pa.Buffer, line_offsets: np.ndarray, tabs: np.ndarray, n
         return np.zeros(len(tabs), bool)
     special = np.flatnonzero((d == 0x09) | (d == 0x0A) | (d == 0x0D) | (d == 0x5C))
     found = np.bincount(np.searchsorted(line_offsets, special, "right") - 1, minlength=len(tabs))
-    return found != tabs + nulls
+    needs: np.ndarray = found != tabs + nulls
+    return needs

@@ -72,7 +72,7 @@ def scan(conn: psycopg.Connection[Any], slot: str, publication: str, start: int,
             "WHERE get_byte(data, 0) IN (66, 67, 98, 80, 75, 114)",  # B C b P K r
             (slot, format_lsn(upto), publication)).fetchall()
     out: list[dist.Event] = []
-    opened: tuple[int, po.Message] | None = None  # a B or b message and its ordinal, until its C or P
+    opened: tuple[int, po.PgOutputMessage] | None = None  # a B or b message and its ordinal, until its C or P
     for ordinal, kind, data in rows:
         if kind in (_B, _b):
             opened = (ordinal, po.decode(bytes(data)))

@@ -77,11 +77,16 @@ class PeekReader(WalReader):
 class StreamReader(WalReader):
     name = "stream"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._layout: tuple[int, int] | None = None  # the server's WAL page and segment size, once asked
+
     def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
                end: int) -> Iterator[list[bytes]]:
         from changefeed.postgres.replication import WindowStream
 
-        return WindowStream(node.uri, role, node.slot, node.publication, at, end).blocks()
+        self._layout = self._layout or src.wal_layout(conn)
+        return WindowStream(node.uri, role, node.slot, node.publication, at, end, layout=self._layout).blocks()
 
 
 READERS: dict[str, type[WalReader]] = {r.name: r for r in (PeekReader, StreamReader)}

@@ -25,7 +25,8 @@ EXAMPLES = ("postgresql://USER:PASSWORD@HOST:5432/DB (a replica), kafka://HOST:9
 
 def sink_named(name: str) -> "Sink":
     """The sink of package `sinks/NAME/`."""
-    return import_module(f"{__package__}.{name}").SINK  # type: ignore[no-any-return]
+    sink: Sink = import_module(f"{__package__}.{name}").SINK
+    return sink
 
 
 def sink_of(uri: str) -> "Sink":

@@ -139,9 +139,10 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                                     read={**reader(began), "ahead": spooled is not None},
                                     prepared=partition.prepared, undecided=partition.pending)
             blocks = spooled or wal_reader(partition.wal).window(conn, node, role, start, end)
-            if partition.ahead is not None and _outlives_task():  # the next window, once the server answered this one
-                blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, partition.ahead))
-            with closing(blocks):  # type: ignore[type-var]
+            ahead = partition.ahead
+            if ahead is not None and _outlives_task():  # the next window, once the server answered this one
+                blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, ahead))
+            with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
                 for rb in builder.batches(blocks, partition.rows_per_batch):
                     yield ch.pack(rb)
                     yield from _push_through()
@@ -165,7 +166,7 @@ def _outlives_task() -> bool:
 def _then(blocks: Iterator[list[bytes]], begin: Callable[[], object]) -> Iterator[list[bytes]]:
     """`blocks`, calling `begin` when the first one is there (or there are none)."""
     begun = False
-    with closing(blocks):  # type: ignore[type-var]
+    with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
         for block in blocks:
             if not begun:
                 begin()

@@ -56,7 +56,7 @@ from changefeed.spec.definition import (
 try:  # SupportsTriggerAvailableNow is in pyspark >= 4.2
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 except ImportError:  # pragma: no cover
-    SupportsTriggerAvailableNow = object  # type: ignore[misc,assignment]
+    SupportsTriggerAvailableNow = object  # type: ignore[misc,assignment]  # older pyspark: no such base
 
 
 class ChangefeedSource(DataSource):
@@ -79,7 +79,7 @@ class ChangefeedSource(DataSource):
         return ChangeStreamReader(dict(self.options))
 
 
-class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
+class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: dict[str, str]) -> None:
         self.nodes = {n[0]: SourceNode(*n) for n in json.loads(options["nodes"])}
         self.multi_node = not classic(self.nodes)  # as FeedSpec.multi_node
@@ -296,7 +296,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  
                                                 self.wal.block_size, fixed)
         return parts if self.parallel_reads or len(parts) < 2 else [GroupPartition(parts)]
 
-    def read(self, partition: InputPartition) -> Iterator[Any]:  # type: ignore[override]
+    def read(self, partition: InputPartition) -> Iterator[Any]:
         return read_partition(partition)
 
     @carried("source")

@@ -50,7 +50,8 @@ def launch_gateway(conf: Any, path: Path) -> Any:
 
     with open_log(path) as out:  # the JVM has its own copy of the descriptor
         try:
-            return launch(conf, popen_kwargs={"stdout": out, "stderr": subprocess.STDOUT})
+            output = {"stdout": out, "stderr": subprocess.STDOUT}
+            return launch(conf, popen_kwargs=output)  # type: ignore[no-untyped-call]  # pyspark's is unannotated
         except Exception as e:  # noqa: BLE001 - pyspark raises plain runtime errors here
             raise SparkDidNotStart(f"Spark's driver JVM did not start ({e}); its last lines, from {path}:\n"
                                    f"{tail(path)}", "check that Java 17+ is installed and on PATH (or JAVA_HOME "

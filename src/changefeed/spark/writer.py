@@ -77,10 +77,20 @@ class SinkStreamWriter(DataSourceStreamArrowWriter):
             rows = BatchInput(iterator, task(), multi_node=self.options.get("multi_node") == "true")
             return Written(self._writer().write(rows))
 
-    def commit(self, messages: list[Written | None], batchId: int) -> None:
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         with carried("sink"):
-            self._writer().commit([m.result for m in messages if m is not None], batchId)
+            self._writer().commit(_results(messages), batchId)
 
-    def abort(self, messages: list[Written | None], batchId: int) -> None:
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         with carried("sink"):
-            self._writer().abort([m.result for m in messages if m is not None], batchId)
+            self._writer().abort(_results(messages), batchId)
+
+
+def _results(messages: list[WriterCommitMessage | None]) -> list[Any]:
+    """The writer tasks' results (a task that returned no message is left out)."""
+    out = []
+    for m in messages:
+        if m is not None:
+            assert isinstance(m, Written), f"a writer task returned a {type(m).__name__}"  # write returns Written
+            out.append(m.result)
+    return out

@@ -22,9 +22,13 @@ import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
 from changefeed.errors import ConfigError
+
+if TYPE_CHECKING:
+    from cryptography.fernet import Fernet
 
 KEY_ENV, KEY_FILE_ENV = "CHANGEFEED_SECRET_KEY", "CHANGEFEED_SECRET_KEY_FILE"
 _REF = re.compile(r"\$\{(?:enc\.([A-Za-z0-9_=-]+)|([A-Za-z_][A-Za-z0-9_]*))\}")
@@ -147,7 +151,7 @@ def key_value() -> str | None:
         return None
 
 
-def _fernet(create: bool) -> object:
+def _fernet(create: bool) -> Fernet:
     from cryptography.fernet import Fernet
 
     text = key_value()

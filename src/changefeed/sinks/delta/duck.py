@@ -13,7 +13,7 @@ def connect() -> Any:
     import duckdb
 
     con = duckdb.connect()
-    import duckdb_ext  # type: ignore[import-not-found]  # the namespace the extension wheels install into
+    import duckdb_ext  # the namespace the extension wheels install into
 
     folder = Path(next(iter(duckdb_ext.__path__))) / "extensions"
     con.execute(f"SET extension_directory = '{folder}'")

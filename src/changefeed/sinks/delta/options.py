@@ -76,10 +76,10 @@ class DeltaOptions:
             else:
                 raise ConfigError(f"unknown Delta sink option {name!r}",
                                   "mode, diff, table_template, buckets, tasks, target_file_rows, storage.KEY; "
-                                  "see the README's Delta section")
+                                  "see docs/sinks.md, Delta Lake sink")
         if given.get("diff") and given.get("mode", "changelog") != "changelog":
             raise ConfigError("diff=true applies to mode=changelog only", "drop diff=true, or use mode=changelog")
-        return cls(root, storage_given=storage, **given)  # type: ignore[arg-type]
+        return cls(root, storage_given=storage, **given)  # type: ignore[arg-type]  # `given` holds each field with its own type
 
     @property
     def storage(self) -> dict[str, str]:

@@ -103,7 +103,8 @@ def key_texts(lines: Any, keys: list[int]) -> list[bytes]:
     fields = pc.if_else(short, pa.scalar([b""] * (max(keys) + 1), fields.type), fields)
     parts = [pc.list_element(fields, k) for k in keys]
     joined = parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, b"\t")
-    return joined.to_pylist()
+    texts: list[bytes] = joined.to_pylist()
+    return texts
 
 
 

@@ -243,4 +243,4 @@ def _same_type(a: pa.DataType, b: pa.DataType) -> bool:
             _same_type(a.value_type, b.value_type)
     if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
         return (a.tz is None) == (b.tz is None)
-    return plain.get(a, a) == plain.get(b, b)
+    return bool(plain.get(a, a) == plain.get(b, b))

@@ -30,7 +30,7 @@ def admin(opts: KafkaOptions) -> Any:
     from confluent_kafka.admin import AdminClient
 
     try:
-        return AdminClient(opts.client_config())
+        return AdminClient({**opts.client_config()})  # a copy typed as AdminClient's wider dict
     except KafkaException as e:
         raise opts.refused(e.args[0].str()) from None
 
@@ -78,7 +78,7 @@ def check_transactions(opts: KafkaOptions, feed: str) -> None:
 def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool = False) -> None:
     """Create those of `topics` that are missing (`progress`: as the one-partition compacted progress topic)."""
     from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+    from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]  # documented here, not re-exported
 
     missing = [t for t in dict.fromkeys(topics) if (opts.bootstrap, t) not in _known]
     if not missing:

@@ -235,7 +235,7 @@ class KafkaBatch:
         if self._producer is not None:
             try:
                 self._producer.purge()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - purging is best effort: the transaction is aborted anyway
                 pass
         self._producer = None
         self._in_txn = False

@@ -298,7 +298,7 @@ class PartitionReader:
             raise TransientError(f"{self.topic}[{self.partition}] has no leader now",
                                  "the cluster may be electing one; run the feed again")
         broker = meta.brokers[p.leader]
-        return broker.host, broker.port
+        return str(broker.host), broker.port  # (confluent_kafka types host as None, its value before it is set)
 
     def offsets(self) -> tuple[int, int]:
         """(log start offset, high watermark).

@@ -24,7 +24,7 @@ def high_marks(opts: KafkaOptions, topic: str) -> dict[int, int]:
     """Per partition of `topic`: its high watermark now ({} if the topic does not exist)."""
     from confluent_kafka.admin import AdminClient
 
-    meta = AdminClient(opts.client_config()).list_topics(topic, timeout=opts.timeout_s).topics.get(topic)
+    meta = AdminClient({**opts.client_config()}).list_topics(topic, timeout=opts.timeout_s).topics.get(topic)
     if meta is None or meta.error is not None:
         return {}
     out = {}

@@ -31,6 +31,7 @@ from changefeed.core.copytext import NULL
 from changefeed.core.lsn import format_lsn
 from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.errors import ChangefeedError, SinkError
+from changefeed.postgres.connect import one_row
 from changefeed.postgres.ddl_capture import PREFIX as DDL_PREFIX
 from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
 from changefeed.sinks.replica import shape as replica_shape
@@ -95,14 +96,14 @@ def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
 
 def has_meta(conn: psycopg.Connection[Any], table: str) -> bool:
     """Whether the bookkeeping table `changefeed.TABLE` exists (readers create nothing)."""
-    return conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')").fetchone()[0] is not None  # type: ignore[index]
+    return one_row(conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')"))[0] is not None
 
 
 def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
     """The end LSN of the last batch applied for `feed`, 0 if none (the progress table must exist)."""
     row = conn.execute(f"SELECT max(end_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.progress WHERE feed = %s",
                        (feed,)).fetchone()
-    return int(row[0]) if row and row[0] is not None else 0  # type: ignore[index]
+    return int(row[0]) if row and row[0] is not None else 0
 
 
 # progress rows with their began_at as b.began (NULL on a sink made before the column)
@@ -164,19 +165,19 @@ class ReplicaLedger:
     def recent_rate(self) -> float:
         if not has_meta(self.conn, "progress"):
             return 0.0
-        row = self.conn.execute(
+        row = one_row(self.conn.execute(
             "SELECT coalesce(sum(changes), 0), extract(epoch FROM now() - greatest(now() - make_interval(secs => %s), "
             f"min(least(b.began, applied_at)))) FROM {_PROGRESS_BEGAN} "
             "WHERE feed = %s AND applied_at > now() - make_interval(secs => %s)",
-            (RATE_WINDOW_S, self.feed, RATE_WINDOW_S)).fetchone()
-        return round(int(row[0]) / max(float(row[1] or 0), 1.0), 1)  # type: ignore[index]
+            (RATE_WINDOW_S, self.feed, RATE_WINDOW_S)))
+        return round(int(row[0]) / max(float(row[1] or 0), 1.0), 1)
 
     def totals(self) -> tuple[int, int]:
         if not has_meta(self.conn, "progress"):
             return 0, 0
-        row = self.conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress "
-                                "WHERE feed = %s", (self.feed,)).fetchone()
-        return int(row[0]), int(row[1])  # type: ignore[index]
+        row = one_row(self.conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress "
+                                        "WHERE feed = %s", (self.feed,)))
+        return int(row[0]), int(row[1])
 
     def snapshot_totals(self) -> dict[str, tuple[int, int]]:
         if not has_meta(self.conn, "snapshot_chunks"):
@@ -337,7 +338,8 @@ class BatchApplier:
             names = pc.binary_join_element_wise(schemas, names_, "\0")  # no name holds NUL
             tables = names.unique().to_pylist()
         for name in tables:
-            key: tuple[str, str] = tuple(name.split("\0", 1))  # type: ignore[assignment]
+            schema, _, table = name.partition("\0")
+            key = (schema, table)
             shape = self._shapes.get(key)
             if shape is None:
                 raise SinkError(f"change for {key[0]}.{key[1]} before its description (R row)",
@@ -442,7 +444,7 @@ def _apply_part(conn: psycopg.Connection[Any], part: _Part, *, has_truncate: boo
     """
     shape = part.shape
     target, stg = ident(shape.schema, shape.table), part.staging
-    after = sql.SQL("true")
+    after: sql.Composable = sql.SQL("true")
     if has_truncate:
         row = conn.execute(sql.SQL("SELECT _lsn, _seq FROM {} WHERE _op = 't' ORDER BY _lsn DESC, _seq DESC "
                                    "LIMIT 1").format(stg)).fetchone()

@@ -52,7 +52,7 @@ def insert_runs(ops: Any, min_rows: int) -> list[tuple[int, int, bool]]:
     edges = np.flatnonzero(is_insert[1:] != is_insert[:-1]) + 1
     starts = np.concatenate(([0], edges)).astype(np.int64)
     ends = np.concatenate((edges, [n])).astype(np.int64)
-    long = np.flatnonzero(is_insert[starts] & (ends - starts >= min_rows)) if n else []
+    long = np.flatnonzero(is_insert[starts] & (ends - starts >= min_rows)) if n else np.empty(0, np.intp)
     runs: list[tuple[int, int, bool]] = []
     at = 0
     for i in long:

@@ -16,6 +16,7 @@ import base64
 import hashlib
 import hmac
 import http.client
+import itertools
 import json
 import random
 import re
@@ -27,6 +28,7 @@ from typing import Self
 from urllib.parse import unquote, urlsplit
 
 from changefeed import __version__
+from changefeed.core.backoff import full_jitter
 from changefeed.errors import ConnectionFailed, SinkError, TransientError
 from changefeed.sinks.webhook.options import WebhookOptions, _redact, _show
 from changefeed.spec.secrets import resolve
@@ -63,15 +65,12 @@ def idempotency_key(feed: str, batch_id: int, first: int, last: int) -> str:
 
 
 def backoff_delays(opts: WebhookOptions, rng: Callable[[], float] = random.random) -> Iterator[float]:
-    """The delays before retry 1, 2, ...: `rng() * min(retry_max_backoff, retry_backoff * 2**(n-1))`
-    (full jitter: retrying writers spread out instead of hitting a recovering endpoint together).
-    `retry_max` of them, or endlessly for None. The step is capped as it grows, so it never overflows."""
-    step = min(opts.retry_backoff_s, opts.retry_max_backoff_s)
-    n = 0
-    while opts.retry_max is None or n < opts.retry_max:
-        yield rng() * step
-        step = min(opts.retry_max_backoff_s, step * 2)
-        n += 1
+    """The delays before retry 1, 2, ...: `core.backoff.full_jitter` from retry_backoff up to
+    retry_max_backoff (full jitter: retrying writers spread out instead of hitting a recovering
+    endpoint together). `retry_max` of them, or endlessly for None."""
+    attempts = itertools.count(1) if opts.retry_max is None else range(1, opts.retry_max + 1)
+    for n in attempts:
+        yield full_jitter(n, opts.retry_backoff_s, opts.retry_max_backoff_s, rng)
 
 
 def _retry_after(header: str | None) -> float | None:
