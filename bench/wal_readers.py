@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from changefeed.core.change import HEARTBEAT_PREFIX  # noqa: E402
 from changefeed.core.lsn import format_lsn  # noqa: E402
 from changefeed.local.postgres import bin_dir  # noqa: E402
+from changefeed.postgres import slots  # noqa: E402
 from changefeed.postgres import source as src  # noqa: E402
 from changefeed.postgres.changes import ChangeBuilder  # noqa: E402
 from changefeed.postgres.connect import connect  # noqa: E402
@@ -81,7 +82,7 @@ def small_windows(uri: str, run: int, windows: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {r: [] for r in READERS}
     node = SourceNode("n1", uri, f"small{run}", "p")
     with psycopg.connect(uri, autocommit=True) as c:
-        at = src.create_slot(c, node.slot)
+        at = slots.create_slot(c, node.slot)
         for i in range(windows):
             first = 100_000_000 + (run * windows + i) * 2000
             c.execute("INSERT INTO t SELECT g, g, repeat('y', 80) FROM generate_series(%s::bigint, %s::bigint) g",
@@ -89,7 +90,7 @@ def small_windows(uri: str, run: int, windows: int) -> dict[str, list[float]]:
             end, _ = src.heartbeat(c, HEARTBEAT_PREFIX)
             for reader in READERS if i % 2 == 0 else READERS[::-1]:
                 times[reader].append(read_window(uri, node, reader, at, end)[0])
-            src.advance(c, node.slot, end)
+            slots.advance(c, node.slot, end)
             at = end
         c.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
     return times
@@ -118,9 +119,9 @@ def main() -> int:
     with psycopg.connect(uri, autocommit=True) as c:
         c.execute("CREATE TABLE t (id bigint PRIMARY KEY, a int, b text)")
         c.execute("CREATE PUBLICATION p FOR TABLE t")
-        start = src.create_slot(c, "w")
+        start = slots.create_slot(c, "w")
         for run in range(args.runs):  # pg_recvlogical confirms what it received: a slot per run
-            src.create_slot(c, f"recv{run}")
+            slots.create_slot(c, f"recv{run}")
         log(f"writing {args.changes:,} changes (inserts of 80-char rows, 1,000 per transaction) ...")
         for k in range(0, args.changes, 1000):
             c.execute("INSERT INTO t SELECT g, g, repeat('x', 80) FROM generate_series(%s::bigint, %s::bigint) g",

@@ -10,6 +10,7 @@ import psycopg
 
 from changefeed.core.lsn import parse_lsn
 from changefeed.local.postgres import bin_dir
+from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from conftest import Dbs
 
@@ -26,7 +27,7 @@ def test_only_changes_of_captured_tables_past_the_checkpoint_count(dbs: Dbs) -> 
         c.execute("CREATE TABLE captured (id int PRIMARY KEY, v int)")
         c.execute("CREATE TABLE other (id int PRIMARY KEY, v int)")
         c.execute(f"CREATE PUBLICATION {PUB} FOR TABLE captured")
-        src.create_slot(c, SLOT)
+        slots.create_slot(c, SLOT)
         try:
             checkpoint = lsn(c)
             assert src.captured_change_after(c, SLOT, PUB, checkpoint) is False  # nothing at all
@@ -40,7 +41,7 @@ def test_only_changes_of_captured_tables_past_the_checkpoint_count(dbs: Dbs) -> 
             reader = subprocess.Popen([str(bin_dir() / "pg_recvlogical"), "-d", dbs.source, "--slot", SLOT, "--start",
                                        "-o", "proto_version=1", "-o", f"publication_names={PUB}", "-f", "/dev/null"])
             try:  # the slot streamed by another session: not known, and the reader is left alone
-                while src.slot_state(c, SLOT).active_pid is None:  # type: ignore[union-attr]
+                while slots.slot_state(c, SLOT).active_pid is None:  # type: ignore[union-attr]
                     assert reader.poll() is None, "pg_recvlogical exited"
                     time.sleep(0.05)
                 assert src.captured_change_after(c, SLOT, PUB, checkpoint) is None

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from changefeed.postgres import read_ahead
+from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.connect import connect
@@ -158,7 +158,7 @@ def test_the_read_ahead_gives_the_window_the_slot_gives(dbs: Dbs, txns: list[tup
         c.execute("CREATE PUBLICATION p FOR TABLE t")
         c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
                   (slot,))
-        start = src.create_slot(c, slot)
+        start = slots.create_slot(c, slot)
         for i, (kind, n) in enumerate(txns):
             if kind == "insert":
                 c.execute("INSERT INTO t SELECT %s * 1000 + g, repeat('v', g %% 60) FROM generate_series(1, %s) g "
@@ -181,15 +181,15 @@ def test_the_read_ahead_gives_the_window_the_slot_gives(dbs: Dbs, txns: list[tup
         while start < end:
             following = reader.cut(conn, node, cut, end, max_bytes=max_bytes)
             conn.commit()
-            held = src.slot_state(conn, slot).confirmed_flush  # type: ignore[union-attr]
+            held = slots.slot_state(conn, slot).confirmed_flush  # type: ignore[union-attr]
             ahead = None
             if following > cut:  # the sink applies [start, cut): read [cut, following) ahead
                 assert read_ahead.begin(node, "source", cut, following)
                 ahead = read_ahead.take(node, cut, following)  # (waits for the thread)
                 assert ahead is not None
-                assert src.slot_state(conn, slot).confirmed_flush == held  # not moved by it
+                assert slots.slot_state(conn, slot).confirmed_flush == held  # not moved by it
                 conn.commit()
-            src.advance(conn, slot, cut)  # the sink committed [start, cut)
+            slots.advance(conn, slot, cut)  # the sink committed [start, cut)
             conn.commit()
             if ahead is not None:
                 spooled = _rows(conn, ahead, cut, following)
@@ -213,7 +213,7 @@ def test_no_free_slot_means_no_read_ahead(dbs: Dbs) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id bigint PRIMARY KEY)")
         c.execute("CREATE PUBLICATION p FOR TABLE t")
-        start = src.create_slot(c, "ra_full")
+        start = slots.create_slot(c, "ra_full")
         c.execute("INSERT INTO t SELECT generate_series(1, 100)")
         end, _ = src.heartbeat(c, HEARTBEAT_PREFIX)
         free = c.execute("SELECT current_setting('max_replication_slots')::int - count(*) "

@@ -15,6 +15,7 @@ from changefeed.core import distributed as dist
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import SourceNotReady, TornTransaction
 from changefeed.postgres import consistent_point, twophase
+from changefeed.postgres import slots as pgslots
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import ChangeBuilder
 from changefeed.postgres.source import column_catalog
@@ -28,8 +29,8 @@ def slots(dbs: Dbs) -> Iterator[tuple[psycopg.Connection[Any], int]]:
         c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
         c.execute("CREATE TABLE other (id int PRIMARY KEY)")
         c.execute("CREATE PUBLICATION p FOR TABLE t")
-        src.create_slot(c, "p2", two_phase=True)
-        start = src.create_slot(c, "s")
+        pgslots.create_slot(c, "p2", two_phase=True)
+        start = pgslots.create_slot(c, "s")
         yield c, start
         for (gid,) in c.execute("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall():
             c.execute(f"ROLLBACK PREPARED '{gid}'")

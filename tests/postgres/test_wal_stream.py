@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from changefeed.errors import ConnectionFailed
-from changefeed.postgres import replication
+from changefeed.postgres import replication, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.connect import connect
@@ -70,7 +70,7 @@ def _write(c: psycopg.Connection[Any], steps: list[tuple[str, int]]) -> None:
 
 def _rows(conn: Any, node: SourceNode, reader: str, start: int, end: int) -> list[dict[str, Any]]:
     """One window's change rows, read as the Spark source reads it (slot moved to `start` first)."""
-    src.advance(conn, node.slot, start)
+    slots.advance(conn, node.slot, start)
     conn.commit()
     builder = ChangeBuilder(start, end, 0, 1 << 62, lambda rel: src.column_catalog(conn, rel))
     blocks = wal_reader(reader).window(conn, node, "source", start, end)
@@ -101,7 +101,7 @@ def test_the_stream_gives_the_windows_the_peek_gives(table: Dbs, steps: list[tup
     conn = connect(table.source, "source", autocommit=False)
     try:
         with table.src() as c:
-            start = src.create_slot(c, slot)
+            start = slots.create_slot(c, slot)
             _write(c, steps)
             end, _ = src.heartbeat(c, HEARTBEAT_PREFIX)
         windows, reader = 0, wal_reader("peek")
@@ -113,7 +113,7 @@ def test_the_stream_gives_the_windows_the_peek_gives(table: Dbs, steps: list[tup
             peeked = _rows(conn, node, "peek", start, cut)
             streamed = _rows(conn, node, "stream", start, cut)
             assert streamed == peeked, (start, cut)
-            assert src.slot_state(conn, slot).confirmed_flush == start  # type: ignore[union-attr]
+            assert slots.slot_state(conn, slot).confirmed_flush == start  # type: ignore[union-attr]
             conn.commit()
             start, windows = cut, windows + 1
         assert windows >= 1
@@ -127,7 +127,7 @@ def test_the_stream_gives_the_windows_the_peek_gives(table: Dbs, steps: list[tup
 
 def _window(dbs: Dbs, slot: str, rows: int) -> tuple[SourceNode, int, int]:
     with dbs.src() as c:
-        start = src.create_slot(c, slot)
+        start = slots.create_slot(c, slot)
         for i in range(rows // 1000):
             c.execute("INSERT INTO t SELECT g, repeat('w', 40) FROM generate_series(%s::bigint, %s::bigint) g",
                       (i * 1000, i * 1000 + 999))
@@ -178,7 +178,7 @@ def test_a_consumer_slower_than_the_sender_timeout_keeps_the_stream(table: Dbs, 
     assert stream.updates >= 5  # status updates went out while the consumer slept
     assert got == 20_000 + 20 * 2 + 1 + 1  # each insert, each transaction's Begin and Commit, Relation, heartbeat
     with connect(table.source, "source") as c:
-        assert src.slot_state(c, "slow").confirmed_flush == start  # type: ignore[union-attr]
+        assert slots.slot_state(c, "slow").confirmed_flush == start  # type: ignore[union-attr]
 
 
 def test_a_walsender_terminated_mid_window_fails_the_read_and_the_window_reads_again_whole(table: Dbs) -> None:

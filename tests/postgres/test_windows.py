@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from conftest import Dbs
@@ -29,7 +30,7 @@ def test_page_cut_is_a_page_boundary_past_start(start: int, max_bytes: int, bloc
 
 def _read(conn: Any, slot: str, start: int, end: int) -> list[dict[str, Any]]:
     """One window as the Spark source's `read` does it."""
-    src.advance(conn, slot, start)
+    slots.advance(conn, slot, start)
     conn.commit()
     builder = ChangeBuilder(start, end, 0, 1 << 62, lambda rel: src.column_catalog(conn, rel))
     blocks = src.peek(conn, slot, "p", end, fetch=50)  # small blocks: many end inside a transaction
@@ -58,14 +59,14 @@ def test_windows_cut_at_pages_deliver_everything_once(dbs: Dbs, max_bytes: int) 
     with dbs.src() as a:
         a.autocommit = False
         whole = _read(a, "whole", 0, end)
-        bounds, start = [], src.slot_state(a, "w").confirmed_flush  # type: ignore[union-attr]
+        bounds, start = [], slots.slot_state(a, "w").confirmed_flush  # type: ignore[union-attr]
         split: list[dict[str, Any]] = []
         while start < end:
             cut = min(end, src.page_cut(start, max_bytes, block))
             split.extend(_read(a, "w", start, cut))
             bounds.append(cut)
             start = cut
-        src.advance(a, "w", end)
+        slots.advance(a, "w", end)
         a.commit()
         for slot in ("w", "whole"):
             a.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
@@ -88,7 +89,7 @@ def test_a_window_past_the_servers_wal_is_read_once_the_wal_reaches_it(dbs: Dbs,
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
         c.execute("CREATE PUBLICATION p FOR TABLE t")
-        start = src.create_slot(c, "ahead")
+        start = slots.create_slot(c, "ahead")
         end = src.flush_lsn(c)[0] + 50_000  # not written yet
         c.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(1, 20) g")
         src.reach(c, end, HEARTBEAT_PREFIX)

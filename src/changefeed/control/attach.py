@@ -23,7 +23,7 @@ from changefeed.errors import (
     SourceNotReady,
     start_over_hint,
 )
-from changefeed.postgres import ddl_capture, twophase
+from changefeed.postgres import ddl_capture, slots, twophase
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import check_outbox_table
@@ -60,7 +60,7 @@ class _Checked:
     node: SourceNode
     conn: Any
     tables: list[src.SourceTable]
-    slot: src.SlotState | None
+    slot: slots.SlotState | None
 
 
 def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
@@ -80,7 +80,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
         for c in checked:
             if state.has_checkpoint() or c.slot is not None:
                 with about(spec, c.node):
-                    src.check_slot_usable(c.slot, c.node.slot, checkpoint.get(c.node.name), spec.name)
+                    slots.check_slot_usable(c.slot, c.node.slot, checkpoint.get(c.node.name), spec.name)
                     if spec.multi_node:
                         _check_prepare_slot(spec, c)
         ledger.check()
@@ -124,7 +124,7 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
         tables = src.describe_tables(conn, list(spec.tables))
         if spec.outbox_spec is not None:
             check_outbox_table(conn, spec.outbox_spec)
-        slot = src.slot_state(conn, node.slot)
+        slot = slots.slot_state(conn, node.slot)
         if slot is None:
             src.check_rights(conn, node.publication, tables)
             if spec.multi_node:
@@ -159,14 +159,14 @@ def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checke
     for c in checked:
         with about(spec, c.node):
             publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
-            slots: list[str] = []
-            created.append((c, publication, slots))
+            made: list[str] = []
+            created.append((c, publication, made))
             if c.slot is None:
-                if spec.multi_node and src.slot_state(c.conn, c.node.prepare_slot) is None:  # (a run that died
-                    src.create_slot(c.conn, c.node.prepare_slot, two_phase=True)            # may have left it)
-                    slots.append(c.node.prepare_slot)
-                src.create_slot(c.conn, c.node.slot)
-                slots.append(c.node.slot)
+                if spec.multi_node and slots.slot_state(c.conn, c.node.prepare_slot) is None:  # (a run that died
+                    slots.create_slot(c.conn, c.node.prepare_slot, two_phase=True)            # may have left it)
+                    made.append(c.node.prepare_slot)
+                slots.create_slot(c.conn, c.node.slot)
+                made.append(c.node.slot)
             if spec.capture_ddl:
                 ddl_capture.install(c.conn, spec.name, c.node.publication)
             faults.reach("node_created")
@@ -180,11 +180,11 @@ def _check_prepare_slot(spec: FeedSpec, c: _Checked) -> None:
         raise SlotLost(f"replication slot {c.node.slot} decodes prepared transactions at their PREPARE: it was "
                        "created by an older changefeed, which read distributed transactions another way",
                        start_over_hint(spec.name))
-    state = src.slot_state(c.conn, c.node.prepare_slot)
+    state = slots.slot_state(c.conn, c.node.prepare_slot)
     if state is None:
         raise SlotLost(f"replication slot {c.node.prepare_slot} is missing: without it the feed cannot tell which "
                        "commits are parts of one distributed transaction", start_over_hint(spec.name))
-    src.check_slot_usable(state, c.node.prepare_slot, None, spec.name)
+    slots.check_slot_usable(state, c.node.prepare_slot, None, spec.name)
 
 
 def _check_same_tables(spec: FeedSpec, checked: list[_Checked]) -> None:
@@ -216,10 +216,10 @@ def about(spec: FeedSpec, node: SourceNode) -> Iterator[None]:
 def _undo(spec: FeedSpec, created: list[tuple[_Checked, bool, list[str]]]) -> None:
     """Drop the slots and publications this attempt created (best effort: a node that is gone
     now keeps its slot, and the next run's checks find it again)."""
-    for c, publication, slots in created:
+    for c, publication, names in created:
         with suppress(psycopg.Error):
-            for slot in slots:
-                c.conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+            for slot in names:
+                slots.drop(c.conn, slot)
             if publication:
                 c.conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(c.node.publication)))
 

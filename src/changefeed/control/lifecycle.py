@@ -21,7 +21,7 @@ from changefeed.control.runner_lock import holder, run_state
 from changefeed.core import snapshot
 from changefeed.core.requests import SnapshotRequests
 from changefeed.errors import ConfigError, FeedBusy
-from changefeed.postgres import ddl_capture
+from changefeed.postgres import ddl_capture, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, redact
 from changefeed.postgres.source import split_table
@@ -201,26 +201,26 @@ def remove_node(spec: FeedSpec, state: FeedState, name: str) -> tuple[FeedSpec, 
         return shrunk, _drop(conn, spec.name, node, slot)
 
 
-def _held_for_removal(spec: FeedSpec, node: SourceNode, stack: ExitStack) -> tuple[Any, src.SlotState | None]:
+def _held_for_removal(spec: FeedSpec, node: SourceNode, stack: ExitStack) -> tuple[Any, slots.SlotState | None]:
     """A connection to `node` holding the feed's lock there (refused while a runner elsewhere holds
     it), and the feed's slot there, which must not be in use."""
     conn = stack.enter_context(connect(node.uri, spec.role(node.name)))
     src.lock_feed(conn, spec.name)
-    slot = src.slot_state(conn, node.slot)
+    slot = slots.slot_state(conn, node.slot)
     if slot is not None and slot.active_pid:
         raise FeedBusy(f"replication slot {node.slot} is in use by backend pid {slot.active_pid}",
                        "stop whatever reads it first")
     return conn, slot
 
 
-def _drop(conn: Any, feed: str, node: SourceNode, slot: src.SlotState | None, on: str = "") -> list[str]:
+def _drop(conn: Any, feed: str, node: SourceNode, slot: slots.SlotState | None, on: str = "") -> list[str]:
     """Drop the feed's slot, publication and DDL capture on `node`; what went."""
     gone = [f"{what}{on}" for what in ddl_capture.uninstall(conn, feed)]
     if slot is not None:
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (node.slot,))
+        slots.drop(conn, node.slot)
         gone.append(f"slot {node.slot}{on}")
-    if src.slot_state(conn, node.prepare_slot) is not None:
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (node.prepare_slot,))
+    if slots.slot_state(conn, node.prepare_slot) is not None:
+        slots.drop(conn, node.prepare_slot)
         gone.append(f"slot {node.prepare_slot}{on}")
     if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
         conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))

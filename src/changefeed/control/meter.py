@@ -15,8 +15,8 @@ from changefeed.control.retry import read_note
 from changefeed.control.status import checkpoint_lag_s, counted, resolved_lag_s, retained_bytes
 from changefeed.core.hlc import physical_ms
 from changefeed.core.offsets import Offset
+from changefeed.postgres import slots, twophase
 from changefeed.postgres import source as src
-from changefeed.postgres import twophase
 from changefeed.spec.state import FeedState
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Gauges:
         for node in spec.sources:  # a feed of several nodes: WAL held on all of them, the worst lag
             source = self.prepared.sources[node.name]
             current, now_ms = src.flush_lsn(source)
-            slot = src.slot_state(source, node.slot)
+            slot = slots.slot_state(source, node.slot)
             retained.append(retained_bytes(slot, current) or 0)
             position = checkpoint.get(node.name, 0)
             lag = checkpoint_lag_s(current, now_ms, position, resolved) if resolved is not None else 0.0

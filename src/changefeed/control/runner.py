@@ -29,6 +29,7 @@ from changefeed.errors import (
     QueryFailed,
     TransientError,
 )
+from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import OutboxCleanup
@@ -284,10 +285,11 @@ def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
         for node in spec.sources:
             conn = prepared.sources[node.name]
             with about(spec, node):
-                slot = src.slot_state(conn, node.slot)
-                src.check_slot_usable(slot, node.slot, checkpoint.get(node.name), spec.name)
+                slot = slots.slot_state(conn, node.slot)
+                slots.check_slot_usable(slot, node.slot, checkpoint.get(node.name), spec.name)
                 if spec.multi_node:
-                    src.check_slot_usable(src.slot_state(conn, node.prepare_slot), node.prepare_slot, None, spec.name)
+                    slots.check_slot_usable(slots.slot_state(conn, node.prepare_slot), node.prepare_slot, None,
+                                            spec.name)
                 assert slot is not None
                 if slot.restart_lsn is None:
                     continue
@@ -312,7 +314,7 @@ def _check_retention_meanwhile(spec: FeedSpec, state: FeedState, fault: Retrying
             retained, restart = 0, 0
             if spec.max_retained_wal:
                 with suppress(ChangefeedError), connect(node.uri, "source") as conn, lost_connection("source"):
-                    slot = src.slot_state(conn, node.slot)
+                    slot = slots.slot_state(conn, node.slot)
                     if slot is not None and slot.restart_lsn is not None:
                         restart, retained = slot.restart_lsn, max(0, src.flush_lsn(conn)[0] - slot.restart_lsn)
             retention.check(retention.Holding(node.slot, restart, retained, time.time() - fault.since,
@@ -378,10 +380,8 @@ def _release_wal(prepared: Prepared, query: Any) -> None:
             for node in prepared.spec.sources:
                 if node.name in end.lsns:
                     with about(prepared.spec, node):
-                        conn, lsn = prepared.sources[node.name], end.lsns[node.name]
-                        src.advance(conn, node.slot, lsn)
-                        if prepared.spec.multi_node:
-                            src.advance(conn, node.prepare_slot, lsn)
+                        slots.release(prepared.sources[node.name], node, end.lsns[node.name],
+                                      prepared.spec.multi_node)
             return
 
 

@@ -13,8 +13,8 @@ from changefeed.control.runner_lock import run_state
 from changefeed.core.hlc import physical_ms
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import ConnectionFailed
+from changefeed.postgres import slots, twophase
 from changefeed.postgres import source as src
-from changefeed.postgres import twophase
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.sinks.registry import open_ledger
 from changefeed.spec.definition import FeedSpec, SourceNode
@@ -91,7 +91,7 @@ def verified(feed_state: FeedState) -> dict[str, Any] | None:
 
 @dataclass
 class _NodeReading:
-    slot: src.SlotState | None
+    slot: slots.SlotState | None
     current: int  # the node's WAL flush position
     now_ms: int  # its clock
     position: int | None  # where the sink's checkpoint has it
@@ -174,7 +174,7 @@ def _read_node(spec: FeedSpec, node: SourceNode, position: int | None, state: st
     whatever other WAL came since (other tables, PostgreSQL's own records)."""
     role = spec.role(node.name)
     with connect(node.uri, role) as conn, lost_connection(role):
-        slot = src.slot_state(conn, node.slot)
+        slot = slots.slot_state(conn, node.slot)
         current, now_ms = src.flush_lsn(conn)
         caught_up = position is not None and (current <= position or (
             not state.startswith("running") and src.captured_change_after(
@@ -210,7 +210,7 @@ def counted(n: int, noun: str) -> str:
     return f"{n:,} {noun}" + ("" if n == 1 else "es" if noun.endswith("ch") else "s")
 
 
-def _slot_text(slot: src.SlotState | None) -> str:
+def _slot_text(slot: slots.SlotState | None) -> str:
     if slot is None:
         return "missing"
     if slot.wal_status == "lost" or slot.invalidation:
@@ -219,7 +219,7 @@ def _slot_text(slot: src.SlotState | None) -> str:
            f"confirmed {format_lsn(slot.confirmed_flush or 0)}"
 
 
-def retained_bytes(slot: src.SlotState | None, current_lsn: int) -> int | None:
+def retained_bytes(slot: slots.SlotState | None, current_lsn: int) -> int | None:
     """WAL the source keeps for the slot: from its restart LSN to the current flush position."""
     return max(0, current_lsn - slot.restart_lsn) if slot and slot.restart_lsn else None
 

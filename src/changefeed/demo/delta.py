@@ -11,13 +11,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import psycopg
 
-from changefeed.demo.workload import ACCOUNTS, SCHEMA, TABLES, failed, writer
+from changefeed.demo.workload import SCHEMA, TABLES, FeedThread, transfers_while_feeding, wait_until
 from changefeed.errors import DefiniteError
 from changefeed.local.postgres import LocalPostgres
 from changefeed.postgres.connect import one_row
@@ -34,7 +32,6 @@ CHECKS = {"public.accounts": "count(*), sum(balance), sum(id)", "public.transfer
 
 def demo_delta(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writers: int = 2) -> int:
     from changefeed.control.lifecycle import create
-    from changefeed.control.runner import run
 
     workdir = workdir.absolute()
     for sub in ("source", "lake", "state"):
@@ -42,7 +39,7 @@ def demo_delta(workdir: Path, *, seconds: float = 45, master: str = "local[*]", 
     lake = workdir / "lake"
     print(f"demo: starting PostgreSQL under {workdir}; the Delta lake is {lake}")
     source = LocalPostgres.start(workdir / "source")
-    stop_feed = threading.Event()
+    feed: FeedThread | None = None
     try:
         with psycopg.connect(source.uri(), autocommit=True) as c:
             c.execute(SCHEMA)
@@ -52,45 +49,11 @@ def demo_delta(workdir: Path, *, seconds: float = 45, master: str = "local[*]", 
         log = FeedSpec("demo_log", source.uri(), f"delta://{lake}/log?mode=changelog", TABLES,
                        snapshot="never").validate()
         create(log, FeedState(workdir / "state", log.name))
-        state = FeedState(workdir / "state", mirror.name)
-        failure: list[BaseException] = []
-
-        def feed() -> None:
-            try:
-                run(mirror, state, master=master, stop_event=stop_feed, report=lambda s: print(s, flush=True))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failure.append(e)
-
-        feed_thread = threading.Thread(target=feed, name="feed")
-        feed_thread.start()
-        with psycopg.connect(source.uri(), autocommit=True) as c:
-            while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (mirror.slot,)).fetchone():
-                if failure or not feed_thread.is_alive():
-                    raise failed("start", failure)
-                time.sleep(0.2)
-            c.execute("INSERT INTO accounts (id, owner, balance, tags) SELECT g, 'owner ' || g, 1000, "
-                      "ARRAY['demo', 'n' || g %% 7] FROM generate_series(1, %s) g", (ACCOUNTS,))
-        print(f"demo: mirror feed started; {writers} writers run transfers for {seconds:.0f} s")
-        stop, counts = threading.Event(), [0] * writers
-        threads = [threading.Thread(target=writer, args=(source.uri(), i, stop, counts)) for i in range(writers)]
-        for t in threads:
-            t.start()
-        time.sleep(seconds)
-        stop.set()
-        for t in threads:
-            t.join()
-        with psycopg.connect(source.uri(), autocommit=True) as c:
-            target = int(one_row(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))[0])
-        print(f"demo: workload done ({sum(counts)} transfers); waiting for the mirror to catch up")
-        ledger, deadline = DeltaLedger(DeltaOptions.parse(mirror.sink), mirror.name), time.monotonic() + 300
-        while min((ledger.checkpoint() or {"": 0}).values()) < target:
-            if failure or not feed_thread.is_alive() or time.monotonic() > deadline:
-                raise failed("catch up within 300 s", failure)
-            time.sleep(0.5)
-        stop_feed.set()
-        feed_thread.join()
-        if failure:
-            raise failure[0]
+        feed = FeedThread(mirror, FeedState(workdir / "state", mirror.name), master)
+        target = transfers_while_feeding(source.uri(), feed, writers, seconds, "mirror feed started")
+        ledger = DeltaLedger(DeltaOptions.parse(mirror.sink), mirror.name)
+        wait_until(lambda: min((ledger.checkpoint() or {"": 0}).values()) >= target, feed)
+        feed.end()
         print("demo: writing the change log (feed demo_log, its own process: one Spark session per process)")
         done = subprocess.run([sys.executable, "-m", "changefeed", "run", "--name", log.name, "--state",
                                str(workdir / "state"), "--available-now", "--master", master])
@@ -99,7 +62,8 @@ def demo_delta(workdir: Path, *, seconds: float = 45, master: str = "local[*]", 
                                 f"see {workdir / 'state' / log.name / 'spark.log'}")
         return _compare(source.uri(), lake)
     finally:
-        stop_feed.set()
+        if feed is not None:
+            feed.stop.set()
         source.stop("fast")
 
 

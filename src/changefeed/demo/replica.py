@@ -7,13 +7,11 @@ caught up, and compares every table by row fingerprint. Exit 0 only if replica =
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import psycopg
 
-from changefeed.demo.workload import ACCOUNTS, SCHEMA, TABLES, failed, writer
+from changefeed.demo.workload import SCHEMA, TABLES, FeedThread, transfers_while_feeding, wait_until
 from changefeed.local.postgres import LocalPostgres
 from changefeed.postgres.connect import one_row
 from changefeed.sinks.replica.apply import applied_upto
@@ -34,14 +32,12 @@ def _caught_up(sink: str, feed: str, target_lsn: int) -> bool:
 
 
 def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writers: int = 2) -> int:
-    from changefeed.control.runner import run
-
     workdir = workdir.absolute()
     for sub in ("source", "replica", "state"):
         shutil.rmtree(workdir / sub, ignore_errors=True)
     print(f"demo: starting PostgreSQL source and replica under {workdir}")
     source, replica = LocalPostgres.start(workdir / "source"), LocalPostgres.start(workdir / "replica")
-    stop_feed = threading.Event()
+    feed: FeedThread | None = None
     try:
         with psycopg.connect(source.uri(), autocommit=True) as c:
             c.execute(SCHEMA)
@@ -49,45 +45,10 @@ def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writer
         # of their own, then the query restarted without the shuffle for streaming
         spec = FeedSpec("demo", source.uri(), replica.uri(), TABLES, trigger_interval_s=1.0,
                         snapshot_reads="parallel").validate()
-        state = FeedState(workdir / "state", spec.name)
-        failure: list[BaseException] = []
-
-        def feed() -> None:
-            try:
-                run(spec, state, master=master, stop_event=stop_feed, report=lambda s: print(s, flush=True))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                failure.append(e)
-
-        feed_thread = threading.Thread(target=feed, name="feed")
-        feed_thread.start()
-        with psycopg.connect(source.uri(), autocommit=True) as c:
-            while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (spec.slot,)).fetchone():
-                if failure or not feed_thread.is_alive():
-                    raise failed("start", failure)
-                time.sleep(0.2)
-            c.execute("INSERT INTO accounts (id, owner, balance, tags) SELECT g, 'owner ' || g, 1000, "
-                      "ARRAY['demo', 'n' || g %% 7] FROM generate_series(1, %s) g", (ACCOUNTS,))
-        print(f"demo: feed started; {writers} writers run transfers for {seconds:.0f} s")
-        stop, counts = threading.Event(), [0] * writers
-        threads = [threading.Thread(target=writer, args=(source.uri(), i, stop, counts)) for i in range(writers)]
-        for t in threads:
-            t.start()
-        time.sleep(seconds)
-        stop.set()
-        for t in threads:
-            t.join()
-        with psycopg.connect(source.uri(), autocommit=True) as c:
-            target = int(one_row(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))[0])
-        print(f"demo: workload done ({sum(counts)} transfers); waiting for the replica to catch up")
-        deadline = time.monotonic() + 300
-        while not _caught_up(replica.uri(), spec.name, target):
-            if failure or not feed_thread.is_alive() or time.monotonic() > deadline:
-                raise failed("catch up within 300 s", failure)
-            time.sleep(0.5)
-        stop_feed.set()
-        feed_thread.join()
-        if failure:
-            raise failure[0]
+        feed = FeedThread(spec, FeedState(workdir / "state", spec.name), master)
+        target = transfers_while_feeding(source.uri(), feed, writers, seconds, "feed started")
+        wait_until(lambda: _caught_up(replica.uri(), spec.name, target), feed)
+        feed.end()
         print("demo: comparing replica with source")
         ok = True
         for table in TABLES:
@@ -99,6 +60,7 @@ def demo(workdir: Path, *, seconds: float = 45, master: str = "local[*]", writer
         print(f"demo: verdict: {'replica == source' if ok else 'replica DIFFERS from source'}")
         return 0 if ok else 1
     finally:
-        stop_feed.set()
+        if feed is not None:
+            feed.stop.set()
         source.stop("fast")
         replica.stop("fast")

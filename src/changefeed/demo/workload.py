@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import random
 import threading
+import time
+from collections.abc import Callable
 
 import psycopg
 from psycopg.types.json import Jsonb
 
 from changefeed.errors import ChangefeedError, DefiniteError
 from changefeed.postgres.connect import one_row
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
 
 SCHEMA = """
 CREATE TABLE accounts (id bigint PRIMARY KEY, owner text NOT NULL, balance numeric(14,2) NOT NULL,
@@ -54,3 +58,65 @@ def failed(doing: str, failure: list[BaseException]) -> ChangefeedError:
     return DefiniteError(f"the demo's feed did not {doing}" + (f": {failure[0]!r}" if failure else ""),
                          "see the feed's Spark log, WORKDIR/state/demo/spark.log (--workdir, default "
                          "./changefeed-demo)")
+
+
+class FeedThread:
+    """A feed run in a thread of the demo's own process, and what it raised."""
+
+    def __init__(self, spec: FeedSpec, state: FeedState, master: str) -> None:
+        from changefeed.control.runner import run
+
+        self.spec, self.stop, self.failure = spec, threading.Event(), list[BaseException]()
+
+        def feed() -> None:
+            try:
+                run(spec, state, master=master, stop_event=self.stop, report=lambda s: print(s, flush=True))
+            except BaseException as e:  # noqa: BLE001 - raised by check() and end()
+                self.failure.append(e)
+
+        self.thread = threading.Thread(target=feed, name="feed")
+        self.thread.start()
+
+    def check(self, doing: str) -> None:
+        if self.failure or not self.thread.is_alive():
+            raise failed(doing, self.failure)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        if self.failure:
+            raise self.failure[0]
+
+
+def transfers_while_feeding(source: str, feed: FeedThread, writers: int, seconds: float, started: str) -> int:
+    """Once the feed's slot exists, fill the accounts and run `writers` transfer writers for
+    `seconds`; the source's WAL position after the last transfer."""
+    with psycopg.connect(source, autocommit=True) as c:
+        while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (feed.spec.slot,)).fetchone():
+            feed.check("start")
+            time.sleep(0.2)
+        c.execute("INSERT INTO accounts (id, owner, balance, tags) SELECT g, 'owner ' || g, 1000, "
+                  "ARRAY['demo', 'n' || g %% 7] FROM generate_series(1, %s) g", (ACCOUNTS,))
+    print(f"demo: {started}; {writers} writers run transfers for {seconds:.0f} s")
+    stop, counts = threading.Event(), [0] * writers
+    threads = [threading.Thread(target=writer, args=(source, i, stop, counts)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    with psycopg.connect(source, autocommit=True) as c:
+        target = int(one_row(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))[0])
+    print(f"demo: workload done ({sum(counts)} transfers); waiting for the feed to catch up")
+    return target
+
+
+def wait_until(caught_up: Callable[[], bool], feed: FeedThread, timeout_s: float = 300) -> None:
+    """Until `caught_up()`; the feed's failure (or a timeout) as the demo's error."""
+    deadline = time.monotonic() + timeout_s
+    while not caught_up():
+        if time.monotonic() > deadline:
+            raise failed(f"catch up within {timeout_s:.0f} s", feed.failure)
+        feed.check(f"catch up within {timeout_s:.0f} s")
+        time.sleep(0.5)

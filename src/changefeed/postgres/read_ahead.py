@@ -31,6 +31,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
+from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect
 from changefeed.spec.definition import SourceNode
@@ -159,12 +160,12 @@ def _read_ahead(node: SourceNode, role: str, start: int, end: int, part: Path, o
 
 def _spool(conn: Any, node: SourceNode, start: int, end: int, out: IO[bytes]) -> None:
     copy = f"changefeed_ahead_{os.getpid()}_{os.urandom(4).hex()}"  # dropped with the session
-    conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s, true)", (node.slot, copy))
-    at = src.slot_state(conn, copy)
+    slots.copy_temporary(conn, node.slot, copy)
+    at = slots.slot_state(conn, copy)
     if at is None or at.confirmed_flush is None or at.confirmed_flush > start:
         raise RuntimeError("the slot is past the window: the read-ahead is of no use")
-    src.advance(conn, copy, start)
-    at = src.slot_state(conn, copy)
+    slots.advance(conn, copy, start)
+    at = slots.slot_state(conn, copy)
     if at is None or at.confirmed_flush != start:
         raise RuntimeError("the copy did not reach the window's start")
     write_blocks(out, src.peek(conn, copy, node.publication, end))

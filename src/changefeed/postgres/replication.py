@@ -42,7 +42,7 @@ from psycopg.pq.abc import PGconn, PGresult
 from changefeed.core.hlc import PG_EPOCH_US
 from changefeed.core.lsn import format_lsn
 from changefeed.postgres.connect import connect, lost_connection
-from changefeed.postgres.source import slot_errors
+from changefeed.postgres.slots import slot_errors
 from changefeed.postgres.wal_layout import message_record_length, starts_before
 
 STATUS_INTERVAL_S = 10.0  # well inside the server's wal_sender_timeout (60 s by default)

@@ -3,7 +3,7 @@
 `peek` reads with the SQL interface of logical decoding (`pg_logical_slot_peek_binary_changes`):
 it decodes inside the server, faster than the walsender (see postgres/wal_reader.py, which also
 has the streaming reader), over an ordinary connection, and it never consumes the slot. The slot
-moves only through `advance`, called once the sink has committed.
+moves only through postgres/slots.py, once the sink has committed.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,10 @@ import psycopg
 from psycopg import sql
 
 from changefeed.core.lsn import format_lsn, parse_lsn
-from changefeed.errors import FeedBusy, SlotLost, SourceNotReady, TransientError, start_over_hint
+from changefeed.errors import FeedBusy, SourceNotReady
 from changefeed.postgres.connect import one_row
 from changefeed.postgres.pgoutput import RelationInfo
+from changefeed.postgres.slots import slot_errors
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")
 
@@ -47,18 +47,6 @@ class SourceTable:
     @property
     def qualified(self) -> str:
         return f"{self.schema}.{self.name}"
-
-
-@dataclass(frozen=True)
-class SlotState:
-    name: str
-    plugin: str
-    confirmed_flush: int | None
-    restart_lsn: int | None
-    active_pid: int | None
-    wal_status: str | None
-    invalidation: str | None
-    two_phase: bool = False  # decodes prepared transactions at their PREPARE (see postgres/twophase.py)
 
 
 def split_table(qualified: str) -> tuple[str, str]:
@@ -180,46 +168,6 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
     return False
 
 
-def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
-    row = conn.execute(
-        "SELECT slot_name, plugin, confirmed_flush_lsn::text, restart_lsn::text, active_pid, wal_status, "
-        "to_jsonb(s) ->> 'invalidation_reason', coalesce((to_jsonb(s) ->> 'two_phase')::bool, false) "
-        "FROM pg_replication_slots s WHERE slot_name = %s",
-        (slot,)).fetchone()
-    if row is None:
-        return None
-
-    def lsn(v: str | None) -> int | None:
-        return None if v is None else parse_lsn(v)
-
-    return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6], row[7])
-
-
-def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False) -> int:
-    """Create the pgoutput slot; returns the LSN from which it will deliver commits."""
-    args = ", false, true" if two_phase else ""  # (temporary, two_phase): PostgreSQL 14+
-    row = one_row(conn.execute(f"SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput'{args})",
-                               (slot,)))
-    return parse_lsn(row[0])
-
-
-def check_slot_usable(state: SlotState | None, slot: str, checkpoint_lsn: int | None, feed: str) -> None:
-    """Fail loudly when a slot the checkpoint depends on is gone or can no longer deliver."""
-    if state is None:
-        at = f" at {format_lsn(checkpoint_lsn)}" if checkpoint_lsn else ""
-        raise SlotLost(f"replication slot {slot} is missing but feed {feed} has a checkpoint{at}; "
-                       "changes after it may have been lost", start_over_hint(feed))
-    if state.wal_status == "lost" or state.invalidation:
-        needed = state.restart_lsn or checkpoint_lsn  # PostgreSQL clears restart_lsn when it invalidates
-        after = f" after its checkpoint at {format_lsn(needed)}" if needed else ""
-        raise SlotLost(
-            f"replication slot {slot} was invalidated by PostgreSQL ({state.invalidation or 'WAL removed'}, "
-            f"see max_slot_wal_keep_size): WAL feed {feed} needs{after} is gone", start_over_hint(feed))
-    if state.plugin != "pgoutput":
-        raise SlotLost(f"replication slot {slot} exists but uses plugin {state.plugin}, not pgoutput",
-                       "drop that slot or choose another feed --name")
-
-
 def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     """(WAL flush position, server clock in Unix ms): everything at or before it is decodable."""
     row = one_row(conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
@@ -325,29 +273,6 @@ def peek(conn: psycopg.Connection[Any], slot: str, publication: str, upto: int,
             (slot, format_lsn(upto), publication))
         while rows := cur.fetchmany(fetch):
             yield [data for (data,) in rows]
-
-
-@contextmanager
-def slot_errors(slot: str) -> Iterator[None]:
-    """Decoding from `slot`: a slot in use is transient, a slot gone or invalidated is SlotLost."""
-    try:
-        yield
-    except psycopg.errors.ObjectInUse as e:
-        raise TransientError(f"replication slot {slot} is in use: {e}", "wait for the other reader to finish") from None
-    except psycopg.errors.UndefinedObject as e:
-        raise SlotLost(f"replication slot {slot} disappeared: {e}", _LOST_HINT) from None
-    except psycopg.errors.ObjectNotInPrerequisiteState as e:
-        raise SlotLost(f"replication slot {slot} can no longer deliver changes: {e}", _LOST_HINT) from None
-
-
-_LOST_HINT = "changefeed status --name FEED shows why; the feed has to start over from a fresh snapshot"
-
-
-def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
-    """Move the slot (the feed's WAL safe point) forward to `lsn`; a slot at or past it stays."""
-    state = slot_state(conn, slot)
-    if state is not None and state.confirmed_flush is not None and lsn > state.confirmed_flush:
-        conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
 
 
 def lock_feed(conn: psycopg.Connection[Any], feed: str, *, by: str = "changefeed", patience_s: float = 3.0) -> None:

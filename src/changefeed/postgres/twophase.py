@@ -23,7 +23,7 @@ from changefeed.core import distributed as dist
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import SourceNotReady
 from changefeed.postgres import pgoutput as po
-from changefeed.postgres.source import slot_errors
+from changefeed.postgres.slots import slot_errors
 
 MIN_VERSION = 150000
 _B, _C, _b, _P, _K, _r = b"BCbPKr"

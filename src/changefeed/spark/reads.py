@@ -30,7 +30,7 @@ from changefeed.core.lsn import format_lsn
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
 from changefeed.postgres import pgoutput as po
-from changefeed.postgres import read_ahead
+from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
@@ -130,7 +130,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
             # is committed downstream, so moving the slot there is always safe.
             start, end = partition.start_lsn, partition.end_lsn
             src.reach(conn, end, ch.HEARTBEAT_PREFIX)
-            src.advance(conn, node.slot, start)
+            slots.advance(conn, node.slot, start)
             conn.commit()
             spooled = read_ahead.take(node, start, end)
             builder = ChangeBuilder(start, end, partition.start.ts, partition.end.ts,

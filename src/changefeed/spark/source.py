@@ -38,7 +38,7 @@ from changefeed.core.requests import SnapshotRequests
 from changefeed.core.resolved import Frontier, resolved_ts
 from changefeed.errors import carried
 from changefeed.postgres import cut as nodes_cut
-from changefeed.postgres import read_ahead
+from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
@@ -128,8 +128,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         lsns = {}
         for name, node in self.nodes.items():
             with self._on(name):
-                state = src.slot_state(self.conn(name), node.slot)
-            src.check_slot_usable(state, node.slot, None, self.feed)
+                state = slots.slot_state(self.conn(name), node.slot)
+            slots.check_slot_usable(state, node.slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[name] = state.confirmed_flush
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
@@ -263,8 +263,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         lsns = dict(start.lsns)
         for n in new:
             with self._on(n):
-                state = src.slot_state(self.conn(n), self.nodes[n].slot)
-            src.check_slot_usable(state, self.nodes[n].slot, None, self.feed)
+                state = slots.slot_state(self.conn(n), self.nodes[n].slot)
+            slots.check_slot_usable(state, self.nodes[n].slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[n] = state.confirmed_flush
         return replace(start, lsns=lsns)
@@ -312,9 +312,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             lsn = end.lsns[name]
             if lsn > self._released.get(name, 0):
                 with self._on(name):
-                    src.advance(self.conn(name), self.nodes[name].slot, lsn)
-                    if self.multi_node:
-                        src.advance(self.conn(name), self.nodes[name].prepare_slot, lsn)
+                    slots.release(self.conn(name), self.nodes[name], lsn, self.multi_node)
                 self._released[name] = lsn
 
     def stop(self) -> None:
