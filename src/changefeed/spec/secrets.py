@@ -23,7 +23,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from changefeed.errors import ConfigError
 
@@ -87,8 +87,12 @@ def protect_uri(uri: str, option: str) -> str:
         pairs = parse_qsl(query, keep_blank_values=True)
         protected = [(k, _protect_value(k, v)) for k, v in pairs]
         if protected != pairs:
-            query = urlencode(protected, safe="${}.:/@,[]")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+            query = urlencode(protected, safe="${}.:/@,[]=")  # (= pads a token)
+    if netloc == parts.netloc and query == parts.query:
+        return uri
+    # rebuilt by hand: urlunsplit drops the empty authority of `delta:///path`
+    fragment = f"#{parts.fragment}" if parts.fragment else ""
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "") + fragment
 
 
 def _protect_value(name: str, value: str) -> str:
