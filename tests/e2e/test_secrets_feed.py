@@ -49,6 +49,16 @@ def _table(server: LocalPostgres, owner: str) -> None:
         c.execute(f"ALTER TABLE acct OWNER TO {owner}")
 
 
+def _users(servers: tuple[LocalPostgres, LocalPostgres], prefixes: tuple[str, str]) -> tuple[str, str, str, str]:
+    """A reader on the source (owning its table) and a writer on the sink, with fresh passwords:
+    (source password, sink password, source address, sink address)."""
+    source, sink = servers
+    pw_source, pw_sink = (f"{p}-{pysecrets.token_hex(8)}" for p in prefixes)
+    at_source, at_sink = _user(source, "reader", pw_source), _user(sink, "writer", pw_sink)
+    _table(source, "reader")
+    return pw_source, pw_sink, at_source, at_sink
+
+
 def _cli(*args: str, env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> Any:
     """changefeed ARGS with `env` added to this environment (and `drop` taken out of it)."""
     return changefeed_cli(*args, env={**{k: v for k, v in os.environ.items() if k not in drop}, **(env or {})})
@@ -69,9 +79,7 @@ def _found_in(root: Path, *needles: str) -> list[str]:
 def test_no_secret_under_the_state_folder_or_on_the_console(servers: tuple[LocalPostgres, LocalPostgres],
                                                             tmp_path: Path) -> None:
     source, sink = servers
-    pw_source, pw_sink = f"Src-{pysecrets.token_hex(8)}", f"Snk-{pysecrets.token_hex(8)}"
-    at_source, at_sink = _user(source, "reader", pw_source), _user(sink, "writer", pw_sink)
-    _table(source, "reader")
+    pw_source, pw_sink, at_source, at_sink = _users(servers, ("Src", "Snk"))
     state = tmp_path / "state"
     name = ["--name", "sec", "--state", str(state)]
     source_uri, sink_uri = f"postgresql://reader:{pw_source}@{at_source}", f"postgresql://writer:{pw_sink}@{at_sink}"
@@ -115,9 +123,7 @@ def test_no_secret_under_the_state_folder_or_on_the_console(servers: tuple[Local
 def test_passwords_by_reference_and_from_the_password_file(servers: tuple[LocalPostgres, LocalPostgres],
                                                            tmp_path: Path) -> None:
     source, sink = servers
-    pw_source, pw_sink = f"Ref-{pysecrets.token_hex(8)}", f"File-{pysecrets.token_hex(8)}"
-    at_source, at_sink = _user(source, "reader", pw_source), _user(sink, "writer", pw_sink)
-    _table(source, "reader")
+    pw_source, pw_sink, at_source, at_sink = _users(servers, ("Ref", "File"))
     passfile = tmp_path / "pgpass"
     passfile.write_text(f"127.0.0.1:{sink.port}:postgres:writer:{pw_sink}\n")
     os.chmod(passfile, 0o600)

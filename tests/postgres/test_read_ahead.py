@@ -52,7 +52,7 @@ def test_a_prediction_is_the_cut_the_planner_makes_next(end: int, more: int, lat
     """Whatever the planner sees next (a frontier at least as far on, the same one in an
     AvailableNow run), a predicted window end is where it cuts the window from `end`."""
     reader = wal_reader("peek")
-    reader._block = 8192  # as after the first byte-limit cut
+    reader._layout = (8192, 16 << 20)  # as after the first byte-limit cut
     frontier = end + more
     predicted = read_ahead.predict(end, frontier, max_bytes, reader.block_size, fixed)
     event("no certain cut" if predicted is None else "a cut predicted")

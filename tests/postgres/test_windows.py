@@ -54,7 +54,7 @@ def test_windows_cut_at_pages_deliver_everything_once(dbs: Dbs, max_bytes: int) 
             if i % 3 == 0:
                 c.execute("UPDATE t SET v = 'u' WHERE id %% 3 = %s", (i % 3,))
         end, _ = src.heartbeat(c, HEARTBEAT_PREFIX)
-        block = src.wal_block_size(c)
+        block, _ = src.wal_layout(c)
 
     with dbs.src() as a:
         a.autocommit = False

@@ -236,10 +236,6 @@ def captured_change_after(conn: psycopg.Connection[Any], slot: str, publication:
     return False if len(found) < rows else None
 
 
-def wal_block_size(conn: psycopg.Connection[Any]) -> int:
-    return int(one_row(conn.execute("SHOW wal_block_size"))[0])
-
-
 def wal_layout(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     """The server's WAL page and segment size, in bytes."""
     page, segment = one_row(conn.execute(

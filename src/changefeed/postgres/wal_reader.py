@@ -34,12 +34,12 @@ class WalReader:
     name: ClassVar[str]
 
     def __init__(self) -> None:
-        self._block = 0  # the server's WAL page size, once asked
+        self._layout: tuple[int, int] | None = None  # the server's WAL page and segment size, once asked
 
     @property
     def block_size(self) -> int:
-        """The server's WAL page size, once a byte limit cut a window (else 0)."""
-        return self._block
+        """The server's WAL page size, once a byte limit cut a window or a window was streamed (else 0)."""
+        return self._layout[0] if self._layout else 0
 
     def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
                end: int) -> Iterator[list[bytes]]:
@@ -57,8 +57,8 @@ class WalReader:
         if max_changes:
             return src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes)
         if max_bytes and upto - start > max_bytes:
-            self._block = self._block or src.wal_block_size(conn)
-            return min(upto, src.page_cut(start, max_bytes, self._block))
+            self._layout = self._layout or src.wal_layout(conn)
+            return min(upto, src.page_cut(start, max_bytes, self._layout[0]))
         return upto
 
     def heartbeat(self, conn: psycopg.Connection[Any], pad: int = 0) -> tuple[int, int]:
@@ -76,10 +76,6 @@ class PeekReader(WalReader):
 
 class StreamReader(WalReader):
     name = "stream"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._layout: tuple[int, int] | None = None  # the server's WAL page and segment size, once asked
 
     def window(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int,
                end: int) -> Iterator[list[bytes]]:
