@@ -11,10 +11,38 @@ from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from changefeed.errors import ConfigError
+from changefeed.sinks.uri_options import Option, boolean, choice, parse_query, whole
 
 MODES = ("changelog", "mirror", "history")
 EXAMPLE = "delta:///data/lake?mode=mirror (or delta+s3://BUCKET/PREFIX?storage.AWS_REGION=eu-west-1)"
 LEDGER_DIR = "_changefeed"  # under the root: one ledger table per feed
+_MOST = 1 << 20  # the largest buckets, tasks or target_file_rows taken
+
+
+def _check_template(value: str) -> str:
+    names = set(re.findall(r"{([^{}]*)}", value))
+    if not names <= {"schema", "table"} or "{table}" not in value or value.startswith("/") or ".." in value \
+            or value.startswith(LEDGER_DIR):
+        raise ConfigError(f"table_template must name {{table}} (and may name {{schema}}) as a relative path, "
+                          f"got {value!r}", "e.g. table_template={schema}/{table}")
+    return value
+
+
+def _hint(name: str) -> str:
+    return f"e.g. {name}=8"
+
+
+# the sink's own query options (besides storage.KEY); listed in this order in the hint
+_OPTIONS: dict[str, Option] = {
+    "mode": Option("mode", choice(*MODES), f"one of {', '.join(MODES)}", label="the Delta sink's mode",
+                   hint="changelog (every change a row), mirror (the tables as the source's) or history (every "
+                        "version of each row)"),
+    "diff": Option("diff", boolean, "true or false", hint=f"e.g. {EXAMPLE}&diff=true"),
+    "table_template": Option("table_template", _check_template, "a relative path naming {table}"),
+    "buckets": Option("buckets", whole(1, _MOST), "a whole number >= 1"),
+    "tasks": Option("tasks", whole(0, _MOST), "a whole number >= 0"),
+    "target_file_rows": Option("target_file_rows", whole(1, _MOST), "a whole number >= 1"),
+}
 
 
 @dataclass(frozen=True)
@@ -50,36 +78,20 @@ class DeltaOptions:
             root = f"{parts.scheme[len('delta+'):]}://{parts.netloc}{parts.path}".rstrip("/")
         else:
             raise ConfigError(f"not a Delta --sink URI: {uri!r}", f"e.g. {EXAMPLE}")
-        given: dict[str, object] = {}
         storage: dict[str, str] = {}
-        for name, value in parse_qsl(parts.query, keep_blank_values=True):
-            if name.startswith("storage."):
-                storage[name[len("storage."):]] = value
-            elif name == "mode":
-                if value not in MODES:
-                    raise ConfigError(f"the Delta sink's mode must be one of {', '.join(MODES)}, got {value!r}",
-                                      "changelog (every change a row), mirror (the tables as the source's) or "
-                                      "history (every version of each row)")
-                given["mode"] = value
-            elif name == "diff":
-                if value.lower() not in ("true", "false"):
-                    raise ConfigError(f"diff must be true or false, got {value!r}", f"e.g. {EXAMPLE}&diff=true")
-                given["diff"] = value.lower() == "true"
-            elif name == "table_template":
-                _check_template(value)
-                given[name] = value
-            elif name in ("buckets", "tasks", "target_file_rows"):
-                low = 0 if name == "tasks" else 1
-                if not re.fullmatch(r"[0-9]+", value) or int(value) < low or int(value) > 1 << 20:
-                    raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}", f"e.g. {name}=8")
-                given[name] = int(value)
-            else:
+
+        def storage_option(name: str, value: str) -> None:
+            """Names not in the table: storage.KEY for the Delta library, or unknown."""
+            if not name.startswith("storage."):
                 raise ConfigError(f"unknown Delta sink option {name!r}",
-                                  "mode, diff, table_template, buckets, tasks, target_file_rows, storage.KEY; "
-                                  "see docs/sinks.md, Delta Lake sink")
+                                  f"{', '.join(_OPTIONS)}, storage.KEY; see docs/sinks.md, Delta Lake sink")
+            storage[name[len("storage."):]] = value
+
+        given = parse_query(parse_qsl(parts.query, keep_blank_values=True), _OPTIONS, hint=_hint,
+                            other=storage_option)
         if given.get("diff") and given.get("mode", "changelog") != "changelog":
             raise ConfigError("diff=true applies to mode=changelog only", "drop diff=true, or use mode=changelog")
-        return cls(root, storage_given=storage, **given)  # type: ignore[arg-type]  # `given` holds each field with its own type
+        return cls(root, storage_given=storage, **given)
 
     @property
     def storage(self) -> dict[str, str]:
@@ -88,10 +100,3 @@ class DeltaOptions:
 
         return mapped(self.storage_given, lambda k: f"the --sink option storage.{k}")
 
-
-def _check_template(value: str) -> None:
-    names = set(re.findall(r"{([^{}]*)}", value))
-    if not names <= {"schema", "table"} or "{table}" not in value or value.startswith("/") or ".." in value \
-            or value.startswith(LEDGER_DIR):
-        raise ConfigError(f"table_template must name {{table}} (and may name {{schema}}) as a relative path, "
-                          f"got {value!r}", "e.g. table_template={schema}/{table}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from changefeed.errors import ConfigError
 from changefeed.sinks.kafka.client import Timeouts, parse_step
+from changefeed.sinks.uri_options import Option, any_text, boolean, choice, parse_query, whole
 from changefeed.spec.secrets import mapped, secret_name
 
 SCHEME = "kafka"
@@ -33,19 +34,6 @@ SECRET_KEYS = ("sasl.password", "ssl.key.password", "ssl.keystore.password", "sa
 _PLAIN_CLIENT = ("acks", "retries", "partitioner", "debug", "log_level")
 # settings the sink owns: exactly-once and per-key order depend on them
 _OWNED = ("transactional.id", "enable.idempotence", "bootstrap.servers")
-
-
-def _bool(name: str, text: str) -> bool:
-    value = {"true": True, "false": False}.get(text.lower())
-    if value is None:
-        raise ConfigError(f"{name} must be true or false, got {text!r}", f"fix {name}= in the --sink URI")
-    return value
-
-
-def _int(name: str, text: str, least: int) -> int:
-    if not re.fullmatch(r"-?[0-9]+", text) or int(text) < least:
-        raise ConfigError(f"{name} must be a whole number >= {least}, got {text!r}", f"fix {name}= in the --sink URI")
-    return int(text)
 
 
 def sanitize_topic(name: str) -> str:
@@ -64,6 +52,41 @@ def _check_template(name: str, template: str, allowed: tuple[str, ...]) -> str:
         raise ConfigError(f"{name} {template!r} uses unknown fields {sorted(unknown)}",
                           f"use only {', '.join('{' + a + '}' for a in allowed)}")
     return template
+
+
+def _fix(name: str) -> str:
+    return f"fix {name}= in the --sink URI"
+
+
+def _count(name: str) -> Callable[[str], int]:
+    """Partitions or replicas of a topic the sink creates: -1 (the broker's default) or >= 1; 0 has
+    its own message, as no topic can have none."""
+    number = whole(-1)
+
+    def parse(text: str) -> int:
+        value = number(text)
+        if value == 0:
+            raise ConfigError(f"{name} must be -1 (the broker's default) or >= 1, got 0", _fix(name))
+        return value
+
+    return parse
+
+
+# the sink's own query options (the others are client settings); listed in this order in the hint
+_OPTIONS: dict[str, Option] = {
+    "topic_prefix": Option("topic_prefix", any_text, "any text"),
+    "topic_name": Option("topic_name", lambda text: _check_template("topic_name", text, ("schema", "table")),
+                         "a template naming {schema} and {table}"),
+    "delivery": Option("delivery", choice(*DELIVERIES), f"one of {', '.join(DELIVERIES)}",
+                       hint="exactly_once (transactions, the default) or at_least_once"),
+    "tombstones": Option("tombstones", boolean, "true or false"),
+    "resolved": Option("emit_resolved", boolean, "true or false"),
+    "progress_topic": Option("progress_topic", any_text, "a Kafka topic name"),
+    "topic_partitions": Option("topic_partitions", _count("topic_partitions"), "a whole number >= -1"),
+    "replication_factor": Option("replication_factor", _count("replication_factor"), "a whole number >= -1"),
+    "create_topics": Option("create_topics", boolean, "true or false"),
+    "timeout": Option("timeout_s", parse_step, "a duration between 1s and 15m"),
+}
 
 
 @dataclass(frozen=True)
@@ -97,43 +120,26 @@ class KafkaOptions:
         if parts.path not in ("", "/") or parts.fragment:
             raise ConfigError(f"the Kafka --sink URI has a path or fragment: {parts.path or '#' + parts.fragment}",
                               f"options go in the query: {_EXAMPLE}")
-        given: dict[str, Any] = {"bootstrap": ",".join(hosts)}
         client: dict[str, str] = {}
-        for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False):
+
+        def client_setting(name: str, value: str) -> None:
+            """Names not in the table: librdkafka settings, passed through, or unknown."""
             if "." in name or name in _PLAIN_CLIENT:
                 client[name] = value
             elif name == "kafka_config":
                 client.update(_client_settings(value))
-            elif name in ("topic_prefix", "progress_topic"):
-                given[name] = value
-            elif name == "topic_name":
-                given[name] = _check_template(name, value, ("schema", "table"))
-            elif name == "delivery":
-                if value not in DELIVERIES:
-                    raise ConfigError(f"delivery must be one of {', '.join(DELIVERIES)}, got {value!r}",
-                                      "exactly_once (transactions, the default) or at_least_once")
-                given[name] = value
-            elif name in ("tombstones", "create_topics"):
-                given[name] = _bool(name, value)
-            elif name == "resolved":
-                given["emit_resolved"] = _bool(name, value)
-            elif name in ("topic_partitions", "replication_factor"):
-                given[name] = _int(name, value, -1)
-                if given[name] == 0:
-                    raise ConfigError(f"{name} must be -1 (the broker's default) or >= 1, got 0",
-                                      f"fix {name}= in the --sink URI")
-            elif name == "timeout":
-                given["timeout_s"] = parse_step(value)
             else:
                 raise ConfigError(f"unknown Kafka sink option {name!r}",
-                                  "options: topic_prefix, topic_name, delivery, tombstones, resolved, progress_topic, "
-                                  "topic_partitions, replication_factor, create_topics, timeout, kafka_config, and "
-                                  "librdkafka settings (security.protocol=SSL, log_level=7, acks=all, ...)")
+                                  f"options: {', '.join(_OPTIONS)}, kafka_config, and librdkafka settings "
+                                  "(security.protocol=SSL, log_level=7, acks=all, ...)")
+
+        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False)
+        given = parse_query(pairs, _OPTIONS, hint=_fix, other=client_setting)
         owned = sorted(k for k in client if k in _OWNED)
         if owned:
             raise ConfigError(f"the Kafka sink sets {', '.join(owned)} itself",
                               "remove it from the --sink URI (the transactional id is changefeed-FEED)")
-        opts = cls(**given, client=tuple(sorted(client.items())))
+        opts = cls(",".join(hosts), **given, client=tuple(sorted(client.items())))
         if opts.delivery == "exactly_once":
             from changefeed.sinks.kafka.log import unsupported_settings
 

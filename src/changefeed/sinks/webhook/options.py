@@ -7,50 +7,30 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import unquote_plus, urlsplit
 
 from changefeed.errors import ConfigError
-from changefeed.spec.units import parse_duration
+from changefeed.sinks.uri_options import Option, boolean, duration, parse_query, whole, whole_or_inf
 
 SCHEMES = ("webhook-http", "webhook-https")
 _EXAMPLE = "webhook-https://HOST/PATH?flush_messages=500&retry_max=inf&timeout=10s"
 
 
-def _whole(text: str) -> int:
-    if not re.fullmatch(r"[0-9]+", text):
-        raise ValueError(text)
-    return int(text)
-
-
-def _whole_or_inf(text: str) -> int | None:
-    return None if text.lower() == "inf" else _whole(text)
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ConfigError:
-        raise ValueError(text) from None
-
-
-def _bool(text: str) -> bool:
-    return {"true": True, "false": False}[text.lower()]
-
-
-# query parameter -> (field, parser, what is allowed, check of the parsed value)
-_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str, Callable[[Any], bool]]] = {
-    "flush_messages": ("flush_messages", _whole, "a whole number >= 1", lambda v: v >= 1),
-    "flush_frequency": ("flush_frequency_s", _duration, "a duration >= 0 such as 500ms, 1s or 2m (0: off)",
-                        lambda v: v >= 0),
-    "retry_max": ("retry_max", _whole_or_inf, "a whole number >= 0 or inf", lambda v: v is None or v >= 0),
-    "retry_backoff": ("retry_backoff_s", _duration, "a duration > 0 such as 10ms, 500ms or 1s", lambda v: v > 0),
-    "retry_max_backoff": ("retry_max_backoff_s", _duration, "a duration > 0 such as 10s or 1m", lambda v: v > 0),
-    "timeout": ("timeout_s", _duration, "a duration > 0 such as 500ms, 30s or 1m", lambda v: v > 0),
-    "insecure_tls_skip_verify": ("insecure_tls_skip_verify", _bool, "true or false", lambda v: isinstance(v, bool)),
-    "resolved": ("emit_resolved", _bool, "true or false", lambda v: isinstance(v, bool)),
+# query parameter -> the field it sets, its parser, what is allowed, and a check that values set in code get too
+_OPTIONS: dict[str, Option] = {
+    "flush_messages": Option("flush_messages", whole(), "a whole number >= 1", lambda v: v >= 1),
+    "flush_frequency": Option("flush_frequency_s", duration, "a duration >= 0 such as 500ms, 1s or 2m (0: off)",
+                              lambda v: v >= 0),
+    "retry_max": Option("retry_max", whole_or_inf(), "a whole number >= 0 or inf", lambda v: v is None or v >= 0),
+    "retry_backoff": Option("retry_backoff_s", duration, "a duration > 0 such as 10ms, 500ms or 1s", lambda v: v > 0),
+    "retry_max_backoff": Option("retry_max_backoff_s", duration, "a duration > 0 such as 10s or 1m",
+                                lambda v: v > 0),
+    "timeout": Option("timeout_s", duration, "a duration > 0 such as 500ms, 30s or 1m", lambda v: v > 0),
+    "insecure_tls_skip_verify": Option("insecure_tls_skip_verify", boolean, "true or false",
+                                       lambda v: isinstance(v, bool)),
+    "resolved": Option("emit_resolved", boolean, "true or false", lambda v: isinstance(v, bool)),
 }
 
 
@@ -91,10 +71,10 @@ class WebhookOptions:
 
     def __post_init__(self) -> None:
         """Values set in code get the same checks as values parsed from a URI."""
-        for param, (field, _, allowed, ok) in _OPTIONS.items():
-            value = getattr(self, field)
-            if not ok(value):
-                raise ConfigError(f"{param} must be {allowed}, got {value!r}", self._default_hint(param))
+        for param, option in _OPTIONS.items():
+            value = getattr(self, option.field)
+            if not option.check(value):
+                raise option.refuse(param, value, self._default_hint)
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"the webhook URL must be http(s)://HOST[:PORT]/PATH, got {self.redacted_url()}",
@@ -124,7 +104,7 @@ class WebhookOptions:
 
     @staticmethod
     def _default_hint(param: str) -> str:
-        field = _OPTIONS[param][0]
+        field = _OPTIONS[param].field
         default = next(f.default for f in fields(WebhookOptions) if f.name == field)
         return f"fix or remove {param}= in the --sink URI (default: {_show(default)})"
 
@@ -185,47 +165,25 @@ def signing_key(secret: str) -> bytes:
 
 def _split_query(query: str) -> tuple[dict[str, Any], list[str]]:
     """Our options (parsed, by field) and the endpoint's own query parameters (as written)."""
+    parts = query.split("&")
+    pairs = [(unquote_plus(name), unquote_plus(value)) for name, _, value in (p.partition("=") for p in parts)]
     values: dict[str, Any] = {}
-    seen: set[str] = set()
-    kept: list[str] = []
     headers: list[tuple[str, str]] = []
-    for part in query.split("&"):
-        raw_name, _, raw_value = part.partition("=")
-        name = unquote_plus(raw_name)
+
+    def own(name: str, value: str) -> None:
+        """`header` (repeatable) and `signing_secret`; any other name is the endpoint's."""
         if name == "header":
-            header, sep, value = unquote_plus(raw_value).partition(":")
+            header, sep, value = value.partition(":")
             if not sep:
                 raise ConfigError("header takes NAME:VALUE, got a value without ':'",
                                   "e.g. header=Authorization:Bearer%20${TOKEN} in the --sink URI")
             headers.append((header.strip(), value.strip()))
-            continue
-        if name == "signing_secret":
-            values["signing_secret"] = unquote_plus(raw_value)
-            continue
-        if name not in _OPTIONS:
-            if part:
-                kept.append(part)
-            continue
-        if name in seen:
-            raise ConfigError(f"{name} is given twice in the --sink URI", "give each option once")
-        seen.add(name)
-        values[_OPTIONS[name][0]] = _option(name, unquote_plus(raw_value))
+        elif name == "signing_secret":
+            values["signing_secret"] = value
+
+    values.update(parse_query(pairs, _OPTIONS, hint=WebhookOptions._default_hint, other=own, once=True))
     if headers:
         values["headers"] = tuple(headers)
+    ours = {*_OPTIONS, "header", "signing_secret"}
+    kept = [part for part, (name, _) in zip(parts, pairs, strict=True) if part and name not in ours]
     return values, kept
-
-
-_Invalid = object()
-
-
-def _option(param: str, text: str) -> Any:
-    _, parser, allowed, ok = _OPTIONS[param]
-    try:
-        value = parser(text)
-    except (ValueError, KeyError):
-        value = _Invalid
-    if value is _Invalid or not ok(value):
-        raise ConfigError(f"{param} must be {allowed}, got {text!r}", WebhookOptions._default_hint(param))
-    return value
-
-
