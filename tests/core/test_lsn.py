@@ -1,6 +1,8 @@
 """LSN text form: parse/format round trips and rejection of anything that is not `X/Y` hex."""
 from __future__ import annotations
 
+import json
+import pickle
 import re
 import string
 
@@ -8,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from changefeed.core.lsn import format_lsn, parse_lsn
+from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 
 U64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
 HEX = st.text(alphabet="0123456789abcdefABCDEF", min_size=1, max_size=8)
@@ -88,3 +90,21 @@ def test_arbitrary_text_parses_only_when_valid(text: str) -> None:
 def test_format_out_of_range_raises_value_error(value: int) -> None:
     with pytest.raises(ValueError):
         format_lsn(value)
+
+
+@given(U64)
+def test_an_lsn_is_the_number_everywhere_but_its_text(value: int) -> None:
+    """SQL parameters, JSON (Spark's offset log) and pickles (Spark's partitions) see the number;
+    only `.text` is PostgreSQL's `X/Y`."""
+    lsn = Lsn(value)
+    assert lsn == value and str(lsn) == str(value) and json.dumps(lsn) == str(value)
+    assert pickle.loads(pickle.dumps(lsn)) == lsn and type(pickle.loads(pickle.dumps(lsn))) is Lsn
+    assert lsn.text == format_lsn(value) and Lsn.parse(lsn.text) == lsn
+    assert repr(lsn) == f"Lsn({lsn.text})"
+    assert type(lsn + 1) is int  # a position plus a size is wrapped again on purpose
+
+
+@pytest.mark.parametrize("value", [-1, 1 << 64])
+def test_an_lsn_out_of_range_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        Lsn(value)

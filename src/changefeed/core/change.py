@@ -22,7 +22,7 @@ columns whose TOASTed value the update left unchanged; they hold NULL in `after`
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +156,7 @@ class Progress:
     part: int = 0
     parts: int = 1
     node: str = DEFAULT_NODE
-    positions: dict[str, int] | None = None
+    positions: Mapping[str, int] | None = None
     read: dict[str, Any] | None = None  # who read it: {"task" (attempt id), "pid", "began", "ended" (Unix s)}
     gids: list[list[Any]] | None = None  # prepared parts it delivered: [gid, xid]
     pending: list[str] | None = None  # gids with a part prepared on the node, undecided at its end
@@ -184,7 +184,7 @@ class BatchProgress:
     last_commit_time: int | None
     changes: int
     chunks: tuple[dict[str, Any], ...]
-    positions: dict[str, int] | None = None
+    positions: Mapping[str, int] | None = None
     reads: tuple[dict[str, Any], ...] = ()  # per input partition read: {"node", "part", **Progress.read,
     #                                         "gids" and "pending" where it has them}
 

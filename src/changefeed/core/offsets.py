@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from changefeed.core.distributed import Part
+from changefeed.core.lsn import Lsn
 from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.core.snapshot import Chunk, Cursor
 from changefeed.errors import DefiniteError
@@ -37,7 +38,7 @@ class OffsetError(DefiniteError, ValueError):
 
 @dataclass(frozen=True)
 class Offset:
-    lsns: Mapping[str, int]  # node name -> WAL position
+    lsns: Mapping[str, Lsn]  # node name -> WAL position
     ts: int = 0  # resolved commit timestamp (HLC)
     cursor: Cursor = field(default_factory=Cursor)
     chunks: tuple[Chunk, ...] = ()
@@ -46,13 +47,13 @@ class Offset:
     open: Mapping[str, tuple[Part, ...]] = field(default_factory=dict)  # node -> parts prepared, undecided at its end
 
     @property
-    def lsn(self) -> int:
+    def lsn(self) -> Lsn:
         """The WAL position of a one-node feed."""
         if len(self.lsns) != 1:
             raise OffsetError(f"an offset of {len(self.lsns)} nodes has no single LSN")
         return next(iter(self.lsns.values()))
 
-    def at(self, lsn: int) -> Offset:
+    def at(self, lsn: Lsn) -> Offset:
         """The same offset with a one-node feed's position moved to `lsn`."""
         (node,) = self.lsns
         return replace(self, lsns={node: lsn})
@@ -86,7 +87,8 @@ class Offset:
                 raise OffsetError("the feed's checkpoint was written by an older changefeed that read its nodes' "
                                   "prepared transactions from two-phase slots",
                                   "remove the feed (changefeed remove --name NAME) and create it again")
-            lsns = {DEFAULT_NODE: int(d["lsn"])} if version == 1 else {str(k): int(v) for k, v in d["nodes"].items()}
+            lsns = ({DEFAULT_NODE: Lsn(int(d["lsn"]))} if version == 1
+                    else {str(k): Lsn(int(v)) for k, v in d["nodes"].items()})
             parts = {str(n): tuple((str(g), int(x), int(at)) for g, x, at in v)
                      for n, v in (d.get("parts") or {}).items()}
             opened = {str(n): tuple(Part.from_json(p) for p in v) for n, v in (d.get("open") or {}).items()}

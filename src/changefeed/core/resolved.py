@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from changefeed.core.hlc import window_end_ts
+from changefeed.core.lsn import Lsn
 
 
 @dataclass(frozen=True)
 class Frontier:
-    lsn: int  # the node's window ends here (a flushed record or page boundary)
+    lsn: Lsn  # the node's window ends here (a flushed record or page boundary)
     clock_ms: int  # the node's clock (Unix ms) once `lsn` was flushed
 
 

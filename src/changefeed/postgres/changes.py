@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -87,7 +87,7 @@ class ChangeBuilder:
 
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
                  catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1, node: str = "n1",
-                 positions: dict[str, int] | None = None, read: dict[str, Any] | None = None,
+                 positions: Mapping[str, int] | None = None, read: dict[str, Any] | None = None,
                  prepared: dict[int, tuple[str, int]] | None = None, undecided: list[str] | None = None) -> None:
         self.start_lsn, self.end_lsn, self.end_ts = start_lsn, end_lsn, end_ts
         self.part, self.parts, self.node, self.positions, self.read = part, parts, node, positions, read

@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from changefeed.core import distributed as dist
+from changefeed.core.lsn import Lsn
 from changefeed.core.offsets import Offset
 from changefeed.errors import TornTransaction, TransactionInDoubt
 from changefeed.postgres import source as src
@@ -35,7 +36,7 @@ class Cut:
         self.nodes, self.conn, self.on, self.limits, self.bound = nodes, conn, on, limits, bound
         self._blockers: dict[str, set[str]] = {}  # node -> gids still prepared there that the last plan waited for
 
-    def certain(self) -> tuple[dict[str, int], int]:
+    def certain(self) -> tuple[dict[str, Lsn], int]:
         """Per node its flushed position, and the latest clock read right after one (theta)."""
         certain, clocks = {}, []
         for name in self.nodes:

@@ -31,6 +31,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
+from changefeed.core.lsn import Lsn
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect
@@ -124,7 +125,7 @@ def _blocks_of(f: IO[bytes]) -> Iterator[list[bytes]]:
         yield from read_blocks(f)
 
 
-def begin(node: SourceNode, role: str, start: int, end: int) -> bool:
+def begin(node: SourceNode, role: str, start: Lsn, end: int) -> bool:
     """Start decoding [start, end) of `node` into the spool in a thread of this process, unless
     a read-ahead runs here already or the spool cannot be written. True if it started."""
     if not _running.acquire(blocking=False):
@@ -143,7 +144,7 @@ def begin(node: SourceNode, role: str, start: int, end: int) -> bool:
     return True
 
 
-def _read_ahead(node: SourceNode, role: str, start: int, end: int, part: Path, out: IO[bytes]) -> None:
+def _read_ahead(node: SourceNode, role: str, start: Lsn, end: int, part: Path, out: IO[bytes]) -> None:
     """The thread: a temporary copy of the slot at `start`, peeked up to `end`. Any failure
     (no free slot, the server gone) leaves no file: the window's task reads the slot itself."""
     try:
@@ -158,7 +159,7 @@ def _read_ahead(node: SourceNode, role: str, start: int, end: int, part: Path, o
         out.close()  # its lock goes with it: the file is in place, or gone, by then
 
 
-def _spool(conn: Any, node: SourceNode, start: int, end: int, out: IO[bytes]) -> None:
+def _spool(conn: Any, node: SourceNode, start: Lsn, end: int, out: IO[bytes]) -> None:
     copy = f"changefeed_ahead_{os.getpid()}_{os.urandom(4).hex()}"  # dropped with the session
     slots.copy_temporary(conn, node.slot, copy)
     at = slots.slot_state(conn, copy)

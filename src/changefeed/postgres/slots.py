@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from changefeed.core.lsn import format_lsn, parse_lsn
+from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 from changefeed.errors import SlotLost, TransientError, start_over_hint
 from changefeed.postgres.connect import one_row
 from changefeed.spec.definition import SourceNode
@@ -23,8 +23,8 @@ from changefeed.spec.definition import SourceNode
 class SlotState:
     name: str
     plugin: str
-    confirmed_flush: int | None
-    restart_lsn: int | None
+    confirmed_flush: Lsn | None
+    restart_lsn: Lsn | None
     active_pid: int | None
     wal_status: str | None
     invalidation: str | None
@@ -40,13 +40,13 @@ def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
     if row is None:
         return None
 
-    def lsn(v: str | None) -> int | None:
+    def lsn(v: str | None) -> Lsn | None:
         return None if v is None else parse_lsn(v)
 
     return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6], row[7])
 
 
-def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False) -> int:
+def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False) -> Lsn:
     """Create the pgoutput slot; returns the LSN from which it will deliver commits."""
     args = ", false, true" if two_phase else ""  # (temporary, two_phase): PostgreSQL 14+
     row = one_row(conn.execute(f"SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput'{args})",
@@ -87,7 +87,7 @@ def slot_errors(slot: str) -> Iterator[None]:
 _LOST_HINT = "changefeed status --name FEED shows why; the feed has to start over from a fresh snapshot"
 
 
-def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
+def advance(conn: psycopg.Connection[Any], slot: str, lsn: Lsn) -> None:
     """Move the slot forward to `lsn` (the feed's WAL safe point: everything before it is committed
     downstream); a slot at or past it stays."""
     state = slot_state(conn, slot)
@@ -95,7 +95,7 @@ def advance(conn: psycopg.Connection[Any], slot: str, lsn: int) -> None:
         conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
 
 
-def release(conn: psycopg.Connection[Any], node: SourceNode, lsn: int, multi_node: bool) -> None:
+def release(conn: psycopg.Connection[Any], node: SourceNode, lsn: Lsn, multi_node: bool) -> None:
     """Give up `node`'s WAL before `lsn`, which the sink committed: its data slot, and on a feed
     of several nodes its prepare slot too."""
     advance(conn, node.slot, lsn)

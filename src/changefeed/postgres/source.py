@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from changefeed.core.lsn import format_lsn, parse_lsn
+from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 from changefeed.errors import FeedBusy, SourceNotReady
 from changefeed.postgres.connect import one_row
 from changefeed.postgres.pgoutput import RelationInfo
@@ -168,14 +168,14 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
     return False
 
 
-def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+def flush_lsn(conn: psycopg.Connection[Any]) -> tuple[Lsn, int]:
     """(WAL flush position, server clock in Unix ms): everything at or before it is decodable."""
     row = one_row(conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
                                "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"))
     return parse_lsn(row[0]), int(row[1])
 
 
-def flush_point(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+def flush_point(conn: psycopg.Connection[Any]) -> tuple[Lsn, int]:
     """(WAL flush position, then the server clock in Unix µs): every commit before the position
     took its commit time before that clock reading."""
     row = one_row(conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
@@ -183,8 +183,8 @@ def flush_point(conn: psycopg.Connection[Any]) -> tuple[int, int]:
     return parse_lsn(row[0]), int(row[1])
 
 
-def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: int, upto: int,
-                      changes: int) -> int:
+def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: Lsn, upto: Lsn,
+                      changes: int) -> Lsn:
     """End LSN of the first commit after `start` by which `changes` messages were decoded, or `upto`.
 
     A commit's end is a record boundary: a window ending there holds that commit.
@@ -203,7 +203,7 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
             if int(lsn) > start:
                 seen += 1
                 if is_commit and seen >= changes:
-                    return min(int(lsn), upto)
+                    return Lsn(min(int(lsn), upto))
         if len(rows) < want:
             return upto  # decoded all there is up to `upto`
         want *= 2
@@ -295,7 +295,7 @@ def _lock_holder(conn: psycopg.Connection[Any], key: str) -> str:
         f"{holder[3]})" if holder else "another session"
 
 
-def heartbeat(conn: psycopg.Connection[Any], prefix: str, pad: int = 0) -> tuple[int, int]:
+def heartbeat(conn: psycopg.Connection[Any], prefix: str, pad: int = 0) -> tuple[Lsn, int]:
     """Write a non-transactional logical decoding message (`pad` bytes long) and wait until it is
     flushed.
 

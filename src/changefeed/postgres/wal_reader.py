@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import psycopg
 
 from changefeed.core.change import HEARTBEAT_PREFIX
+from changefeed.core.lsn import Lsn
 from changefeed.errors import ConfigError
 from changefeed.postgres import source as src
 from changefeed.spec.definition import WAL_READERS, SourceNode
@@ -48,8 +49,8 @@ class WalReader:
         ordinary connection to the node, `role` names it in errors."""
         raise NotImplementedError
 
-    def cut(self, conn: psycopg.Connection[Any], node: SourceNode, start: int, upto: int, *,
-            max_bytes: int = 0, max_changes: int = 0) -> int:
+    def cut(self, conn: psycopg.Connection[Any], node: SourceNode, start: Lsn, upto: Lsn, *,
+            max_bytes: int = 0, max_changes: int = 0) -> Lsn:
         """Where a window from `start` ends under a change limit (exact, wins) or a byte limit,
         at most at `upto` (a flushed position)."""
         if upto <= start:
@@ -58,10 +59,10 @@ class WalReader:
             return src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes)
         if max_bytes and upto - start > max_bytes:
             self._layout = self._layout or src.wal_layout(conn)
-            return min(upto, src.page_cut(start, max_bytes, self._layout[0]))
+            return Lsn(min(upto, src.page_cut(start, max_bytes, self._layout[0])))
         return upto
 
-    def heartbeat(self, conn: psycopg.Connection[Any], pad: int = 0) -> tuple[int, int]:
+    def heartbeat(self, conn: psycopg.Connection[Any], pad: int = 0) -> tuple[Lsn, int]:
         """A flushed record boundary past everything written so far, and the server's clock then."""
         return src.heartbeat(conn, HEARTBEAT_PREFIX, pad)
 

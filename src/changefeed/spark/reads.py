@@ -26,7 +26,7 @@ from changefeed import faults
 from changefeed.core import change as ch
 from changefeed.core import distributed as dist
 from changefeed.core import snapshot
-from changefeed.core.lsn import format_lsn
+from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
 from changefeed.postgres import pgoutput as po
@@ -59,11 +59,11 @@ class BatchPartition(InputPartition):
         self.part, self.parts = 0, 1
 
     @property
-    def start_lsn(self) -> int:
-        return self.start.lsns.get(self.node.name, 0)
+    def start_lsn(self) -> Lsn:
+        return self.start.lsns.get(self.node.name, Lsn(0))
 
     @property
-    def end_lsn(self) -> int:
+    def end_lsn(self) -> Lsn:
         return self.end.lsns[self.node.name]
 
 

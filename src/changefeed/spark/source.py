@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from changefeed.core import change as ch
 from changefeed.core import distributed as dist
 from changefeed.core import snapshot
 from changefeed.core.hlc import window_end_ts
+from changefeed.core.lsn import Lsn
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.offsets import Offset
 from changefeed.core.requests import SnapshotRequests
@@ -227,10 +228,10 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _plan_one(self, start: Offset, readings: Readings, limit: ReadLimit, barrier: bar.Barrier | None,
                   cursor: snapshot.Cursor, chunks: tuple[snapshot.Chunk, ...]) -> Offset | None:
         """A one-node feed's batch: its window cut by the read limit at a page or commit boundary."""
-        lsns = {n: max(start.lsns.get(n, 0), self._cut(n, start.lsns.get(n, 0), f.lsn, limit))
+        lsns = {n: max(start.lsns.get(n, Lsn(0)), self._cut(n, start.lsns.get(n, Lsn(0)), f.lsn, limit))
                 for n, f in readings.frontiers.items()}
         if barrier is not None:
-            lsns = barrier.cap(start.lsns, lsns)
+            lsns = {n: Lsn(at) for n, at in barrier.cap(start.lsns, lsns).items()}
         return Offset(lsns, resolved_ts(start.ts, readings.frontiers), cursor, chunks)
 
     def _plan_nodes(self, start: Offset, readings: Readings, barrier: bar.Barrier | None,
@@ -253,7 +254,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         parts = {n: tuple((p.gid, p.xid, p.commit or 0) for p in v) for n, v in plan.parts.items() if v}
         opened = {n: v for n, v in plan.open.items() if v}
         ts = window_end_ts(start.ts, plan.theta_us // 1000)
-        return Offset(plan.ends, ts, cursor, chunks, plan.theta_us, parts, opened)
+        ends = {n: Lsn(at) for n, at in plan.ends.items()}
+        return Offset(ends, ts, cursor, chunks, plan.theta_us, parts, opened)
 
     def _joined(self, start: Offset) -> Offset:
         """`start` with a node added to the feed since (see lifecycle.add_node) at its slot's position."""
@@ -269,7 +271,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             lsns[n] = state.confirmed_flush
         return replace(start, lsns=lsns)
 
-    def _cut(self, node: str, start: int, lsn: int, limit: ReadLimit) -> int:
+    def _cut(self, node: str, start: Lsn, lsn: Lsn, limit: ReadLimit) -> Lsn:
         """Where node `node`'s window [start, lsn) ends under the read limit (per node)."""
         with self._on(node):
             return self.wal.cut(self.conn(node), self.nodes[node], start, lsn,
@@ -325,12 +327,12 @@ class Readings:
     """What a batch is planned from: per node a flushed position read first (`certain`), the
     latest server clock read right after one (`theta`, Unix µs), and the frontiers written after."""
 
-    certain: dict[str, int]
+    certain: Mapping[str, Lsn]
     theta: int
     frontiers: dict[str, Frontier]
 
 
-def _left(scans: dict[str, dist.NodeScan], plan: dist.Plan, certain: dict[str, int]) -> bool:
+def _left(scans: dict[str, dist.NodeScan], plan: dist.Plan, certain: Mapping[str, int]) -> bool:
     """Whether a node has a commit before its `certain` position that the plan leaves undelivered."""
     return any(plan.ends[n] <= c.start < certain[n] for n, s in scans.items() for c in dist.pair(s)[0])
 
