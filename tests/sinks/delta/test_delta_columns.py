@@ -230,7 +230,7 @@ def test_some_columns(table: tuple[list[Column], list[Any]], data: st.DataObject
     types = [c.type_name for c in columns]
     wanted = data.draw(st.lists(st.integers(0, len(columns) - 1), max_size=3))
     everything = decode(lines, types)
-    assert [a.to_pylist() for a in decode(lines, types, wanted)] == [everything[i].to_pylist() for i in wanted]
+    assert same([a.to_pylist() for a in decode(lines, types, wanted)], [everything[i].to_pylist() for i in wanted])
 
 
 def test_null_lines_and_empty_batches() -> None:

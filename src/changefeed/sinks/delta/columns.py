@@ -8,7 +8,7 @@ and Arrow's own casts parse integers, floats (NaN and infinities too), decimals,
 timestamps (offsets converted to UTC) over a whole column at once. Python runs per value only
 where Arrow cannot: fields holding a backslash escape (rare outside bytea), bytea, arrays,
 timestamps whose offset has seconds (historic zones), and, when a cast fails, to find and report
-the value at fault.
+the value at fault; there psycopg's text loaders read each value (no connection needed).
 
 Values are read as the walsender prints them (DateStyle ISO, bytea_output hex; the escape form is
 read too; see core.pgvalue). A value the column's Arrow type cannot hold raises `Unrepresentable`
@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from datetime import date, datetime, time, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
+from psycopg.adapt import Transformer
+from psycopg.pq import Format
 
 from changefeed.core.copytext import NULL, unescape
 from changefeed.core.pgvalue import base_name, parse_array
@@ -194,62 +197,31 @@ def _array(values: pa.Array, type_name: str, typ: pa.DataType, column: int) -> p
 
 
 # -- per value, for what the vectorized casts refuse ----------------------------------------------
-_BYTEA_ESCAPE = re.compile(rb"\\(\\|[0-7]{3})")
-_DATE = re.compile(r"(\d{4})-(\d\d)-(\d\d)")
-_CLOCK = re.compile(r"(\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?")
-_TIMESTAMP = re.compile(_DATE.pattern + " " + _CLOCK.pattern + r"(?:([+-])(\d\d)(?::(\d\d))?(?::(\d\d))?)?")
-
-
-def _bytea(text: str) -> bytes:
-    if text.startswith("\\x"):
-        return bytes.fromhex(text[2:])
-    return _BYTEA_ESCAPE.sub(lambda m: b"\\" if m[1] == b"\\" else bytes([int(m[1], 8)]), text.encode("ascii"))
-
-
-def _decimal(text: str) -> Decimal:
-    value = Decimal(text)
-    if not value.is_finite():
-        raise ValueError(text)
-    return value
-
-
-def _match(pattern: re.Pattern[str], text: str) -> re.Match[str]:
-    if (m := pattern.fullmatch(text)) is None:  # 'infinity', BC, a year past 9999, ...
-        raise ValueError(text)
-    return m
-
-
-def _date(text: str) -> date:
-    return date(*map(int, _match(_DATE, text).groups()))
-
-
-def _time_of(m: re.Match[str], at: int) -> tuple[int, int, int, int]:
-    return int(m[at]), int(m[at + 1]), int(m[at + 2]), int((m[at + 3] or "").ljust(6, "0"))
-
-
-def _clock(text: str) -> time:
-    return time(*_time_of(_match(_CLOCK, text), 1))
-
-
-def _timestamp(text: str, aware: bool) -> datetime:
-    m = _match(_TIMESTAMP, text)
-    if (m[8] is not None) != aware:
-        raise ValueError(text)
-    value = datetime(int(m[1]), int(m[2]), int(m[3]), *_time_of(m, 4))
-    if not aware:
-        return value
-    offset = timedelta(hours=int(m[9]), minutes=int(m[10] or 0), seconds=int(m[11] or 0))
-    return (value - offset if m[8] == "+" else value + offset).replace(tzinfo=timezone.utc)  # OverflowError
+# psycopg's own text loaders, without a connection: they read the server's default output (ISO
+# dates, hex or escape bytea) and refuse what Python cannot hold (BC, after 9999, infinity,
+# 24:00:00) with a DataError, which is what Unrepresentable needs.
+_LOADERS = Transformer()
+_OIDS: list[tuple[Callable[[pa.DataType], bool], int]] = [
+    (pa.types.is_int16, 21), (pa.types.is_int32, 23), (pa.types.is_integer, 20), (pa.types.is_float32, 700),
+    (pa.types.is_floating, 701), (pa.types.is_decimal, 1700), (pa.types.is_binary, 17),
+    (pa.types.is_date, 1082), (pa.types.is_time, 1083),
+    (lambda t: pa.types.is_timestamp(t) and t.tz is None, 1114), (pa.types.is_timestamp, 1184)]
 
 
 def _parser(typ: pa.DataType) -> Callable[[str], Any]:
-    if pa.types.is_timestamp(typ):
-        return partial(_timestamp, aware=typ.tz is not None)
-    checks: list[tuple[Callable[[pa.DataType], bool], Callable[[str], Any]]] = [
-        (pa.types.is_integer, int), (pa.types.is_floating, float), (pa.types.is_decimal, _decimal),
-        (pa.types.is_boolean, {"t": True, "f": False}.__getitem__), (pa.types.is_binary, _bytea),
-        (pa.types.is_date, _date), (pa.types.is_time, _clock)]
-    return next(parse for check, parse in checks if check(typ))
+    if pa.types.is_boolean(typ):
+        return {"t": True, "f": False}.__getitem__  # psycopg reads anything but "t" as false
+    oid = next(oid for check, oid in _OIDS if check(typ))
+    load = _LOADERS.get_loader(oid, Format.TEXT).load
+
+    def parse(text: str) -> Any:
+        value = load(text.encode())
+        if isinstance(value, Decimal) and not value.is_finite():
+            raise ValueError(text)  # numeric NaN or infinity: no decimal holds it
+        if isinstance(value, datetime) and value.tzinfo is not None:
+            return value.astimezone(timezone.utc)  # OverflowError before year 1
+        return value
+    return parse
 
 
 def _python(values: pa.Array, typ: pa.DataType, type_name: str, column: int) -> pa.Array:
@@ -258,7 +230,7 @@ def _python(values: pa.Array, typ: pa.DataType, type_name: str, column: int) -> 
     for text in texts:
         try:
             out.append(None if text is None else parse(text))
-        except (ValueError, ArithmeticError, KeyError) as e:
+        except (ValueError, ArithmeticError, KeyError, psycopg.DataError) as e:
             raise Unrepresentable(column, type_name, text) from e
     try:
         return pa.array(out, typ)
