@@ -19,7 +19,7 @@ from changefeed.errors import IncompleteBatch
 from changefeed.postgres import source as src
 from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.sinks.replica import apply as replica
-from changefeed.sinks.replica import insert_run
+from changefeed.sinks.replica import insert_run, ledger, merge
 from conftest import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,8 +59,8 @@ def _stream(dbs: Dbs, rows_per_batch: int = 500) -> tuple[list[Any], list[src.So
 
 def _prepare_sink(dbs: Dbs, tables: list[src.SourceTable]) -> None:
     with dbs.dst() as d:
-        replica.ensure_meta(d)
-        replica.ensure_tables(d, tables)
+        ledger.ensure_meta(d)
+        merge.ensure_tables(d, tables)
 
 
 def _assert_replica_equals_source(dbs: Dbs) -> None:
@@ -185,7 +185,7 @@ def test_a_batch_commits_durably_whatever_the_replicas_default(dbs: Dbs, default
     asynchronous commit lost in a replica crash would never be replayed (seen in
     tests/e2e/test_outages.py before the applier raised it). Stronger settings stay as they are."""
     with dbs.dst() as d:
-        replica.ensure_meta(d)
+        ledger.ensure_meta(d)
         d.execute(f"ALTER DATABASE {dbs.name} SET synchronous_commit = {default}")
     with psycopg.connect(dbs.sink, autocommit=True) as conn:
         assert conn.execute("SHOW synchronous_commit").fetchone() == (default,)

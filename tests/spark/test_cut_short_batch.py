@@ -19,7 +19,7 @@ import pytest
 from pyspark import cloudpickle
 
 from changefeed.core import change as ch
-from changefeed.sinks.replica import apply as replica
+from changefeed.sinks.replica import ledger
 from changefeed.spark import reads as feed_reads
 from conftest import Dbs
 
@@ -107,7 +107,7 @@ class ReplicaTarget:
     def __init__(self, dbs: Dbs, tmp: Path, kafka: Any = None) -> None:
         self.dbs = dbs
         with dbs.dst() as d:
-            replica.ensure_meta(d)
+            ledger.ensure_meta(d)
             d.execute("CREATE TABLE cut (id integer PRIMARY KEY, v text)")
 
     def writer(self, stream: Any) -> Any:

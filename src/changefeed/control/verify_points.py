@@ -37,7 +37,7 @@ from changefeed.postgres.connect import connect, lost_connection, one_row
 from changefeed.sinks.base import ledger_path
 from changefeed.sinks.ledger import FileLedger
 from changefeed.sinks.registry import open_ledger, sink_of
-from changefeed.sinks.replica.apply import META_SCHEMA, ReplicaLedger, has_meta
+from changefeed.sinks.replica.ledger import META_SCHEMA, ReplicaLedger, has_meta
 from changefeed.spec.definition import FeedSpec, node_role
 from changefeed.spec.state import FeedState
 

@@ -14,7 +14,7 @@ import psycopg
 from changefeed.demo.workload import SCHEMA, TABLES, FeedThread, transfers_while_feeding, wait_until
 from changefeed.local.postgres import LocalPostgres
 from changefeed.postgres.connect import one_row
-from changefeed.sinks.replica.apply import applied_upto
+from changefeed.sinks.replica.ledger import applied_upto
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 

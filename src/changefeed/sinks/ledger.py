@@ -3,7 +3,7 @@
 The control plane (run, status, the metrics, the retention check, remove) asks the ledger how far
 the sink is: the checkpoint a restart resumes after, what was delivered, the snapshot chunks done.
 The replica keeps its ledger in its own `changefeed.*` tables, written in the batch's transaction
-(`sinks.replica.apply.ReplicaLedger`). A sink with no place of its own to write to (a webhook) keeps
+(`sinks.replica.ledger.ReplicaLedger`). A sink with no place of its own to write to (a webhook) keeps
 it in the feed's state folder as `FileLedger`: one JSON line per batch, appended by the Spark
 driver once every message of the batch was acknowledged, before Spark records the batch as done.
 """

@@ -22,7 +22,7 @@ class ReplicaSink(Sink):
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from changefeed.postgres.connect import connect
-        from changefeed.sinks.replica.apply import ReplicaLedger
+        from changefeed.sinks.replica.ledger import ReplicaLedger
 
         return ReplicaLedger(connect(spec.sink, "sink"), spec.name)
 

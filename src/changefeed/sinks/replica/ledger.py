@@ -1,0 +1,158 @@
+"""The replica's ledger: the `changefeed.progress` and `changefeed.snapshot_chunks` tables on the
+replica, which say how far each feed's batches and snapshot chunks were applied (sinks.ledger).
+
+They are written in the same transaction as the batch they record (replica/apply.py), so the
+replica and its ledger never disagree; readers here create nothing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.postgres.connect import one_row
+from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
+from changefeed.sinks.replica.merge import ensure_tables
+
+META_SCHEMA = "changefeed"
+
+
+def ensure_meta(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(f"CREATE SCHEMA IF NOT EXISTS {META_SCHEMA}")
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.progress ("
+        " feed text NOT NULL, batch_id bigint NOT NULL, end_lsn pg_lsn NOT NULL, resolved_ts bigint NOT NULL,"
+        " commit_time timestamptz, changes bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT clock_timestamp(),"
+        " began_at timestamptz DEFAULT now(), PRIMARY KEY (feed, end_lsn))")
+    # began_at: now() is the batch transaction's start, so applied_at - began_at is its apply time.
+    _ensure_column(conn, "progress", "began_at", "timestamptz", default="now()")
+    # positions: each node's end LSN, on a feed of several nodes (its end_lsn is then the batch's
+    # resolved ts, see core.change.BatchProgress); NULL on a one-node feed.
+    _ensure_column(conn, "progress", "positions", "jsonb")
+    # reads: which Spark task read each of the batch's input partitions, and when (core.change.BatchProgress)
+    _ensure_column(conn, "progress", "reads", "jsonb")
+    # One row per snapshot chunk applied: a chunk is applied once (the key refuses a second).
+    # read_task: the Spark task attempt that read the chunk.
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.snapshot_chunks ("
+        " feed text NOT NULL, chunk_no bigint NOT NULL, table_name text NOT NULL, rows bigint NOT NULL,"
+        " read_lsn pg_lsn NOT NULL, batch_id bigint NOT NULL,"
+        " applied_at timestamptz NOT NULL DEFAULT clock_timestamp(), read_task bigint, PRIMARY KEY (feed, chunk_no))")
+    _ensure_column(conn, "snapshot_chunks", "read_task", "bigint")
+
+
+def _ensure_column(conn: psycopg.Connection[Any], table: str, column: str, type_: str, default: str = "") -> None:
+    """Add a bookkeeping column that sinks made by an older version lack (existing rows get NULL,
+    the default is for new ones). Only then: ALTER TABLE would lock out other feeds' batches."""
+    if conn.execute(f"SELECT 1 FROM pg_attribute WHERE attrelid = '{META_SCHEMA}.{table}'::regclass "
+                    "AND attname = %s AND NOT attisdropped", (column,)).fetchone():
+        return
+    conn.execute(f"ALTER TABLE {META_SCHEMA}.{table} ADD COLUMN IF NOT EXISTS {column} {type_}")
+    if default:
+        conn.execute(f"ALTER TABLE {META_SCHEMA}.{table} ALTER COLUMN {column} SET DEFAULT {default}")
+
+
+def has_meta(conn: psycopg.Connection[Any], table: str) -> bool:
+    """Whether the bookkeeping table `changefeed.TABLE` exists (readers create nothing)."""
+    return one_row(conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')"))[0] is not None
+
+
+def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
+    """The end LSN of the last batch applied for `feed`, 0 if none (the progress table must exist)."""
+    row = conn.execute(f"SELECT max(end_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.progress WHERE feed = %s",
+                       (feed,)).fetchone()
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+# progress rows with their began_at as b.began (NULL on a sink made before the column)
+_PROGRESS_BEGAN = (f"{META_SCHEMA}.progress p CROSS JOIN LATERAL "
+                   "(SELECT (to_jsonb(p) ->> 'began_at')::timestamptz AS began) b")
+
+
+class ReplicaLedger:
+    """The replica's ledger (sinks.ledger): its `changefeed.*` tables, on an open connection.
+
+    Readers create nothing: on a sink never prepared they answer "nothing recorded"."""
+
+    def __init__(self, conn: psycopg.Connection[Any], feed: str) -> None:
+        self.conn, self.feed = conn, feed
+
+    def check(self) -> None:
+        """Nothing more to check: the connection is open."""
+
+    def prepare(self, tables: list[Any]) -> None:
+        ensure_meta(self.conn)
+        ensure_tables(self.conn, tables)
+
+    def checkpoint(self) -> dict[str, int] | None:
+        """From the last progress row: its `positions`, or for a one-node feed (and rows written
+        before nodes existed) its end LSN as node n1's. Read through to_jsonb: a sink made before
+        the column has none until its feed runs again."""
+        if not has_meta(self.conn, "progress"):
+            return None
+        row = self.conn.execute(
+            f"SELECT end_lsn - '0/0'::pg_lsn, to_jsonb(p) -> 'positions' FROM {META_SCHEMA}.progress p "
+            "WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed,)).fetchone()
+        if row is None:
+            return None
+        return {str(k): int(v) for k, v in row[1].items()} if row[1] else {DEFAULT_NODE: int(row[0])}
+
+    def last_resolved_ts(self) -> int | None:
+        if not has_meta(self.conn, "progress"):
+            return None
+        row = self.conn.execute(f"SELECT max(resolved_ts) FROM {META_SCHEMA}.progress WHERE feed = %s",
+                                (self.feed,)).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def last_batch(self) -> LastBatch | None:
+        """began_at is read through to_jsonb: a sink made before it existed has no such column until
+        its feed runs again. Rows older than the column have no duration."""
+        if not has_meta(self.conn, "progress"):
+            return None
+        row = self.conn.execute(
+            "SELECT end_lsn - '0/0'::pg_lsn, coalesce(commit_time, (SELECT max(commit_time) FROM "
+            f"{META_SCHEMA}.progress WHERE feed = %s))::text, resolved_ts, "
+            f"(SELECT count(*) FROM {META_SCHEMA}.progress WHERE feed = %s), "
+            "extract(epoch FROM applied_at - b.began) "
+            f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed,) * 3).fetchone()
+        if row is None:
+            return None
+        return LastBatch(int(row[0]), row[1], int(row[2]), int(row[3]),
+                         None if row[4] is None else round(float(row[4]), 3))
+
+    def recent_rate(self) -> float:
+        if not has_meta(self.conn, "progress"):
+            return 0.0
+        row = one_row(self.conn.execute(
+            "SELECT coalesce(sum(changes), 0), extract(epoch FROM now() - greatest(now() - make_interval(secs => %s), "
+            f"min(least(b.began, applied_at)))) FROM {_PROGRESS_BEGAN} "
+            "WHERE feed = %s AND applied_at > now() - make_interval(secs => %s)",
+            (RATE_WINDOW_S, self.feed, RATE_WINDOW_S)))
+        return round(int(row[0]) / max(float(row[1] or 0), 1.0), 1)
+
+    def totals(self) -> tuple[int, int]:
+        if not has_meta(self.conn, "progress"):
+            return 0, 0
+        row = one_row(self.conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress "
+                                        "WHERE feed = %s", (self.feed,)))
+        return int(row[0]), int(row[1])
+
+    def snapshot_totals(self) -> dict[str, tuple[int, int]]:
+        if not has_meta(self.conn, "snapshot_chunks"):
+            return {}
+        return {r[0]: (int(r[1]), int(r[2])) for r in self.conn.execute(
+            f"SELECT table_name, count(*), sum(rows) FROM {META_SCHEMA}.snapshot_chunks WHERE feed = %s "
+            "GROUP BY table_name", (self.feed,))}
+
+    def forget(self) -> bool:
+        """Delete the feed's bookkeeping rows (its replica tables stay)."""
+        deleted = False
+        for table in ("progress", "snapshot_chunks"):
+            if has_meta(self.conn, table):
+                deleted |= self.conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s",
+                                             (self.feed,)).rowcount > 0
+        return deleted
+
+    def close(self) -> None:
+        self.conn.close()

@@ -1,0 +1,163 @@
+"""Staging and merging one table's rows on the replica: COPY a chunk of change rows into a
+temporary staging table, then merge it into the target set-based (TRUNCATE first where one
+occurred, unchanged TOAST values resolved from the target, per key only the last change, an
+update that moved a key deletes the old one); and the target tables a replica lacks.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+from psycopg import sql
+
+from changefeed.core import change as ch
+from changefeed.core.copytext import NULL
+from changefeed.errors import SinkError
+from changefeed.sinks.replica.insert_run import terminated, write_lines
+
+
+def ident(*names: str) -> sql.Identifier:
+    return sql.Identifier(*names)
+
+
+def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
+    """Create missing target tables with the source's columns, types and key."""
+    for t in tables:
+        cols = [sql.SQL("{} {}").format(ident(c), sql.SQL(ty)) for c, ty in zip(t.columns, t.types)]
+        cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(ident, t.key))))
+        try:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident(t.schema)))
+            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+                ident(t.schema, t.name), sql.SQL(", ").join(cols)))
+        except psycopg.Error as e:
+            raise SinkError(f"cannot create target table {t.schema}.{t.name}: {e}".strip(),
+                            "create the types it uses on the sink, or create the table yourself") from None
+
+
+@dataclass
+class Part:
+    """A temporary staging table for one table shape; it holds one chunk of rows at a time."""
+
+    shape: ch.TableShape
+    staging: sql.Identifier
+    copy_sql: sql.Composed
+    insert_sql: sql.Composed
+    nulls: Any
+    key_nulls: Any
+    columns: tuple[str, ...]  # of the shape's, those the target has (all but for a snapshot's shape ahead)
+
+
+def copy_rows(conn: psycopg.Connection[Any], part: Part, rows: Any) -> None:
+    """COPY rows into the part's staging table, as lines built column-wise by Arrow kernels:
+    `lsn seq op unchanged values old_key`, where values are the new row (the old one for
+    deletes) and NULLs fill what a row does not have."""
+    lines = pc.binary_join_element_wise(
+        _text(rows.column("lsn")), _text(rows.column("seq")), _text(rows.column("op")),
+        _text(pc.fill_null(rows.column("unchanged"), NULL.decode())),
+        pc.coalesce(_large(rows.column("after")), _large(rows.column("before")), part.nulls),
+        terminated(pc.coalesce(_large(rows.column("old_key")), part.key_nulls)),
+        _TAB)
+    _copy_lines(conn, part.copy_sql, lines)
+
+
+def _copy_lines(conn: psycopg.Connection[Any], copy_sql: sql.Composed, lines: Any) -> None:
+    """COPY a large_binary array of complete lines."""
+    with conn.cursor().copy(copy_sql) as copy:
+        write_lines(copy, lines)
+
+
+_TAB = pa.scalar(b"\t", pa.large_binary())
+
+
+def _large(col: Any) -> Any:
+    return col.cast(pa.large_binary())
+
+
+def _text(col: Any) -> Any:
+    """Any column as its text form in large_binary (what COPY reads)."""
+    if not pa.types.is_string(col.type):
+        col = col.cast(pa.string())
+    return col.cast(pa.large_binary())
+
+
+def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool, has_unchanged: bool,
+                has_key_change: bool) -> None:
+    """Merge the staged chunk into the target: last change per key wins, TRUNCATE first.
+
+    An update that changed the key also deletes its old key (as a change just before it).
+    """
+    shape = part.shape
+    target, stg = ident(shape.schema, shape.table), part.staging
+    after: sql.Composable = sql.SQL("true")
+    if has_truncate:
+        row = conn.execute(sql.SQL("SELECT _lsn, _seq FROM {} WHERE _op = 't' ORDER BY _lsn DESC, _seq DESC "
+                                   "LIMIT 1").format(stg)).fetchone()
+        assert row is not None
+        conn.execute(sql.SQL("TRUNCATE {}").format(target))
+        after = sql.SQL("(_lsn, _seq) > ({}, {})").format(sql.Literal(row[0]), sql.Literal(row[1]))
+    if has_unchanged:
+        _resolve_unchanged(conn, part, target, stg)
+    cols = [ident(c) for c in part.columns]
+    keys = [ident(k) for k in shape.key]
+    old_keys = [ident(f"_ok_{i}") for i in range(len(shape.key))]
+    key_list = sql.SQL(", ").join(keys)
+    col_list = sql.SQL(", ").join(cols)
+    non_key = [c for c in part.columns if c not in shape.key]
+    on_conflict = sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
+        sql.SQL("{0} = EXCLUDED.{0}").format(ident(c)) for c in non_key)) if non_key else sql.SQL("DO NOTHING")
+    conn.execute(sql.SQL("""
+        WITH rows AS (
+            SELECT _lsn, _seq, 1 AS _sub, _op, {col_list} FROM {stg} WHERE _op <> 't' AND {after}
+            {old_key_deletes}
+        ), last AS (
+            SELECT DISTINCT ON ({key_list}) * FROM rows ORDER BY {key_list}, _lsn DESC, _seq DESC, _sub DESC
+        ), deleted AS (
+            DELETE FROM {target} t USING last l WHERE l._op = 'd' AND ({t_keys}) = ({l_keys})
+        )
+        INSERT INTO {target} ({col_list}) SELECT {col_list} FROM last WHERE _op <> 'd'
+        ON CONFLICT ({key_list}) {on_conflict}
+    """).format(
+        col_list=col_list, stg=stg, after=after, key_list=key_list, target=target, on_conflict=on_conflict,
+        old_key_deletes=sql.SQL("UNION ALL SELECT _lsn, _seq, 0, 'd', {} FROM {} WHERE {} IS NOT NULL AND {}").format(
+            sql.SQL(", ").join(sql.SQL("{} AS {}").format(old_keys[shape.key.index(c)], ident(c)) if c in shape.key
+                               else sql.SQL("NULL") for c in part.columns),
+            stg, old_keys[0], after) if has_key_change else sql.SQL(""),
+        t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
+        l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys),
+    ))
+
+
+def _resolve_unchanged(conn: psycopg.Connection[Any], part: Part, target: sql.Identifier,
+                       stg: sql.Identifier) -> None:
+    """Fill columns an update left TOASTed-unchanged with the value they had just before.
+
+    That value is the key's latest earlier change in this batch (looked up under the old key when
+    the update changed the key), else the replica's current row. Rows whose predecessor is still
+    unresolved wait for the next round, so chains of such updates resolve in order.
+    """
+    shape = part.shape
+    keys = [ident(k) for k in shape.key]
+    lookup = sql.SQL(", ").join(
+        sql.SQL("coalesce(s.{}, s.{})").format(ident(f"_ok_{i}"), k) for i, k in enumerate(keys))
+    p_keys = sql.SQL(", ").join(sql.SQL("p.{}").format(k) for k in keys)
+    t_keys = sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys)
+    for i, col in enumerate(shape.columns):
+        c = ident(col)
+        while True:
+            cur = conn.execute(sql.SQL("""
+                UPDATE {stg} s SET {c} = coalesce(
+                    (SELECT p.{c} FROM {stg} p WHERE ({p_keys}) = ({lookup}) AND (p._lsn, p._seq) < (s._lsn, s._seq)
+                     ORDER BY p._lsn DESC, p._seq DESC LIMIT 1),
+                    (SELECT t.{c} FROM {target} t WHERE ({t_keys}) = ({lookup}))),
+                  _unch = array_remove(s._unch, {i})
+                WHERE {i} = ANY(s._unch) AND NOT EXISTS (
+                    SELECT 1 FROM {stg} p WHERE ({p_keys}) = ({lookup}) AND (p._lsn, p._seq) < (s._lsn, s._seq)
+                    AND {i} = ANY(p._unch))
+            """).format(stg=stg, c=c, p_keys=p_keys, lookup=lookup, target=target, t_keys=t_keys,
+                        i=sql.Literal(i)))
+            if cur.rowcount == 0:
+                break
