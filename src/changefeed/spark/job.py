@@ -13,6 +13,11 @@ from changefeed.spark.spark_home import use_linked_home
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
+# The driver JVM plans batches and passes packed chunks between Python processes; it never runs
+# long enough in one place to repay C2's slow compiles, which on two cores compete with the start
+# of the feed itself. C1 alone starts a feed much sooner at the same batch throughput (bench/README.md).
+QUICK_JIT = "-XX:TieredStopAtLevel=1"
+
 
 def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None,
                   log: Path | None = None, executor_env: dict[str, str] | None = None) -> Any:
@@ -40,7 +45,7 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     from changefeed.spark.writer import SinkSource
 
     conf = (SparkConf().setMaster(master).setAppName(app)
-            .set("spark.driver.extraJavaOptions", f"-Xss64m {java_options}".strip())
+            .set("spark.driver.extraJavaOptions", f"-Xss64m {QUICK_JIT} {java_options}".strip())
             .set("spark.driver.memory", os.environ.get("CHANGEFEED_DRIVER_MEMORY", "4g"))
             .set("spark.ui.enabled", "false")
             .set("spark.ui.showConsoleProgress", "false")
