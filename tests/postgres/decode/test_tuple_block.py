@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_pgoutput import _encode_tuple as encode_tuple  # TupleData bytes from (kind, value) pairs
 
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres import tuple_block as tb
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode import tuple_block as tb
 
 OID = 16384
 SPECIAL = b"\t\n\r\\"

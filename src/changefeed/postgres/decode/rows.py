@@ -1,4 +1,4 @@
-"""The change builder's rows not taken yet, column by column (see postgres/changes.py).
+"""The change builder's rows not taken yet, column by column (see postgres/decode/builder.py).
 
 Most rows come as chunks from vectorised runs of plain changes; the rest (R rows, messages, the
 odd change) are gathered in lists until a chunk follows them. Arrow arrays are concatenated once

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from changefeed.core.copytext import join_line, split_line
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres.pgoutput import UNCHANGED, DecodeError, decode, decode_tuple
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode.pgoutput import UNCHANGED, DecodeError, decode, decode_tuple
 
 pytestmark = pytest.mark.timeout(120)
 

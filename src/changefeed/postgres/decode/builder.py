@@ -32,10 +32,10 @@ from changefeed.core.change import HEARTBEAT_PREFIX
 from changefeed.core.hlc import next_commit_ts
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import TornTransaction
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres import tuple_block as tb
-from changefeed.postgres.pgoutput import RelationInfo
-from changefeed.postgres.rows import Chunk, Rows
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode import tuple_block as tb
+from changefeed.postgres.decode.pgoutput import RelationInfo
+from changefeed.postgres.decode.rows import Chunk, Rows
 
 Catalog = Callable[[po.Relation], RelationInfo]
 
