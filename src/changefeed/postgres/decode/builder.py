@@ -38,6 +38,7 @@ from changefeed.postgres.decode import tuple_lines as tl
 from changefeed.postgres.decode.columns import Txn, record_batch
 from changefeed.postgres.decode.pgoutput import RelationInfo
 from changefeed.postgres.decode.rows import Chunk, Rows
+from changefeed.postgres.decode.tuple_lines import last_tuple
 
 Catalog = Callable[[po.Relation], RelationInfo]
 
@@ -46,14 +47,6 @@ def offline_catalog(rel: po.Relation) -> RelationInfo:
     """Without a database: type OIDs for names, the key as pgoutput flags it."""
     return RelationInfo(tuple(f"oid:{c.type_oid}" for c in rel.columns), rel.key_indexes,
                         (None,) * len(rel.columns))
-
-
-def _final_tuple(data: bytes, pos: int, what: str) -> tuple[bytes, list[int] | None]:
-    """The tuple at `pos`, which must end the message: (COPY line, unchanged columns)."""
-    line, unchanged, end = tl.copy_tuple(data, pos)
-    if end != len(data):
-        raise po.DecodeError(f"{what}: {len(data) - end} bytes after its tuple")
-    return line, unchanged
 
 
 _I, _U, _D, _B, _C = po.INSERT, po.UPDATE, po.DELETE, *b"BC"
@@ -177,13 +170,13 @@ class ChangeBuilder:
         """An Insert, Update or Delete message, alone."""
         kind, oid, old, new_at = po.change_layout(data)
         if kind == _I:
-            self._row(oid, _INSERT, _final_tuple(data, new_at, "Insert")[0], None)
+            self._row(oid, _INSERT, last_tuple(data, new_at, "Insert")[0], None)
             return
         if kind == _D:
-            self._row(oid, _DELETE, None, _final_tuple(data, po.TUPLE_AT, "Delete")[0])
+            self._row(oid, _DELETE, None, last_tuple(data, po.TUPLE_AT, "Delete")[0])
             return
         before = tl.copy_tuple(data, po.TUPLE_AT)[0] if old else None  # an old key or row
-        line, unchanged = _final_tuple(data, new_at, "Update")
+        line, unchanged = last_tuple(data, new_at, "Update")
         i = self._row(oid, _UPDATE, line, before)
         if unchanged:
             self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"

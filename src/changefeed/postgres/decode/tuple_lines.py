@@ -58,6 +58,14 @@ def copy_tuple(buf: bytes, pos: int) -> tuple[bytes, list[int] | None, int]:
     return line, unchanged, pos
 
 
+def last_tuple(data: bytes, pos: int, what: str) -> tuple[bytes, list[int] | None]:
+    """The tuple at `pos` of message `data` (`what`), which must end it: (COPY line, unchanged columns)."""
+    line, unchanged, end = copy_tuple(data, pos)
+    if end != len(data):
+        raise DecodeError(f"{what}: {len(data) - end} bytes after its tuple")
+    return line, unchanged
+
+
 def copy_line(values: list[Value]) -> bytes:
     """Values -> COPY text line; an unchanged TOAST value is NULL there."""
     return join_line(v if isinstance(v, bytes) else None for v in values)
