@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +9,6 @@ from hypothesis import strategies as st
 from test_pgoutput import _encode_tuple  # TupleData bytes from (kind, value) pairs
 
 from changefeed.core.copytext import join_line, split_line
-from changefeed.postgres.decode import pgoutput
 from changefeed.postgres.decode import tuple_lines as tl
 from changefeed.postgres.decode.pgoutput import UNCHANGED, DecodeError, decode_tuple
 
@@ -50,25 +48,3 @@ def test_copy_tuple_rejects_negative_lengths_and_unknown_kinds() -> None:
     with pytest.raises(DecodeError, match="kind"):
         tl.copy_tuple(struct.pack(">h", 1) + b"?", 0)
 
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(COPY_COLUMN, max_size=12), st.binary(max_size=10), st.data())
-def test_tuple_end_walks_as_copy_tuple_does(cols: list[tuple[str, bytes | None]], after: bytes,
-                                            data: st.DataObject) -> None:
-    """pgoutput.tuple_end (change_layout's walk over an old tuple): copy_tuple's end, or its error,
-    for whole, truncated and corrupted tuples."""
-    buf = bytearray(_encode_tuple(cols) + after)
-    if data.draw(st.booleans(), label="damage"):
-        at = data.draw(st.integers(0, len(buf) - 1), label="at")
-        if data.draw(st.booleans(), label="cut"):
-            del buf[at:]
-        else:
-            buf[at] = data.draw(st.integers(0, 255), label="byte")
-
-    def outcome(walk: Any) -> Any:
-        try:
-            return walk()
-        except DecodeError as e:
-            return e.message
-
-    assert outcome(lambda: pgoutput.tuple_end(bytes(buf), 0)) == outcome(lambda: tl.copy_tuple(bytes(buf), 0)[2])

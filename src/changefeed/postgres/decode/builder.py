@@ -36,7 +36,7 @@ from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.decode import tuple_block as tb
 from changefeed.postgres.decode import tuple_lines as tl
 from changefeed.postgres.decode.columns import Txn, record_batch
-from changefeed.postgres.decode.pgoutput import RelationInfo
+from changefeed.postgres.decode.pgoutput import RelationInfo, change_layout
 from changefeed.postgres.decode.rows import Chunk, Rows
 from changefeed.postgres.decode.tuple_lines import last_tuple
 
@@ -168,14 +168,17 @@ class ChangeBuilder:
 
     def _change(self, data: bytes) -> None:
         """An Insert, Update or Delete message, alone."""
-        kind, oid, old, new_at = po.change_layout(data)
+        kind, oid, old, new_at = change_layout(data)
         if kind == _I:
             self._row(oid, _INSERT, last_tuple(data, new_at, "Insert")[0], None)
             return
         if kind == _D:
             self._row(oid, _DELETE, None, last_tuple(data, po.TUPLE_AT, "Delete")[0])
             return
-        before = tl.copy_tuple(data, po.TUPLE_AT)[0] if old else None  # an old key or row
+        before = None
+        if old:  # an old key or row
+            before, _, end = tl.copy_tuple(data, po.TUPLE_AT)
+            new_at = po.new_tuple_at(data, end)
         line, unchanged = last_tuple(data, new_at, "Update")
         i = self._row(oid, _UPDATE, line, before)
         if unchanged:

@@ -240,58 +240,40 @@ def decode_tuple(buf: bytes, pos: int) -> tuple[list[Value], int]:
 
 # Where the parts of an Insert, Update or Delete message are (see `change_layout`): (kind: INSERT,
 # UPDATE or DELETE; the relation's OID; the old tuple's kind, KEY or OLD, its TupleData at TUPLE_AT,
-# or 0: none; where the new tuple's TupleData starts, 0 for a Delete, which has none). A plain tuple:
-# the builder reads the layout of every change that is not part of a long run.
+# or 0: none; where the new tuple's TupleData starts, or 0: a Delete has none, and an Update's
+# follows its old tuple, see `new_tuple_at`). A plain tuple: the builder reads the layout of every
+# change that is not part of a long run.
 ChangeLayout = tuple[int, int, int, int]
+_oid_at = _U32.unpack_from
 
 
 def change_layout(data: bytes) -> ChangeLayout:
     """The layout of Insert, Update or Delete message `data`: the one reading of its header and
-    tuple kinds (an Update's old tuple is walked to find the new one). Tuple values are not read
-    here: whether a tuple ends where its message does is for its reader to tell."""
-    kind = data[0] if data else -1
-    sub = data[TUPLE_KIND_AT] if len(data) > TUPLE_KIND_AT else -1
+    tuple kinds. Tuple values are not read here: an Update's old tuple is walked by its reader,
+    which then gets the new one's position from `new_tuple_at`, and whether the last tuple ends
+    where its message does is for its reader to tell."""
+    try:
+        kind, sub = data[0], data[TUPLE_KIND_AT]
+    except IndexError:
+        kind, sub = data[0] if data else -1, -1
     if sub == NEW and (kind == INSERT or kind == UPDATE):
-        return kind, int.from_bytes(data[OID_AT:TUPLE_KIND_AT], "big"), 0, TUPLE_AT
+        return kind, _oid_at(data, OID_AT)[0], 0, TUPLE_AT
     got = data[TUPLE_KIND_AT:TUPLE_KIND_AT + 1]
     if kind == INSERT:
         raise DecodeError(f"Insert: expected 'N', got {got!r}")
-    if kind == DELETE:
-        if sub != KEY and sub != OLD:
-            raise DecodeError(f"Delete: expected 'K' or 'O', got {got!r}")
-        return kind, int.from_bytes(data[OID_AT:TUPLE_KIND_AT], "big"), sub, 0
-    if kind != UPDATE:
+    if kind != UPDATE and kind != DELETE:
         raise DecodeError(f"not an Insert, Update or Delete message: {data[:1]!r}")
     if sub != KEY and sub != OLD:
-        raise DecodeError(f"Update: expected 'K', 'O' or 'N', got {got!r}")
-    pos = tuple_end(data, TUPLE_AT)
-    if data[pos:pos + 1] != b"N":
-        raise DecodeError(f"Update: expected 'N' after the old tuple, got {data[pos:pos + 1]!r}")
-    return kind, int.from_bytes(data[OID_AT:TUPLE_KIND_AT], "big"), sub, pos + 1
+        raise DecodeError(f"Delete: expected 'K' or 'O', got {got!r}" if kind == DELETE
+                          else f"Update: expected 'K', 'O' or 'N', got {got!r}")
+    return kind, _oid_at(data, OID_AT)[0], sub, 0
 
 
-def tuple_end(buf: bytes, pos: int) -> int:
-    """Where TupleData at `pos` ends (its values unread), with `tuple_lines.copy_tuple`'s errors."""
-    start = pos
-    try:
-        (n,) = _I16.unpack_from(buf, pos)
-        pos += 2
-        for _ in range(n):
-            kind = buf[pos]
-            if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
-                (length,) = _I32.unpack_from(buf, pos + 1)
-                if length < 0:
-                    raise DecodeError(f"negative column value length at byte {pos + 1}")
-                pos += 5 + length
-            elif kind == 0x6E or kind == 0x75:  # 'n' NULL, 'u' unchanged TOAST
-                pos += 1
-            else:
-                raise DecodeError(f"unknown tuple column kind {chr(kind)!r} at byte {pos}")
-    except (IndexError, struct.error):
-        raise DecodeError(f"tuple data at byte {start} runs past the message end") from None
-    if pos > len(buf):
-        raise DecodeError(f"column value runs past the message end ({pos} > {len(buf)} bytes)")
-    return pos
+def new_tuple_at(data: bytes, old_end: int) -> int:
+    """Where the new tuple of Update `data` starts, its old tuple ending at `old_end`."""
+    if data[old_end:old_end + 1] != b"N":
+        raise DecodeError(f"Update: expected 'N' after the old tuple, got {data[old_end:old_end + 1]!r}")
+    return old_end + 1
 
 
 def decode(data: bytes) -> PgOutputMessage:
@@ -350,7 +332,11 @@ def _insert(b: bytes) -> Insert:
 
 def _update(b: bytes) -> Update:
     _, oid, old, new_at = change_layout(b)
-    return Update(oid, decode_tuple(b, TUPLE_AT)[0] if old else None, old == KEY, decode_tuple(b, new_at)[0])
+    old_values = None
+    if old:
+        old_values, end = decode_tuple(b, TUPLE_AT)
+        new_at = new_tuple_at(b, end)
+    return Update(oid, old_values, old == KEY, decode_tuple(b, new_at)[0])
 
 
 def _delete(b: bytes) -> Delete:
