@@ -34,11 +34,10 @@ from changefeed.core.lsn import format_lsn
 from changefeed.errors import TornTransaction
 from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.decode import tuple_block as tb
-from changefeed.postgres.decode import tuple_lines as tl
 from changefeed.postgres.decode.columns import Txn, record_batch
 from changefeed.postgres.decode.pgoutput import RelationInfo, change_layout
 from changefeed.postgres.decode.rows import Chunk, Rows
-from changefeed.postgres.decode.tuple_lines import last_tuple
+from changefeed.postgres.decode.tuple_lines import copy_line, copy_tuple, last_tuple
 
 Catalog = Callable[[po.Relation], RelationInfo]
 
@@ -177,7 +176,7 @@ class ChangeBuilder:
             return
         before = None
         if old:  # an old key or row
-            before, _, end = tl.copy_tuple(data, po.TUPLE_AT)
+            before, _, end = copy_tuple(data, po.TUPLE_AT)
             new_at = po.new_tuple_at(data, end)
         line, unchanged = last_tuple(data, new_at, "Update")
         i = self._row(oid, _UPDATE, line, before)
@@ -187,7 +186,7 @@ class ChangeBuilder:
             old_values, new = po.decode_tuple(data, po.TUPLE_AT)[0], po.decode_tuple(data, new_at)[0]
             keys = self.info(oid).key
             if any(old_values[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
-                self._sparse["old_key"][i] = tl.copy_line([old_values[k] for k in keys])
+                self._sparse["old_key"][i] = copy_line([old_values[k] for k in keys])
 
     def _row(self, oid: int, op: int, after: bytes | None, before: bytes | None) -> int:
         """Append one row of the open transaction; returns its index."""
