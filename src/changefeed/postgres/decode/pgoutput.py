@@ -255,18 +255,23 @@ def change_layout(data: bytes) -> ChangeLayout:
     try:
         kind, sub = data[0], data[TUPLE_KIND_AT]
     except IndexError:
-        kind, sub = data[0] if data else -1, -1
+        raise _layout_error(data) from None
     if sub == NEW and (kind == INSERT or kind == UPDATE):
         return kind, _oid_at(data, OID_AT)[0], 0, TUPLE_AT
-    got = data[TUPLE_KIND_AT:TUPLE_KIND_AT + 1]
-    if kind == INSERT:
-        raise DecodeError(f"Insert: expected 'N', got {got!r}")
-    if kind != UPDATE and kind != DELETE:
-        raise DecodeError(f"not an Insert, Update or Delete message: {data[:1]!r}")
-    if sub != KEY and sub != OLD:
-        raise DecodeError(f"Delete: expected 'K' or 'O', got {got!r}" if kind == DELETE
-                          else f"Update: expected 'K', 'O' or 'N', got {got!r}")
-    return kind, _oid_at(data, OID_AT)[0], sub, 0
+    if (sub == KEY or sub == OLD) and (kind == UPDATE or kind == DELETE):
+        return kind, _oid_at(data, OID_AT)[0], sub, 0
+    raise _layout_error(data)
+
+
+def _layout_error(data: bytes) -> DecodeError:
+    kind, got = data[:1], data[TUPLE_KIND_AT:TUPLE_KIND_AT + 1]
+    if kind == b"I":
+        return DecodeError(f"Insert: expected 'N', got {got!r}")
+    if kind == b"U":
+        return DecodeError(f"Update: expected 'K', 'O' or 'N', got {got!r}")
+    if kind == b"D":
+        return DecodeError(f"Delete: expected 'K' or 'O', got {got!r}")
+    return DecodeError(f"not an Insert, Update or Delete message: {kind!r}")
 
 
 def new_tuple_at(data: bytes, old_end: int) -> int:
