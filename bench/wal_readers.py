@@ -1,7 +1,7 @@
 """The two WAL readers side by side: a big window, and many small ones (see bench/README.md).
 
 Per run, on the same slot position and the same WAL, one after the other:
-  big window   N changes read into change rows (reader + postgres/changes.py's builder, as a task
+  big window   N changes read into change rows (reader + postgres/decode/builder.py's builder, as a task
                does), by `peek` and by `stream`; `pg_recvlogical` of the same window (from a slot
                of its own: it confirms what it receives) as reference; the server CPU of the
                backend or walsender that decoded it.
@@ -28,8 +28,8 @@ from changefeed.core.lsn import format_lsn  # noqa: E402
 from changefeed.local.postgres import bin_dir  # noqa: E402
 from changefeed.postgres import slots  # noqa: E402
 from changefeed.postgres import source as src  # noqa: E402
-from changefeed.postgres.changes import ChangeBuilder  # noqa: E402
 from changefeed.postgres.connect import connect  # noqa: E402
+from changefeed.postgres.decode.builder import ChangeBuilder  # noqa: E402
 from changefeed.postgres.wal_reader import wal_reader  # noqa: E402
 from changefeed.spec.definition import SourceNode  # noqa: E402
 from replica_throughput import bench_setup, fmt_ratio, log, spread  # noqa: E402

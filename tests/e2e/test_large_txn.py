@@ -2,7 +2,7 @@
 
 The committed one reaches the replica whole and once; the rolled-back one never does. Memory is
 bounded by the batch size, not by the transaction: the change builder lets a transaction larger
-than a record batch go out in parts (postgres/changes.py) and the replica applies part after part
+than a record batch go out in parts (postgres/decode/builder.py) and the replica applies part after part
 inside its one batch transaction. Every process of the feed (driver, JVM, Python workers) is
 sampled from /proc while it runs; the Python workers, which hold the rows, must stay far below
 what the transaction's rows take (measured: ~240 MB per worker and a 620 MB JVM; a builder that

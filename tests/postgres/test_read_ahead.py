@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import source as src
-from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.connect import connect
+from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.wal_reader import wal_reader
 from changefeed.spec.definition import SourceNode
 from conftest import Dbs, decoded

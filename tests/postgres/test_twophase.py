@@ -17,7 +17,7 @@ from changefeed.errors import SourceNotReady, TornTransaction
 from changefeed.postgres import consistent_point, twophase
 from changefeed.postgres import slots as pgslots
 from changefeed.postgres import source as src
-from changefeed.postgres.changes import ChangeBuilder
+from changefeed.postgres.decode.builder import ChangeBuilder
 from changefeed.postgres.source import column_catalog
 from conftest import Dbs
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
-from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
+from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
 from conftest import Dbs
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,7 +17,7 @@ import pytest
 from changefeed.core import change as ch
 from changefeed.errors import IncompleteBatch
 from changefeed.postgres import source as src
-from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder
+from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.sinks.replica import apply as replica
 from changefeed.sinks.replica import insert_run, ledger, merge
 from conftest import Dbs, fingerprint

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from changefeed import errors
 from changefeed.control.retention import RetentionExceeded
 from changefeed.errors import Carried, ChangefeedError, carried, carried_in
-from changefeed.postgres.pgoutput import DecodeError, decode
+from changefeed.postgres.decode.pgoutput import DecodeError, decode
 
 TYPES = sorted(errors._types().values(), key=lambda t: t.__name__)
 

@@ -9,7 +9,7 @@ node with nothing to send still answers a heartbeat with its clock: an idle node
 others and never holds the resolved timestamp back.
 
 Commits on a node whose clock runs ahead of the least one get timestamps capped at the resolved
-timestamp (postgres.changes.ChangeBuilder keeps them inside their window, in order): no change in
+timestamp (postgres.decode.builder.ChangeBuilder keeps them inside their window, in order): no change in
 a later batch ever gets a smaller timestamp than one already delivered.
 """
 from __future__ import annotations

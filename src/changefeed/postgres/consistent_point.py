@@ -2,7 +2,7 @@
 
 A temporary logical slot created on a replication connection with `SNAPSHOT 'export'` returns
 its consistent point X and exports a snapshot that sees exactly the transactions whose commit
-record starts before X. A feed window [start, X) holds exactly those too (postgres/changes.py),
+record starts before X. A feed window [start, X) holds exactly those too (postgres/decode/builder.py),
 so a sink whose checkpoint is X holds the state that snapshot sees: the two can be compared row
 for row while both sides move on. The snapshot lives as long as the replication connection
 stays open and idle; other sessions adopt it with SET TRANSACTION SNAPSHOT. Closing the

@@ -12,7 +12,7 @@ the feed retries like any lost connection.
 What the stream confirms: nothing new. Every status update reports the position the slot already
 holds (the window's read position), so the slot moves only where it always did, when the driver
 advances it after a sink commit. The window ends where a peek up to `end` would end (see
-postgres/changes.py): the stream stops at the first keepalive whose WAL end is at or past `end`
+postgres/decode/builder.py): the stream stops at the first keepalive whose WAL end is at or past `end`
 (every record that starts before `end` was decoded and sent by then), or at a non-transactional
 message whose record starts at or past `end` (one that straddles `end` is the window's); a
 transaction committed past `end` is recognised and dropped by the change builder, which stops

@@ -20,7 +20,7 @@ from psycopg import sql
 from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 from changefeed.errors import FeedBusy, SourceNotReady
 from changefeed.postgres.connect import one_row
-from changefeed.postgres.pgoutput import RelationInfo
+from changefeed.postgres.decode.pgoutput import RelationInfo
 from changefeed.postgres.slots import slot_errors
 
 PGOUTPUT_OPTIONS = ("proto_version", "1", "messages", "true")

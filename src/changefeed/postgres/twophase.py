@@ -22,7 +22,7 @@ import psycopg
 from changefeed.core import distributed as dist
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import SourceNotReady
-from changefeed.postgres import pgoutput as po
+from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.slots import slot_errors
 
 MIN_VERSION = 150000

@@ -1,6 +1,6 @@
 """How a feed reads its slots' WAL: one protocol, two ways of receiving a window.
 
-The change builder (postgres/changes.py) consumes a window `[start, end)` as blocks of pgoutput
+The change builder (postgres/decode/builder.py) consumes a window `[start, end)` as blocks of pgoutput
 messages; the planner cuts windows (a byte or change limit) and closes idle ones with heartbeats.
 `PeekReader` (`--wal-reader peek`, the default) asks the SQL function
 `pg_logical_slot_peek_binary_changes`, which decodes the whole window in the server before its

@@ -29,11 +29,11 @@ from changefeed.core import snapshot
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
-from changefeed.postgres import pgoutput as po
 from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import wal_reader
 from changefeed.spec.definition import SourceNode, node_role
@@ -118,7 +118,7 @@ def reader(began: float) -> dict[str, Any]:
 
 def _read_window(partition: WindowPartition) -> Iterator[Any]:
     """A node's changes in its WAL window of the batch, read from its slot."""
-    from changefeed.postgres.changes import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
+    from changefeed.postgres.decode.builder import ChangeBuilder  # numpy and Arrow: executors only (see the module doc)
 
     node, began = partition.node, time.time()
     role = node_role(node.name, partition.positions is not None)

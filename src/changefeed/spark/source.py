@@ -3,7 +3,7 @@
 Offsets are core.offsets.Offset: the batch's upper WAL bound on each node, its resolved commit
 timestamp (no change in a later batch gets a smaller one, see core.resolved), the snapshot cursor
 after it, and the snapshot chunks it carries (see core.snapshot; each chunk is one more input
-partition). On each node a batch holds what starts in [start, end) (see postgres/changes.py),
+partition). On each node a batch holds what starts in [start, end) (see postgres/decode/builder.py),
 read by an input partition (a Spark task) of its own. A bound is a flushed position that splits
 no WAL record: a heartbeat's end, a commit's end (a change limit) or a WAL page boundary (a byte
 limit, found without decoding). The driver only plans offsets and advances the slots in

@@ -1,4 +1,4 @@
-"""tuple_block against the per-message reference (`pgoutput.copy_tuple`, as ChangeBuilder uses it).
+"""tuple_block against the per-message reference (`tuple_lines.copy_tuple`, as ChangeBuilder uses it).
 
 A message tuple_block marks `fast` must get exactly the reference's COPY line; a message it leaves
 out goes to the reference path, so leaving out is always safe, but it must be rare: only what
@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_pgoutput import _encode_tuple as encode_tuple  # TupleData bytes from (kind, value) pairs
 
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres import tuple_block as tb
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode import tuple_block as tb
+from changefeed.postgres.decode import tuple_lines as tl
 
 OID = 16384
 SPECIAL = b"\t\n\r\\"
@@ -41,7 +42,7 @@ def reference(data: bytes) -> bytes | None:
     if not plain:
         return None
     try:
-        line, unchanged, end = po.copy_tuple(data, 6)
+        line, unchanged, end = tl.copy_tuple(data, 6)
     except po.DecodeError:
         return None
     return line if end == len(data) and not unchanged else None

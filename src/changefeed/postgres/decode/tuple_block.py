@@ -6,7 +6,7 @@ have their TupleData parsed column by column across all messages together. Their
 assembled by Arrow: every piece of a line (a value, or `\\N` for NULL, with the tab before it) is
 a binary view into the buffer, and one cast to `binary` copies the pieces back to back, which
 is the lines' data. Anything unusual is left `fast = False` for the per-message reference path
-(`pgoutput.copy_tuple`), which also raises the DecodeError for malformed messages: values that
+(`tuple_lines.copy_tuple`), which also raises the DecodeError for malformed messages: values that
 COPY must escape, unchanged TOAST columns ('u'), updates with an old tuple, tuples that do not
 end exactly at their message end, and every other kind of message. Sizes are bounded (see the
 MAX_ constants) so that offsets fit Arrow's int32 and temporary arrays stay small.
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-_I, _U, _D, _N, _K, _O = b"IUDNKO"
+from changefeed.postgres.decode import pgoutput as po
+
 _TEXT, _BINARY, _NULL = b"tbn"
-_HEADER = 8  # kind, relation oid, tuple kind, column count: where TupleData's columns start
 _NULL_PIECE = b"\t\\N"  # after the messages: what a NULL column's piece points at
 _PAD = bytes(16)  # after everything: unaligned reads of up to 16 bytes near the end stay inside
 MAX_BLOCK_BYTES = 64 << 20  # joined at once; lines are at most 3x that: far from int32 offsets (2 GiB)
@@ -41,7 +41,7 @@ class Block:
     fast: np.ndarray  # bool per message: a plain change whose line is in `lines`
     oids: np.ndarray  # uint32 per message: the relation of a plain change
     line_of: np.ndarray  # int64 per message: the index of a plain change's line in `lines`
-    lines: pa.Array  # binary, in message order: exactly `pgoutput.copy_tuple`'s line where `fast`
+    lines: pa.Array  # binary, in message order: exactly `tuple_lines.copy_tuple`'s line where `fast`
 
 
 def blocks(messages: list[bytes], max_bytes: int = MAX_BLOCK_BYTES) -> Iterator[Block]:
@@ -60,14 +60,16 @@ def parse(messages: list[bytes], lens: np.ndarray | None = None) -> Block:
     buf = bytearray().join([*messages, _NULL_PIECE, _PAD])
     a = np.frombuffer(buf, np.uint8)
     kinds = np.where(lens > 0, a[starts], 0).astype(np.uint8)
-    sub = a[starts + 5]  # past an empty or short message: harmless, it fails the length test
-    candidate = ((((kinds == _I) | (kinds == _U)) & (sub == _N)) | ((kinds == _D) & ((sub == _K) | (sub == _O)))) \
-        & (lens >= _HEADER) & (lens <= MAX_MESSAGE_BYTES)
+    sub = a[starts + po.TUPLE_KIND_AT]  # past an empty or short message: harmless, it fails the length test
+    # The layout of pgoutput.change_layout, for a block at once: changes with one tuple, the new or the old
+    one_tuple = (((kinds == po.INSERT) | (kinds == po.UPDATE)) & (sub == po.NEW)) \
+        | ((kinds == po.DELETE) & ((sub == po.KEY) | (sub == po.OLD)))
+    candidate = one_tuple & (lens >= po.COLUMNS_AT) & (lens <= MAX_MESSAGE_BYTES)
     msg = np.flatnonzero(candidate)
     oids = np.zeros(len(messages), np.uint32)
-    oids[msg] = _view(buf, ">u4")[starts[msg] + 1]
-    ncols = _view(buf, ">i2")[starts[msg] + _HEADER - 2].astype(np.int64)
-    counted = (ncols >= 0) & (ncols <= lens[msg] - _HEADER)  # each column takes a byte at least
+    oids[msg] = _view(buf, ">u4")[starts[msg] + po.OID_AT]
+    ncols = _view(buf, ">i2")[starts[msg] + po.TUPLE_AT].astype(np.int64)
+    counted = (ncols >= 0) & (ncols <= lens[msg] - po.COLUMNS_AT)  # each column takes a byte at least
     ncols[~counted] = 0
     fast = np.zeros(len(messages), bool)
     line_of = np.full(len(messages), -1, np.int64)
@@ -76,7 +78,7 @@ def parse(messages: list[bytes], lens: np.ndarray | None = None) -> Block:
     done = 0
     for lo, hi in _ranges(ncols, MAX_COLUMNS):
         group, n = msg[lo:hi], ncols[lo:hi]
-        valid, start, length = _columns(buf, starts[group] + _HEADER, ends[group], n)
+        valid, start, length = _columns(buf, starts[group] + po.COLUMNS_AT, ends[group], n)
         valid &= counted[lo:hi]
         if not valid.all():
             columns = np.repeat(valid, n)

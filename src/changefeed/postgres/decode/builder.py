@@ -14,7 +14,8 @@ same rows. Pure: no I/O; type names come from an injected function.
 Messages come in blocks (a peek's fetches). The plain changes of a block, which are nearly all of
 them, are parsed and turned into COPY lines for the whole block at once (see tuple_block); the
 rest, and any change that tuple_block leaves out, go through `feed` one at a time, which is the
-reference behaviour.
+reference behaviour. Both read a change's layout as pgoutput.change_layout says; record batches
+are assembled in columns.py.
 """
 from __future__ import annotations
 
@@ -25,17 +26,18 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from changefeed.core import change as ch
 from changefeed.core.change import HEARTBEAT_PREFIX
 from changefeed.core.hlc import next_commit_ts
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import TornTransaction
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres import tuple_block as tb
-from changefeed.postgres.pgoutput import RelationInfo
-from changefeed.postgres.rows import Chunk, Rows
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode import tuple_block as tb
+from changefeed.postgres.decode.columns import Txn, record_batch
+from changefeed.postgres.decode.pgoutput import RelationInfo, change_layout
+from changefeed.postgres.decode.rows import Chunk, Rows
+from changefeed.postgres.decode.tuple_lines import copy_line, copy_tuple, last_tuple
 
 Catalog = Callable[[po.Relation], RelationInfo]
 
@@ -46,15 +48,7 @@ def offline_catalog(rel: po.Relation) -> RelationInfo:
                         (None,) * len(rel.columns))
 
 
-def _final_tuple(data: bytes, pos: int, what: str) -> tuple[bytes, list[int] | None]:
-    """The tuple at `pos`, which must end the message: (COPY line, unchanged columns)."""
-    line, unchanged, end = po.copy_tuple(data, pos)
-    if end != len(data):
-        raise po.DecodeError(f"{what}: {len(data) - end} bytes after its tuple")
-    return line, unchanged
-
-
-_I, _U, _D, _B, _C = b"IUDBC"
+_I, _U, _D, _B, _C = po.INSERT, po.UPDATE, po.DELETE, *b"BC"
 _TWO_PHASE = frozenset(b"bPKr")
 _INSERT, _UPDATE, _DELETE, _TRUNCATE, _MESSAGE = b"cudtm"  # row ops, as the byte of their letter
 _RELATION, _PROGRESS = ord(ch.RELATION), ord(ch.PROGRESS)
@@ -106,8 +100,7 @@ class ChangeBuilder:
         self.done = False  # a transaction past the window's end was seen: nothing more can belong
         self._rows = Rows()
         self._sparse: dict[str, dict[int, Any]] = {"old_key": {}, "unchanged": {}, "meta": {}}
-        # closed rows by transaction (or part of one): rows, lsn, xid, commit_time, ts, seq of its first row
-        self._txns: list[tuple[int, int, int, int | None, int, int]] = []
+        self._txns: list[Txn] = []  # closed rows by transaction (or part of one)
         self._open_ts: int | None = None  # the open transaction's commit ts, once some of its rows went out
         self._open_seq = 0  # rows of the open transaction that went out already
         self._closed = 0  # rows of closed transactions (the first rows)
@@ -138,12 +131,8 @@ class ChangeBuilder:
     def feed(self, data: bytes) -> None:
         """Feed one message."""
         kind = data[0] if data else -1  # an empty message gets its DecodeError from po.decode
-        if kind == _I:
-            self._insert(data)
-        elif kind == _U:
-            self._update(data)
-        elif kind == _D:
-            self._delete(data)
+        if kind == _I or kind == _U or kind == _D:
+            self._change(data)
         elif kind == _B:
             begin = po.decode(data)
             assert isinstance(begin, po.Begin)  # a 'B' message decodes to a Begin
@@ -176,37 +165,28 @@ class ChangeBuilder:
             self._tables.append(key)
         return self._table_ids[key]
 
-    def _insert(self, data: bytes) -> None:
-        if data[5:6] != b"N":
-            raise po.DecodeError(f"Insert: expected 'N', got {data[5:6]!r}")
-        line, _ = _final_tuple(data, 6, "Insert")
-        self._row(int.from_bytes(data[1:5], "big"), _INSERT, line, None)
-
-    def _delete(self, data: bytes) -> None:
-        if data[5:6] not in (b"K", b"O"):
-            raise po.DecodeError(f"Delete: expected 'K' or 'O', got {data[5:6]!r}")
-        line, _ = _final_tuple(data, 6, "Delete")
-        self._row(int.from_bytes(data[1:5], "big"), _DELETE, None, line)
-
-    def _update(self, data: bytes) -> None:
-        before, new_at = None, 6  # the common case: no old tuple (key unchanged, default identity)
-        if data[5:6] in (b"K", b"O"):
-            before, _, pos = po.copy_tuple(data, 6)
-            if data[pos:pos + 1] != b"N":
-                raise po.DecodeError(f"Update: expected 'N' after the old tuple, got {data[pos:pos + 1]!r}")
-            new_at = pos + 1
-        elif data[5:6] != b"N":
-            raise po.DecodeError(f"Update: expected 'K', 'O' or 'N', got {data[5:6]!r}")
-        line, unchanged = _final_tuple(data, new_at, "Update")
-        oid = int.from_bytes(data[1:5], "big")
+    def _change(self, data: bytes) -> None:
+        """An Insert, Update or Delete message, alone."""
+        kind, oid, old, new_at = change_layout(data)
+        if kind == _I:
+            self._row(oid, _INSERT, last_tuple(data, new_at, "Insert")[0], None)
+            return
+        if kind == _D:
+            self._row(oid, _DELETE, None, last_tuple(data, po.TUPLE_AT, "Delete")[0])
+            return
+        before = None
+        if old:  # an old key or row
+            before, _, end = copy_tuple(data, po.TUPLE_AT)
+            new_at = po.new_tuple_at(data, end)
+        line, unchanged = last_tuple(data, new_at, "Update")
         i = self._row(oid, _UPDATE, line, before)
         if unchanged:
             self._sparse["unchanged"][i] = "{" + ",".join(map(str, unchanged)) + "}"
         if before is not None:
-            old, new = po.decode_tuple(data, 6)[0], po.decode_tuple(data, new_at)[0]
+            old_values, new = po.decode_tuple(data, po.TUPLE_AT)[0], po.decode_tuple(data, new_at)[0]
             keys = self.info(oid).key
-            if any(old[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
-                self._sparse["old_key"][i] = po.copy_line([old[k] for k in keys])
+            if any(old_values[k] != new[k] for k in keys if new[k] is not po.UNCHANGED):
+                self._sparse["old_key"][i] = copy_line([old_values[k] for k in keys])
 
     def _row(self, oid: int, op: int, after: bytes | None, before: bytes | None) -> int:
         """Append one row of the open transaction; returns its index."""
@@ -259,17 +239,7 @@ class ChangeBuilder:
         if hi <= lo:
             return
         op = _OP_OF_KIND[block.kinds[lo:hi]]
-        lines = block.lines.slice(int(block.line_of[lo]), hi - lo)
-        deletes = op == _DELETE
-        none = pa.nulls(hi - lo, pa.binary())
-        if not deletes.any():
-            after, before = lines, none
-        elif deletes.all():
-            after, before = none, lines
-        else:
-            mask = pa.array(deletes)
-            after, before = pc.if_else(mask, none, lines), pc.if_else(mask, lines, none)
-        self._rows.extend(Chunk(op, table, after, before))
+        self._rows.extend(Chunk.of_lines(op, table, block.lines.slice(int(block.line_of[lo]), hi - lo), op == _DELETE))
 
     def info(self, oid: int) -> RelationInfo:
         if oid not in self._info:
@@ -398,17 +368,12 @@ class ChangeBuilder:
     def take(self) -> pa.RecordBatch:
         """The rows of closed transactions as one Arrow record batch (then forgets them)."""
         n = self._closed
-        rows = self._rows.split(n)
-        schema = ch.arrow_schema()
-        cols = {"op": _letters(rows.op), "after": rows.after, "before": rows.before, **_per_txn(self._txns, n)}
-        for i, name in enumerate(("schema", "table")):
-            cols[name] = _names([t[i] for t in self._tables], rows.table)
+        batch = record_batch(self._rows.split(n), self._tables, self._txns, self._sparse)
         for name, d in self._sparse.items():
-            cols[name] = _sparse(d, n, schema.field(name).type)
             self._sparse[name] = {i - n: v for i, v in d.items() if i >= n}
         self._txns, self._closed = [], 0
         self._mark -= n
-        return pa.RecordBatch.from_arrays([cols[f.name] for f in schema], schema=schema)
+        return batch
 
     def finish(self) -> pa.RecordBatch:
         """Close the window: drop an unfinished transaction, append the `P` progress row, take all."""
@@ -453,42 +418,3 @@ class ChangeBuilder:
                 self._part_out()
                 yield self.take()
         yield self.finish()
-
-
-def _letters(op: np.ndarray) -> pa.Array:
-    """A string column of one-letter values, from their bytes."""
-    return pa.Array.from_buffers(pa.string(), len(op), [None, pa.py_buffer(np.arange(len(op) + 1, dtype=np.int32)),
-                                                        pa.py_buffer(op)])
-
-
-def _names(names: list[str | None], ids: np.ndarray) -> pa.Array:
-    """A string column of names[id] per id (a batch often holds one table's rows only)."""
-    if len(ids) and ids.min() == ids.max():
-        return pa.repeat(pa.scalar(names[ids[0]], pa.string()), len(ids))
-    return pa.array(names, pa.string()).take(pa.array(ids))
-
-
-def _per_txn(txns: list[tuple[int, int, int, int | None, int, int]], n: int) -> dict[str, pa.Array]:
-    """The per-transaction columns of `n` rows, from (rows, lsn, xid, commit_time, ts, first seq) per
-    transaction or part of one."""
-    rows = np.array([t[0] for t in txns], np.int64)
-
-    def each(field: int) -> np.ndarray:
-        return np.repeat(np.array([t[field] or 0 for t in txns], np.int64), rows)
-
-    seq = np.arange(n) - np.repeat(np.cumsum(rows) - rows - np.array([t[5] for t in txns], np.int64), rows)
-    no_commit_time = np.repeat(np.array([t[3] is None for t in txns], bool), rows)
-    return {"lsn": pa.array(each(1)), "seq": pa.array(seq.astype(np.int32)), "xid": pa.array(each(2)),
-            "commit_time": pa.array(each(3), mask=no_commit_time), "commit_ts": pa.array(each(4))}
-
-
-def _sparse(values: dict[int, Any], n: int, type_: pa.DataType) -> pa.Array:
-    """A column of `n` rows that is NULL but at the indexes in `values`."""
-    at = [i for i in values if i < n]
-    if not at:
-        return pa.nulls(n, type_)
-    index = np.zeros(n, np.int32)
-    index[at] = np.arange(len(at), dtype=np.int32)
-    missing = np.ones(n, bool)
-    missing[at] = False
-    return pa.array([values[i] for i in at], type_).take(pa.array(index, mask=missing))

@@ -1,4 +1,4 @@
-"""The change builder's rows not taken yet, column by column (see postgres/changes.py).
+"""The change builder's rows not taken yet, column by column (see postgres/decode/builder.py).
 
 Most rows come as chunks from vectorised runs of plain changes; the rest (R rows, messages, the
 odd change) are gathered in lists until a chunk follows them. Arrow arrays are concatenated once
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,17 @@ class Chunk:
 
     def slice(self, lo: int, hi: int) -> Chunk:
         return Chunk(self.op[lo:hi], self.table[lo:hi], self.after.slice(lo, hi - lo), self.before.slice(lo, hi - lo))
+
+    @staticmethod
+    def of_lines(op: np.ndarray, table: np.ndarray, lines: pa.Array, before: np.ndarray) -> Chunk:
+        """Rows with one line each: their after image, or their before image where `before` (deletes)."""
+        none = pa.nulls(len(op), pa.binary())
+        if not before.any():
+            return Chunk(op, table, lines, none)
+        if before.all():
+            return Chunk(op, table, none, lines)
+        mask = pa.array(before)
+        return Chunk(op, table, pc.if_else(mask, none, lines), pc.if_else(mask, lines, none))
 
     @staticmethod
     def concat(chunks: list[Chunk]) -> Chunk:

@@ -5,7 +5,9 @@ as the server sent them: `bytes` in PostgreSQL text form, `None` for NULL, and `
 TOASTed value the update did not touch (the server does not resend it; the replica keeps its own).
 Message layouts: PostgreSQL docs, "Logical Replication Message Formats"; a slot created with
 `two_phase` adds the prepared-transaction messages of protocol version 3 (b, P, K, r), which the
-server sends for such a slot whatever protocol version is asked for.
+server sends for such a slot whatever protocol version is asked for. The layout of an Insert,
+Update or Delete is read in one place, `change_layout`, which the change builder uses too (and
+tuple_block's vectorised parse takes its byte positions from here).
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Union
 
-from changefeed.core.copytext import NULL, join_line
 from changefeed.core.hlc import PG_EPOCH_US
 from changefeed.errors import DefiniteError
 
@@ -48,6 +49,18 @@ _I32 = struct.Struct(">i")
 _U32 = struct.Struct(">I")
 _I64 = struct.Struct(">q")
 _U64 = struct.Struct(">Q")
+
+
+# Insert, Update and Delete: the message kind, the relation's OID, then a tuple kind and its
+# TupleData (a column count, then the columns). An Update carries the old row's key columns ('K')
+# or the whole old row ('O') before its new tuple ('N') when the key changed or under REPLICA
+# IDENTITY FULL; a Delete's only tuple is such an old one. Byte positions from the message start:
+INSERT, UPDATE, DELETE = b"IUD"  # message kinds
+NEW, KEY, OLD = b"NKO"  # tuple kinds
+OID_AT = 1  # the relation's OID (uint32)
+TUPLE_KIND_AT = 5  # the first tuple's kind
+TUPLE_AT = 6  # the first tuple's TupleData: its column count (int16), then its columns
+COLUMNS_AT = TUPLE_AT + 2  # the first tuple's first column
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,57 +238,47 @@ def decode_tuple(buf: bytes, pos: int) -> tuple[list[Value], int]:
     return values, pos
 
 
-_COPY_SPECIAL = b"\t\n\r\\"
+# Where the parts of an Insert, Update or Delete message are (see `change_layout`): (kind: INSERT,
+# UPDATE or DELETE; the relation's OID; the old tuple's kind, KEY or OLD, its TupleData at TUPLE_AT,
+# or 0: none; where the new tuple's TupleData starts, or 0: a Delete has none, and an Update's
+# follows its old tuple, see `new_tuple_at`). A plain tuple: the builder reads the layout of every
+# change that is not part of a long run.
+ChangeLayout = tuple[int, int, int, int]
+_oid_at = _U32.unpack_from
 
 
-def copy_tuple(buf: bytes, pos: int) -> tuple[bytes, list[int] | None, int]:
-    """TupleData at `pos` -> (COPY text line, unchanged-TOAST column indexes, position after it).
-
-    The hot path of capture: same result as `copytext.join_line` over `decode_tuple`, with NULL
-    for unchanged columns, but without building a value list. Escaping is needed only if a value
-    holds a tab, newline, carriage return or backslash; one count over the joined line tells.
-    """
-    start = pos
+def change_layout(data: bytes) -> ChangeLayout:
+    """The layout of Insert, Update or Delete message `data`: the one reading of its header and
+    tuple kinds. Tuple values are not read here: an Update's old tuple is walked by its reader,
+    which then gets the new one's position from `new_tuple_at`, and whether the last tuple ends
+    where its message does is for its reader to tell."""
     try:
-        (n,) = _I16.unpack_from(buf, pos)
-        pos += 2
-        parts: list[bytes] = []
-        append = parts.append
-        specials = n - 1  # the tabs between values, plus a backslash per NULL marker
-        unchanged: list[int] | None = None
-        for i in range(n):
-            kind = buf[pos]
-            if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
-                (length,) = _I32.unpack_from(buf, pos + 1)
-                if length < 0:
-                    raise DecodeError(f"negative column value length at byte {pos + 1}")
-                value_start = pos + 5
-                pos = value_start + length
-                append(buf[value_start:pos])
-            elif kind == 0x6E or kind == 0x75:  # 'n' NULL, 'u' unchanged TOAST: NULL in the line
-                append(NULL)
-                pos += 1
-                specials += 1
-                if kind == 0x75:
-                    if unchanged is None:
-                        unchanged = [i]
-                    else:
-                        unchanged.append(i)
-            else:
-                raise DecodeError(f"unknown tuple column kind {chr(kind)!r} at byte {pos}")
-    except (IndexError, struct.error):
-        raise DecodeError(f"tuple data at byte {start} runs past the message end") from None
-    if pos > len(buf):
-        raise DecodeError(f"column value runs past the message end ({pos} > {len(buf)} bytes)")
-    line = b"\t".join(parts)
-    if len(line) - len(line.translate(None, _COPY_SPECIAL)) != specials:  # some value needs escaping
-        line = copy_line(decode_tuple(buf, start)[0])
-    return line, unchanged, pos
+        kind, sub = data[0], data[TUPLE_KIND_AT]
+    except IndexError:
+        raise _layout_error(data) from None
+    if sub == NEW and (kind == INSERT or kind == UPDATE):
+        return kind, _oid_at(data, OID_AT)[0], 0, TUPLE_AT
+    if (sub == KEY or sub == OLD) and (kind == UPDATE or kind == DELETE):
+        return kind, _oid_at(data, OID_AT)[0], sub, 0
+    raise _layout_error(data)
 
 
-def copy_line(values: list[Value]) -> bytes:
-    """Values -> COPY text line; an unchanged TOAST value is NULL there."""
-    return join_line(None if isinstance(v, _Unchanged) else v for v in values)
+def _layout_error(data: bytes) -> DecodeError:
+    kind, got = data[:1], data[TUPLE_KIND_AT:TUPLE_KIND_AT + 1]
+    if kind == b"I":
+        return DecodeError(f"Insert: expected 'N', got {got!r}")
+    if kind == b"U":
+        return DecodeError(f"Update: expected 'K', 'O' or 'N', got {got!r}")
+    if kind == b"D":
+        return DecodeError(f"Delete: expected 'K' or 'O', got {got!r}")
+    return DecodeError(f"not an Insert, Update or Delete message: {kind!r}")
+
+
+def new_tuple_at(data: bytes, old_end: int) -> int:
+    """Where the new tuple of Update `data` starts, its old tuple ending at `old_end`."""
+    if data[old_end:old_end + 1] != b"N":
+        raise DecodeError(f"Update: expected 'N' after the old tuple, got {data[old_end:old_end + 1]!r}")
+    return old_end + 1
 
 
 def decode(data: bytes) -> PgOutputMessage:
@@ -328,30 +331,22 @@ def _type(b: bytes) -> Type:
 
 
 def _insert(b: bytes) -> Insert:
-    if b[5] != 0x4E:
-        raise DecodeError(f"Insert: expected 'N', got {chr(b[5])!r}")
-    new, _ = decode_tuple(b, 6)
-    return Insert(_U32.unpack_from(b, 1)[0], new)
+    _, oid, _, new_at = change_layout(b)
+    return Insert(oid, decode_tuple(b, new_at)[0])
 
 
 def _update(b: bytes) -> Update:
-    pos = 5
-    old: list[Value] | None = None
-    kind = b[pos]
-    if kind in (0x4B, 0x4F):  # 'K' key, 'O' old row
-        old, pos = decode_tuple(b, pos + 1)
-    if b[pos] != 0x4E:
-        raise DecodeError(f"Update: expected 'N', got {chr(b[pos])!r}")
-    new, _ = decode_tuple(b, pos + 1)
-    return Update(_U32.unpack_from(b, 1)[0], old, kind == 0x4B, new)
+    _, oid, old, new_at = change_layout(b)
+    old_values = None
+    if old:
+        old_values, end = decode_tuple(b, TUPLE_AT)
+        new_at = new_tuple_at(b, end)
+    return Update(oid, old_values, old == KEY, decode_tuple(b, new_at)[0])
 
 
 def _delete(b: bytes) -> Delete:
-    kind = b[5]
-    if kind not in (0x4B, 0x4F):
-        raise DecodeError(f"Delete: expected 'K' or 'O', got {chr(kind)!r}")
-    old, _ = decode_tuple(b, 6)
-    return Delete(_U32.unpack_from(b, 1)[0], old, kind == 0x4B)
+    _, oid, old, _ = change_layout(b)
+    return Delete(oid, decode_tuple(b, TUPLE_AT)[0], old == KEY)
 
 
 def _truncate(b: bytes) -> Truncate:

@@ -20,9 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from changefeed.core.copytext import join_line, split_line
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres.pgoutput import UNCHANGED, DecodeError, decode, decode_tuple
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode.pgoutput import UNCHANGED, DecodeError, decode, decode_tuple
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -546,38 +545,72 @@ def test_truncated_synthesised_tuple_messages_raise_decode_error(
         decode(msg[:cut])
 
 
-# -- copy_tuple: the capture hot path -----------------------------------------------------------------
+# -- change_layout: the one reading of an Insert's, Update's or Delete's header and tuple kinds ----------
 
-SPECIAL_VALUE = st.binary(max_size=40) | st.lists(st.sampled_from([b"\t", b"\n", b"\r", b"\\", b"\\N", b"a", b"\x00"]),
-                                                    max_size=6).map(b"".join)
-COPY_COLUMN = st.one_of(st.tuples(st.sampled_from("tb"), SPECIAL_VALUE),
-                        st.tuples(st.just("n"), st.none()), st.tuples(st.just("u"), st.none()))
-
-
-@settings(max_examples=500, deadline=None)
-@given(st.lists(COPY_COLUMN, min_size=1, max_size=20), st.binary(max_size=10), st.binary(max_size=10))
-def test_copy_tuple_is_the_escaped_copy_line_of_the_tuple(
-        cols: list[tuple[str, bytes | None]], before: bytes, after: bytes) -> None:
-    body = _encode_tuple(cols)
-    line, unchanged, end = po.copy_tuple(before + body + after, len(before))
-    assert end == len(before) + len(body)
-    assert split_line(line) == [value if kind in "tb" else None for kind, value in cols]
-    assert unchanged == ([i for i, (kind, _) in enumerate(cols) if kind == "u"] or None)
-    assert line == join_line(None if v is UNCHANGED else v for v in decode_tuple(before + body, len(before))[0])
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(COPY_COLUMN, min_size=1, max_size=12), st.data())
-def test_copy_tuple_of_a_truncated_tuple_raises_decode_error(
-        cols: list[tuple[str, bytes | None]], data: st.DataObject) -> None:
-    body = _encode_tuple(cols)
-    cut = data.draw(st.integers(min_value=0, max_value=len(body) - 1), label="cut")
-    with pytest.raises(DecodeError):
-        po.copy_tuple(body[:cut], 0)
+def test_change_layout_of_real_changes(cap: Capture) -> None:
+    """Every real change: the decoded message's kind, relation and old tuple, and a new tuple (or a
+    Delete's old one) that ends its message."""
+    changes = [(raw, m) for raw, (_, _, m) in zip(cap.raw, cap.rows)
+               if isinstance(m, (po.Insert, po.Update, po.Delete))]
+    assert {type(m) for _, m in changes} == {po.Insert, po.Update, po.Delete}
+    for raw, msg in changes:
+        kind, oid, old, new_at = po.change_layout(raw)
+        assert (kind, oid) == (raw[0], msg.relation_oid)
+        if isinstance(msg, po.Delete):
+            assert (old, new_at) == (po.KEY if msg.old_is_key else po.OLD, 0)
+            assert decode_tuple(raw, po.TUPLE_AT) == (msg.old, len(raw))
+            continue
+        if isinstance(msg, po.Update) and msg.old is not None:
+            assert (old, new_at) == (po.KEY if msg.old_is_key else po.OLD, 0)
+            values, end = decode_tuple(raw, po.TUPLE_AT)
+            assert values == msg.old
+            new_at = po.new_tuple_at(raw, end)
+        else:
+            assert (old, new_at) == (0, po.TUPLE_AT)
+        assert decode_tuple(raw, new_at) == (msg.new, len(raw))
 
 
-def test_copy_tuple_rejects_negative_lengths_and_unknown_kinds() -> None:
-    with pytest.raises(DecodeError, match="negative"):
-        po.copy_tuple(struct.pack(">h", 1) + b"t" + struct.pack(">i", -1), 0)
-    with pytest.raises(DecodeError, match="kind"):
-        po.copy_tuple(struct.pack(">h", 1) + b"?", 0)
+OID = struct.pack(">I", 16384)
+ONE = struct.pack(">h", 1) + b"t" + struct.pack(">i", 1) + b"1"  # TupleData: one column, "1"
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    (b"I" + OID + b"K" + ONE, "Insert: expected 'N', got b'K'"),
+    (b"I" + OID, "Insert: expected 'N', got b''"),
+    (b"D" + OID + b"N" + ONE, "Delete: expected 'K' or 'O', got b'N'"),
+    (b"U" + OID + b"Q" + ONE, "Update: expected 'K', 'O' or 'N', got b'Q'"),
+    (b"U", "Update: expected 'K', 'O' or 'N', got b''"),
+    (b"B" + OID + b"N" + ONE, "not an Insert, Update or Delete message: b'B'"),
+])
+def test_change_layout_errors(data: bytes, error: str) -> None:
+    """The builder's per-message path reads the layout too: the same errors from both."""
+    with pytest.raises(DecodeError) as e:
+        po.change_layout(data)
+    assert e.value.message == error
+    if data[:1] != b"B":
+        with pytest.raises(DecodeError) as d:
+            decode(data)
+        assert d.value.message == error
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    (b"U" + OID + b"K" + ONE + b"X" + ONE, "Update: expected 'N' after the old tuple, got b'X'"),
+    (b"U" + OID + b"O" + ONE, "Update: expected 'N' after the old tuple, got b''"),
+])
+def test_an_update_without_a_new_tuple_after_its_old_one_raises(data: bytes, error: str) -> None:
+    with pytest.raises(DecodeError) as e:
+        po.new_tuple_at(data, po.TUPLE_AT + len(ONE))
+    assert e.value.message == error
+    with pytest.raises(DecodeError) as d:
+        decode(data)
+    assert d.value.message == error
+
+
+def test_change_layout_of_synthesised_changes() -> None:
+    assert po.change_layout(b"I" + OID + b"N" + ONE) == (po.INSERT, 16384, 0, po.TUPLE_AT)
+    assert po.change_layout(b"U" + OID + b"N" + ONE) == (po.UPDATE, 16384, 0, po.TUPLE_AT)
+    for old in (po.KEY, po.OLD):
+        data = b"U" + OID + bytes([old]) + ONE + b"N" + ONE
+        assert po.change_layout(data) == (po.UPDATE, 16384, old, 0)
+        assert po.new_tuple_at(data, po.TUPLE_AT + len(ONE)) == len(data) - len(ONE)
+        assert po.change_layout(b"D" + OID + bytes([old]) + ONE) == (po.DELETE, 16384, old, 0)

@@ -29,9 +29,9 @@ from changefeed.core import change as ch
 from changefeed.core.copytext import split_line
 from changefeed.core.hlc import ceiling_of_ms, from_millis, window_end_ts
 from changefeed.core.lsn import format_lsn
-from changefeed.postgres import changes
-from changefeed.postgres import pgoutput as po
-from changefeed.postgres.changes import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
+from changefeed.postgres.decode import builder as cb
+from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder, offline_catalog
 from changefeed.postgres.source import column_catalog
 
 pytestmark = pytest.mark.timeout(300)
@@ -188,7 +188,7 @@ def stream(servers: Any) -> Iterator[Stream]:
             admin.execute(f"DROP DATABASE {db}")
 
 
-SHORT_RUN = changes._SHORT_RUN
+SHORT_RUN = cb._SHORT_RUN
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,7 +196,7 @@ def every_run_as_arrays() -> Iterator[None]:
     """The builder feeds short runs of plain changes one by one; the transactions here are small,
     so take every run as arrays, the path that a real workload's big transactions take."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(changes, "_SHORT_RUN", 1)
+        m.setattr(cb, "_SHORT_RUN", 1)
         yield
 
 
@@ -796,7 +796,7 @@ def test_blocks_build_exactly_what_messages_one_by_one_build(stream: Stream, dat
     cuts = data.draw(st.lists(st.integers(1, max(1, len(messages) - 1)), max_size=12), label="block cuts")
     rows_per_batch = data.draw(st.sampled_from([1, 5, 40, 65536]), label="rows_per_batch")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(changes, "_SHORT_RUN", data.draw(st.sampled_from([1, 3, SHORT_RUN]), label="short run"))
+        m.setattr(cb, "_SHORT_RUN", data.draw(st.sampled_from([1, 3, SHORT_RUN]), label="short run"))
         got = list(ChangeBuilder(start, end, 5, 1 << 60).batches(blocks_of(messages, cuts), rows_per_batch))
     want = build_one_by_one(ChangeBuilder(start, end, 5, 1 << 60), messages, rows_per_batch, cuts)
     assert [rb.num_rows for rb in got] == [rb.num_rows for rb in want]
