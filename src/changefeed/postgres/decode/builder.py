@@ -7,9 +7,8 @@ whose commit record starts before it, and a peek up to `end` decodes exactly the
 start before it when `end` is a record boundary or a WAL page boundary. The input is such a peek,
 from a slot at `start` for its non-transactional messages (they carry only their END LSN, so
 their window cannot be told from the message); transactions from a slot that lags are dropped
-here. Commit timestamps
-continue from the window's starting timestamp (see core.hlc), so re-reading a window yields the
-same rows. Pure: no I/O; type names come from an injected function.
+here. Commit timestamps continue from the window's starting timestamp (see core.hlc), so
+re-reading a window yields the same rows. Pure: no I/O; type names come from an injected function.
 
 Messages come in blocks (a peek's fetches). The plain changes of a block, which are nearly all of
 them, are parsed and turned into COPY lines for the whole block at once (see tuple_block); the
