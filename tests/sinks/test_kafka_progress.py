@@ -198,3 +198,4 @@ def test_a_bad_progress_reader_is_a_config_error(uri: str, words: str) -> None:
         KafkaOptions.parse(uri)
     assert words in str(e.value) and "honours read_committed" in e.value.hint
     assert KafkaOptions.parse("kafka://k:9092").progress_reader == "auto"
+

@@ -3,9 +3,10 @@
 A topic per table (`topic_prefix` + the `topic_name` template), message key = the envelope's key,
 value = the envelope. Delivery `exactly_once` (default) writes each micro-batch in one Kafka
 transaction together with a progress record on `progress_topic`, read back as `progress_reader`
-says (sinks.kafka.probe); `at_least_once` uses an idempotent producer without transactions. Client settings pass through to librdkafka: any query
-parameter with a dot in its name (`security.protocol=SASL_SSL`), or `kafka_config` holding a JSON
-object, or `@/path/to/file.json` so secrets stay out of the URI, the feed definition and `ps`.
+says (sinks.kafka.probe); `at_least_once` uses an idempotent producer without transactions.
+Client settings pass through to librdkafka: any query parameter with a dot in its name
+(`security.protocol=SASL_SSL`), or `kafka_config` holding a JSON object, or `@/path/to/file.json`
+so secrets stay out of the URI, the feed definition and `ps`.
 Stdlib only at import: it runs in Spark writer tasks and in the CLI's checks.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from changefeed.errors import ChangefeedError, ConfigError, TransientError
+from changefeed.errors import ChangefeedError, ConfigError, SinkError, TransientError
 from changefeed.sinks.kafka.failures import kafka_error
 from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.kafka.progress import POLL_S, consumer_config
@@ -114,6 +114,10 @@ def _aborted_record(opts: KafkaOptions, feed: str) -> int:
         (failed if err is not None else offsets).append(err if err is not None else msg.offset())
 
     producer = Producer({**opts.producer_config(feed), "transactional.id": probe_id(feed)})
+    topic = producer.list_topics(opts.progress_topic, timeout=opts.timeout_s).topics.get(opts.progress_topic)
+    if topic is None or topic.error is not None or 0 not in topic.partitions:
+        raise SinkError(f"Kafka {opts.bootstrap} has no progress topic {opts.progress_topic} to probe",
+                        "run the feed (it creates the topic), or create it: one partition, cleanup.policy=compact")
     producer.init_transactions(opts.timeout_s)
     producer.begin_transaction()
     producer.produce(opts.progress_topic, key=PROBE_KEY, value=b'{"probe":"aborted on purpose"}', partition=0,
