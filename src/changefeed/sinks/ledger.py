@@ -39,6 +39,9 @@ class Ledger(Protocol):
     def prepare(self, tables: list[Any]) -> None:
         """Create the bookkeeping and the targets of `tables` (postgres.source.SourceTable) if missing."""
 
+    def notes(self) -> list[str]:
+        """What `prepare` found out about the sink that is worth a line at start (none for most)."""
+
     def checkpoint(self) -> dict[str, int] | None:
         """Per source node: the end of the last batch recorded; None before the first."""
 
@@ -120,6 +123,9 @@ class FileLedger:
 
     def prepare(self, tables: list[Any]) -> None:
         """Nothing to create: the file appears with the first batch."""
+
+    def notes(self) -> list[str]:
+        return []
 
     def checkpoint(self) -> dict[str, int] | None:
         entries = self._entries()

@@ -1,8 +1,10 @@
 """The Kafka sink: each change a record on its table's topic, exactly once (Kafka transactions).
 
 `options` parses the URI, `client` tunes librdkafka, `admin` checks the cluster and keeps the
-ledger, `batch` writes a batch in one transaction, `log` reads Kafka's log directly (progress,
-verify), `readback` reads a topic as a consumer holds it, `writer` is the batch writer.
+ledger, `batch` writes a batch in one transaction, `probe` decides how its progress is read:
+`progress` as a read_committed consumer, or `log` from the transaction markers (`records` decodes
+the record batches), `readback` reads a topic as a consumer holds it (verify), `writer` is the
+batch writer.
 """
 from __future__ import annotations
 
@@ -34,10 +36,11 @@ class KafkaSink(Sink):
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
         from changefeed.sinks.kafka.options import KafkaOptions
+        from changefeed.sinks.kafka.probe import resolve
 
-        opts = KafkaOptions.parse(spec.sink)
+        opts = resolve(KafkaOptions.parse(spec.sink), spec.name)  # the driver's verdict: writer tasks do not probe
         topics = [opts.topic(*t.split(".", 1)) for t in spec.tables if t != spec.outbox]  # events: their own topics
-        return {**message_options(spec, state), "topics": ",".join(topics)}
+        return {**message_options(spec, state), "topics": ",".join(topics), "progress_reader": opts.progress_reader}
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
         from changefeed.sinks.kafka.writer import KafkaWriter

@@ -110,6 +110,7 @@ class KafkaLedger(FileLedger):
         super().__init__(path)
         self.opts, self.feed, self.outbox = opts, feed, outbox  # the outbox's events go to topics made on demand
         self._existing: set[str] | None = None
+        self._notes: list[str] = []
 
     def check(self) -> None:
         self.opts.check_client(self.feed)
@@ -120,13 +121,22 @@ class KafkaLedger(FileLedger):
     def prepare(self, tables: list[Any]) -> None:
         existing = self._existing if self._existing is not None else check_cluster(self.opts)
         topics = [self.opts.topic(t.schema, t.name) for t in tables if t.qualified != self.outbox]
-        progress = [self.opts.progress_topic] if self.opts.delivery == "exactly_once" else []
+        exactly_once = self.opts.delivery == "exactly_once"
+        progress = [self.opts.progress_topic] if exactly_once else []
         if self.opts.create_topics:
             create_topics(self.opts, topics)
             create_topics(self.opts, progress, progress=True)
-            return
-        missing = [t for t in topics + progress if t not in existing]
-        if missing:
-            raise SinkError(f"Kafka {self.opts.bootstrap} has no topic {', '.join(missing)} and create_topics=false",
-                            "create them (the progress topic with one partition, cleanup.policy=compact), or drop "
-                            "create_topics=false from the --sink URI")
+        else:
+            missing = [t for t in topics + progress if t not in existing]
+            if missing:
+                raise SinkError(f"Kafka {self.opts.bootstrap} has no topic {', '.join(missing)} and "
+                                "create_topics=false", "create them (the progress topic with one partition, "
+                                "cleanup.policy=compact), or drop create_topics=false from the --sink URI")
+        if exactly_once:  # the progress topic exists: decide how to read it (probed once per process)
+            from changefeed.sinks.kafka.probe import resolve, verdict
+
+            resolve(self.opts, self.feed)
+            self._notes = [verdict(self.opts, self.feed).line()]
+
+    def notes(self) -> list[str]:
+        return list(self._notes)

@@ -2,9 +2,10 @@
 
 Exactly once, after Materialize's Kafka sink: every batch gets a fresh transactional producer
 whose `init_transactions()` fences any earlier one of the feed (same transactional id) and ends
-its open transaction. Only then is the progress topic read, with each record's transaction
-outcome (sinks.kafka.log): if the last committed progress record of this feed names this query
-and a batch id at or past this one, the batch is already in Kafka and is skipped. Otherwise its
+its open transaction. Only then is the progress topic read, by a read_committed consumer or from
+the transaction markers (`progress_reader`, sinks.kafka.probe): if the last committed progress
+record of this feed names this query and a batch id at or past this one, the batch is already in
+Kafka and is skipped. Otherwise its
 messages, then its progress record, go in one transaction. A crash anywhere before the commit
 leaves an aborted (or fenced, then aborted) transaction; a crash after it leaves a committed
 batch that the replay skips. A timed-out commit has an unknown outcome: the producer is dropped
@@ -51,12 +52,15 @@ class ProgressRecord:
 
 
 def committed_progress(opts: KafkaOptions, feed: str) -> ProgressRecord | None:
-    """The feed's last committed progress record in the progress topic, None if it has none."""
-    from changefeed.sinks.kafka.log import last_committed
+    """The feed's last committed progress record in the progress topic, None if it has none; read
+    as `opts.progress_reader` says (auto, if the driver did not resolve it: probed here, once per process)."""
+    from changefeed.sinks.kafka.probe import resolve
+    from changefeed.sinks.kafka.progress import reader
 
+    opts = resolve(opts, feed)
     key = feed.encode()
-    found = last_committed(opts.client_config(), opts.progress_topic, 0, lambda r: r.key == key,
-                           timeout=opts.timeout_s)
+    found = reader(opts.progress_reader)(opts.client_config(), opts.progress_topic, 0, lambda r: r.key == key,
+                                         timeout=opts.timeout_s)
     if found is None or found.value is None:
         return None
     try:

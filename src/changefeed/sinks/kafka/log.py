@@ -1,19 +1,20 @@
-"""Read a Kafka partition with each record's transaction outcome: the exactly-once sink's progress reader.
+"""Read a Kafka partition with each record's transaction outcome: the marker reader.
 
-The sink must know which progress records were committed. A `read_committed` consumer would say
-so on Apache Kafka, but not on every broker that speaks the protocol (Tansu hands aborted records
-to `read_committed` consumers), and a consumer cannot tell "aborted" from "not there". So this
-module reads the partition at the protocol level (ListOffsets v1 for the log start, Fetch v4, read_uncommitted) and
-sets each record's outcome from the COMMIT / ABORT control markers that follow it: the rule every
-broker must keep. It finds the partition's leader through librdkafka's metadata, and connects
-with the sink's own settings: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL with PLAIN or
-SCRAM-SHA-256/512 (`unsupported_settings` names what it cannot do, checked when the sink is
-configured). Record batches may be uncompressed or gzip.
+The exactly-once sink must know which progress records were committed. A `read_committed`
+consumer says so on brokers that list aborted transactions in their Fetch answers (Apache Kafka
+and its kin: sinks.kafka.progress), but not on every broker that speaks the protocol (Tansu hands
+aborted records to `read_committed` consumers), and a consumer cannot tell "aborted" from "not
+there". For those brokers (found by sinks.kafka.probe, or named by `progress_reader=markers`) this
+module reads the partition at the protocol level (ListOffsets v1 for the log start, Fetch v4,
+read_uncommitted) and sets each record's outcome from the COMMIT / ABORT control markers that
+follow it: the rule every broker must keep. It finds the partition's leader through librdkafka's
+metadata, and connects with the sink's own settings: PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL
+with PLAIN or SCRAM-SHA-256/512 (`unsupported_settings` names what it cannot do). Record batches
+may be compressed with any codec Kafka has (sinks.kafka.records).
 """
 from __future__ import annotations
 
 import base64
-import gzip
 import hashlib
 import hmac
 import os
@@ -21,11 +22,12 @@ import socket
 import ssl
 import struct
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from changefeed.errors import ConfigError, SinkError, TransientError
+from changefeed.errors import ConfigError, TransientError
+from changefeed.sinks.kafka.records import CONTROL, TRANSACTIONAL, Buf, batches
 
 Outcome = Literal["committed", "aborted", "open", "none"]
 SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -51,105 +53,24 @@ def committed(records: list[LogRecord]) -> list[LogRecord]:
     return [r for r in records if r.outcome in ("committed", "none")]
 
 
-class CorruptLog(SinkError):
-    """The broker returned bytes that are not Kafka record batches this reader understands."""
-
-
 def unsupported_settings(config: Mapping[str, str]) -> str | None:
-    """Why this reader cannot connect with `config`, None if it can."""
+    """Why this reader cannot connect with `config` (a login or key store only librdkafka has), None if it can."""
     protocol = str(config.get("security.protocol", "plaintext")).lower()
     if protocol not in ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl"):
         return f"security.protocol={protocol} is not one of PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"
     if protocol.startswith("sasl"):
         mechanism = str(config.get("sasl.mechanism", config.get("sasl.mechanisms", "GSSAPI"))).upper()
         if mechanism not in SASL_MECHANISMS:
-            return f"sasl.mechanism={mechanism} (the progress reader speaks {', '.join(SASL_MECHANISMS)})"
+            return f"sasl.mechanism={mechanism} (the marker reader speaks {', '.join(SASL_MECHANISMS)})"
     for key in ("ssl.keystore.location", "ssl.certificate.pem", "ssl.key.pem", "ssl.engine.location"):
         if key in config:
-            return f"{key} (the progress reader takes ssl.ca.location, ssl.certificate.location, ssl.key.location)"
-    codec = str(config.get("compression.type", config.get("compression.codec", "none"))).lower()
-    if codec not in ("none", "gzip"):
-        return f"compression.type={codec} (the progress reader decodes none and gzip)"
+            return f"{key} (the marker reader takes ssl.ca.location, ssl.certificate.location, ssl.key.location)"
     return None
-
-
-# --- bytes ---------------------------------------------------------------------------------------------------------
-
-class _Buf:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, n: int) -> bytes:
-        if n < 0 or self.pos + n > len(self.data):
-            raise EOFError
-        out = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def num(self, fmt: str) -> Any:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
-
-    def varint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.take(1)[0]
-            result |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                return (result >> 1) ^ -(result & 1)
-
-    def varbytes(self) -> bytes | None:
-        n = self.varint()
-        return None if n < 0 else self.take(n)
-
-    def string(self) -> str | None:
-        n = self.num(">h")
-        return None if n < 0 else self.take(n).decode()
-
-    def bytes32(self) -> bytes:
-        return self.take(max(self.num(">i"), 0))
 
 
 def _string(text: str) -> bytes:
     data = text.encode()
     return struct.pack(">h", len(data)) + data
-
-
-def _batches(data: bytes) -> Iterator[tuple[int, int, int, int, int, list[tuple[int, _Buf]]]]:
-    """(base offset, last offset, attributes, producer id, epoch, [(offset, record)]) per complete v2 batch."""
-    r = _Buf(data)
-    while len(data) - r.pos >= 12:
-        base, length = r.num(">q"), r.num(">i")
-        if len(data) - r.pos < length:
-            return  # a partial batch at the end of the response
-        b = _Buf(r.take(length))
-        b.num(">i")  # partition leader epoch
-        if b.num(">b") != 2:
-            raise CorruptLog("the broker returned a record batch older than format v2",
-                             "use a broker of Kafka 0.11 or later (message format v2)")
-        b.take(4)  # crc
-        attributes, last_delta = b.num(">h"), b.num(">i")
-        b.take(16)  # timestamps
-        producer_id, epoch = b.num(">q"), b.num(">h")
-        b.num(">i")  # base sequence
-        count = b.num(">i")
-        payload = b.data[b.pos:]
-        codec = attributes & 0x07
-        if codec == 1:
-            payload = gzip.decompress(payload)
-        elif codec:
-            raise CorruptLog(f"a record batch at offset {base} is compressed with codec {codec}",
-                             "the progress reader decodes uncompressed and gzip batches: set compression.type=gzip "
-                             "or none in the --sink URI, or compression.type=uncompressed on the progress topic")
-        p = _Buf(payload)
-        records = []
-        for _ in range(count):
-            rec = _Buf(p.take(p.varint()))
-            rec.num(">b")
-            rec.varint()  # timestamp delta
-            records.append((base + rec.varint(), rec))
-        yield base, base + last_delta, attributes, producer_id, epoch, records
 
 
 # --- SASL ----------------------------------------------------------------------------------------------------------
@@ -180,7 +101,7 @@ def scram(mechanism: str, user: str, password: str, exchange: Callable[[bytes], 
 def _auth_failed(what: str) -> Exception:
     from changefeed.errors import AuthenticationFailed
 
-    return AuthenticationFailed(f"Kafka progress reader: {what}", "check sasl.username / sasl.password and "
+    return AuthenticationFailed(f"Kafka marker reader: {what}", "check sasl.username / sasl.password and "
                                 "sasl.mechanism in the --sink URI")
 
 
@@ -221,11 +142,11 @@ class _Connection:
     def close(self) -> None:
         self.sock.close()
 
-    def request(self, api: int, version: int, body: bytes) -> _Buf:
+    def request(self, api: int, version: int, body: bytes) -> Buf:
         self.correlation += 1
         header = struct.pack(">hhih", api, version, self.correlation, len(_CLIENT_ID)) + _CLIENT_ID
         self.sock.sendall(struct.pack(">i", len(header) + len(body)) + header + body)
-        answer = _Buf(self._recv(struct.unpack(">i", self._recv(4))[0]))
+        answer = Buf(self._recv(struct.unpack(">i", self._recv(4))[0]))
         if answer.num(">i") != self.correlation:
             raise TransientError("the Kafka broker answered out of order", "run the feed again")
         return answer
@@ -355,18 +276,18 @@ class PartitionReader:
             error, _, data = self._fetch(offset)
             self._check(error, f"fetching at {offset}")
             progressed = False
-            for _, last, attributes, producer_id, epoch, records in _batches(data):
+            for _, last, attributes, producer_id, epoch, records in batches(data):
                 if last < offset:
                     continue
                 progressed = True
                 offset = last + 1
-                if attributes & 0x20:  # a control batch: COMMIT (type 1) or ABORT (type 0)
+                if attributes & CONTROL:  # a control batch: COMMIT (type 1) or ABORT (type 0)
                     key = records[0][1].varbytes() if records else None
                     kind = struct.unpack(">hh", key)[1] if key and len(key) >= 4 else -1
                     for done in pending.pop(producer_id, []):
                         done.outcome = "committed" if kind == 1 else "aborted"
                     continue
-                transactional = bool(attributes & 0x10)
+                transactional = bool(attributes & TRANSACTIONAL)
                 for at, buf in records:
                     key, value = buf.varbytes(), buf.varbytes()
                     headers = [((buf.varbytes() or b"").decode(), buf.varbytes()) for _ in range(buf.varint())]

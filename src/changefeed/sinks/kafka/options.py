@@ -2,10 +2,11 @@
 
 A topic per table (`topic_prefix` + the `topic_name` template), message key = the envelope's key,
 value = the envelope. Delivery `exactly_once` (default) writes each micro-batch in one Kafka
-transaction together with a progress record on `progress_topic`; `at_least_once` uses an
-idempotent producer without transactions. Client settings pass through to librdkafka: any query
-parameter with a dot in its name (`security.protocol=SASL_SSL`), or `kafka_config` holding a JSON
-object, or `@/path/to/file.json` so secrets stay out of the URI, the feed definition and `ps`.
+transaction together with a progress record on `progress_topic`, read back as `progress_reader`
+says (sinks.kafka.probe); `at_least_once` uses an idempotent producer without transactions.
+Client settings pass through to librdkafka: any query parameter with a dot in its name
+(`security.protocol=SASL_SSL`), or `kafka_config` holding a JSON object, or `@/path/to/file.json`
+so secrets stay out of the URI, the feed definition and `ps`.
 Stdlib only at import: it runs in Spark writer tasks and in the CLI's checks.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import re
 import string
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -26,6 +27,7 @@ from changefeed.spec.secrets import mapped, secret_name
 
 SCHEME = "kafka"
 DELIVERIES = ("exactly_once", "at_least_once")
+PROGRESS_READERS = ("auto", "consumer", "markers")
 _EXAMPLE = "kafka://HOST:9092?topic_prefix=cdc.&delivery=exactly_once"
 _TOPIC_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 MAX_TOPIC = 249
@@ -82,6 +84,9 @@ _OPTIONS: dict[str, Option] = {
     "tombstones": Option("tombstones", boolean, "true or false"),
     "resolved": Option("emit_resolved", boolean, "true or false"),
     "progress_topic": Option("progress_topic", any_text, "a Kafka topic name"),
+    "progress_reader": Option("progress_reader", choice(*PROGRESS_READERS), f"one of {', '.join(PROGRESS_READERS)}",
+                              hint="auto (a probe at start decides), consumer (the broker honours read_committed) "
+                                   "or markers (it does not: read the transaction markers)"),
     "topic_partitions": Option("topic_partitions", _count("topic_partitions"), "a whole number >= -1"),
     "replication_factor": Option("replication_factor", _count("replication_factor"), "a whole number >= -1"),
     "create_topics": Option("create_topics", boolean, "true or false"),
@@ -100,6 +105,7 @@ class KafkaOptions:
     tombstones: bool | None = None  # after a delete, also a null value; None: as the format does
     emit_resolved: bool = False  # resolved messages to every partition of the feed's topics
     progress_topic: str = "_changefeed_progress"
+    progress_reader: str = "auto"  # how exactly once reads progress (sinks.kafka.probe); the driver resolves auto
     topic_partitions: int = -1  # for topics the sink creates; -1: the broker's default
     replication_factor: int = -1
     create_topics: bool = True
@@ -140,17 +146,29 @@ class KafkaOptions:
             raise ConfigError(f"the Kafka sink sets {', '.join(owned)} itself",
                               "remove it from the --sink URI (the transactional id is changefeed-FEED)")
         opts = cls(",".join(hosts), **given, client=tuple(sorted(client.items())))
-        if opts.delivery == "exactly_once":
-            from changefeed.sinks.kafka.log import unsupported_settings
-
-            why = unsupported_settings(opts.client_config(resolved=False))
-            if why:
-                raise ConfigError(f"delivery=exactly_once reads the progress topic itself and cannot use {why}",
-                                  "change that setting, or use delivery=at_least_once")
+        if opts.delivery == "exactly_once" and opts.progress_reader == "markers":
+            opts.check_markers("progress_reader=markers")
         if sanitize_topic(opts.progress_topic) != opts.progress_topic:
             raise ConfigError(f"progress_topic {opts.progress_topic!r} is not a valid Kafka topic name",
                               "use letters, digits, '.', '_' and '-' (at most 249)")
         return opts
+
+    def check_markers(self, why: str) -> None:
+        """A ConfigError if the marker reader (sinks.kafka.log) cannot connect with these settings;
+        `why` says what chose that reader."""
+        from changefeed.sinks.kafka.log import unsupported_settings
+
+        cannot = unsupported_settings(self.client_config(resolved=False))
+        if cannot:
+            raise ConfigError(f"{why}: exactly once reads the transaction markers of the progress topic itself, "
+                              f"and that reader cannot use {cannot}",
+                              "on a broker that honours read_committed (Apache Kafka, Confluent, MSK, Redpanda) use "
+                              "progress_reader=consumer (librdkafka reads progress with every setting); else change "
+                              "that setting, or use delivery=at_least_once")
+
+    def reading(self, reader: str) -> KafkaOptions:
+        """These options with `progress_reader` resolved to `reader` (consumer or markers)."""
+        return replace(self, progress_reader=reader)
 
     def client_config(self, resolved: bool = True) -> dict[str, str]:
         """What every client of the sink (producer, admin, progress reader) connects with.

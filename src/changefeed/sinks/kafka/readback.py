@@ -1,8 +1,9 @@
 """A Kafka sink's table topic read back as the rows a consumer holds (for `verify`).
 
-Each partition is read at the protocol level up to a high watermark taken while the feed waited
-at the verification's point (sinks.kafka.log: committed and non-transactional records only, also
-on brokers whose read_committed consumers stop short), and folded as the json and debezium
+Each partition is read up to a high watermark taken while the feed waited at the verification's
+point, committed and non-transactional records only, by the reader the feed's progress uses
+(`reading`: a read_committed consumer, sinks.kafka.progress, where the broker honours it, else
+the transaction markers, sinks.kafka.log), and folded as the json and debezium
 envelopes ask a consumer to (core.envelope): per key, an `after` merged into the row held (a
 TOASTed value left unchanged is left out of it), a delete (after null) or tombstone removes it, a
 truncate removes every row last changed before it (by commit timestamp: partitions have no order
@@ -14,10 +15,22 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from changefeed.sinks.kafka.log import PartitionReader, committed
+from changefeed.sinks.kafka import progress
+from changefeed.sinks.kafka.log import LogRecord, PartitionReader, committed, unsupported_settings
 from changefeed.sinks.kafka.options import KafkaOptions
 
 Rows = dict[str, dict[str, Any]]  # key (JSON list of the key values) -> column -> value
+
+
+def reading(opts: KafkaOptions, feed: str) -> KafkaOptions:
+    """`opts` with the reader verify uses: the feed's progress reader (sinks.kafka.probe); an
+    at-least-once feed writes no transactions, so the markers where they can connect, else a consumer."""
+    if opts.delivery != "exactly_once":
+        return opts.reading("markers" if unsupported_settings(opts.client_config(resolved=False)) is None
+                            else "consumer")
+    from changefeed.sinks.kafka.probe import resolve
+
+    return resolve(opts, feed)
 
 
 def high_marks(opts: KafkaOptions, topic: str) -> dict[int, int]:
@@ -29,6 +42,9 @@ def high_marks(opts: KafkaOptions, topic: str) -> dict[int, int]:
         return {}
     out = {}
     for p in sorted(meta.partitions):
+        if opts.progress_reader == "consumer":
+            out[p] = progress.offsets(opts.client_config(), topic, p, timeout=opts.timeout_s)[1]
+            continue
         with PartitionReader(opts.client_config(), topic, p, timeout=opts.timeout_s) as reader:
             out[p] = reader.offsets()[1]
     return out
@@ -39,13 +55,20 @@ def read_rows(opts: KafkaOptions, topic: str, upto: Mapping[int, int], fmt: str,
     held: dict[str, tuple[int, dict[str, Any]]] = {}  # key -> (commit ts of its last change, row)
     truncated: list[int] = []
     for partition, high in upto.items():
-        with PartitionReader(opts.client_config(), topic, partition, timeout=opts.timeout_s) as reader:
-            first, _ = reader.offsets()
-            for record in committed(reader.read(first, high)):
-                fold(held, truncated, record.key, record.value, fmt, key)
+        for record in _committed(opts, topic, partition, high):
+            fold(held, truncated, record.key, record.value, fmt, key)
     for ts in truncated:
         held = {k: v for k, v in held.items() if v[0] >= ts}
     return {k: row for k, (_, row) in held.items()}
+
+
+def _committed(opts: KafkaOptions, topic: str, partition: int, high: int) -> list[LogRecord]:
+    if opts.progress_reader == "consumer":
+        first = progress.offsets(opts.client_config(), topic, partition, timeout=opts.timeout_s)[0]
+        return progress.read_partition(opts.client_config(), topic, partition, first, high, timeout=opts.timeout_s)
+    with PartitionReader(opts.client_config(), topic, partition, timeout=opts.timeout_s) as reader:
+        first, _ = reader.offsets()
+        return committed(reader.read(first, high))
 
 
 def fold(held: dict[str, tuple[int, dict[str, Any]]], truncated: list[int], key: bytes | None,

@@ -26,7 +26,7 @@ class KafkaWriter(MessageWriter):
         began = time.time()
         if not batch.task.query_id:
             raise SinkError("the Kafka sink runs only inside a streaming query", "start it with changefeed run")
-        opts = KafkaOptions.parse(o["uri"])
+        opts = KafkaOptions.parse(o["uri"]).reading(o.get("progress_reader") or "auto")  # resolved by the driver
         stream = MessageStream(self.formatter(), opts.topic, opts.tombstones_for(o["format"]), outbox_spec(o),
                                event_topic=opts.event_topic)
         out = KafkaBatch(opts, o["feed"], batch.task.query_id, batch.task.batch_id)

@@ -85,6 +85,9 @@ class ReplicaLedger:
         ensure_meta(self.conn)
         ensure_tables(self.conn, tables)
 
+    def notes(self) -> list[str]:
+        return []
+
     def checkpoint(self) -> dict[str, int] | None:
         """From the last progress row: its `positions`, or for a one-node feed (and rows written
         before nodes existed) its end LSN as node n1's. Read through to_jsonb: a sink made before
