@@ -321,16 +321,24 @@ def last_committed(config: Mapping[str, str], topic: str, partition: int, match:
     Reads the tail `window` offsets first, then twice as far back each time nothing matches: the
     progress topic is compacted and its newest records are the ones asked for.
     """
-    if window < 1:
-        raise ConfigError("the progress read window must be >= 1", "pass a positive window")
     with PartitionReader(config, topic, partition, timeout=timeout) as reader:
         first, high = reader.offsets()
-        start, seen = max(first, high - window), high
-        while True:
-            found = [r for r in committed(reader.read(start, high)) if r.offset < seen and match(r)]
-            if found:
-                return found[-1]
-            if start <= first:
-                return None
-            window *= 2
-            seen, start = start, max(first, start - window)
+        return search_back(first, high, window, lambda start, end: [
+            r for r in committed(reader.read(start, high)) if r.offset < end and match(r)])
+
+
+def search_back(first: int, high: int, window: int,
+                found_in: Callable[[int, int], list[LogRecord]]) -> LogRecord | None:
+    """The last of `found_in(start, end)` over [first, high): the tail `window` offsets first, then
+    twice as far back each time it finds nothing (both progress readers search this way)."""
+    if window < 1:
+        raise ConfigError("the progress read window must be >= 1", "pass a positive window")
+    start, seen = max(first, high - window), high
+    while True:
+        found = found_in(start, seen)
+        if found:
+            return found[-1]
+        if start <= first:
+            return None
+        window *= 2
+        seen, start = start, max(first, start - window)

@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from changefeed.errors import ConfigError, SinkError, TransientError
-from changefeed.sinks.kafka.log import LogRecord
+from changefeed.errors import SinkError, TransientError
+from changefeed.sinks.kafka.log import LogRecord, search_back
 
 POLL_S = 0.1
 _FAILS = ("TOPIC_AUTHORIZATION_FAILED", "UNKNOWN_TOPIC_OR_PART", "_UNKNOWN_TOPIC", "_UNKNOWN_PARTITION",
@@ -128,20 +128,11 @@ def last_committed(config: Mapping[str, str], topic: str, partition: int, match:
     feed's own producer (fenced and its open transaction aborted by init_transactions) writes none."""
     from confluent_kafka import Consumer
 
-    if window < 1:
-        raise ConfigError("the progress read window must be >= 1", "pass a positive window")
     first, high = offsets(config, topic, partition, timeout=timeout)
     consumer = Consumer(consumer_config(config, "progress"))
     try:
-        start, seen = max(first, high - window), high
-        while True:
-            found = [r for r in read(consumer, topic, partition, start, seen, timeout=timeout) if match(r)]
-            if found:
-                return found[-1]
-            if start <= first:
-                return None
-            window *= 2
-            seen, start = start, max(first, start - window)
+        return search_back(first, high, window, lambda start, end: [
+            r for r in read(consumer, topic, partition, start, end, timeout=timeout) if match(r)])
     finally:
         consumer.close()
 
