@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -138,6 +139,18 @@ def start_changefeed(*args: str, log: Path, env: dict[str, str] | None = None) -
     out = open(log, "ab")
     return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=out, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def killed_by_fault(p: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> None:
+    """Wait for a feed started with `CHANGEFEED_KILL_AT` to die of it; if it does not in time, kill
+    it and fail with the end of its log (what it was doing instead)."""
+    try:
+        code = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        pytest.fail(f"the feed did not reach its fault point in {timeout:.0f} s:\n{log.read_text()[-5000:]}")
+    assert code == -signal.SIGKILL, log.read_text()[-3000:]
 
 
 @contextmanager

@@ -38,10 +38,13 @@ def _due(variable: str, point: str, kind: str) -> bool:
     if name != point:
         return False
     counter = os.path.join(os.environ.get("CHANGEFEED_FAULT_DIR", "."), f".{kind}-{point}")
-    fd = os.open(counter, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(counter, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
+        # An append moves this descriptor to the end of its own byte, atomically: the count is this
+        # hit's own, also when tasks in parallel reach the point together (the file's size after the
+        # write may already hold another task's hit, and then no task would see the n-th).
         os.write(fd, b"x")
-        hits = os.fstat(fd).st_size
+        hits = os.lseek(fd, 0, os.SEEK_CUR)
     finally:
         os.close(fd)
     return hits == int(nth or 1)

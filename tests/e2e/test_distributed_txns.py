@@ -32,6 +32,7 @@ from conftest import (
     assert_no_traceback,
     changefeed_cli,
     drop_slots,
+    killed_by_fault,
     start_changefeed,
     wait_for,
 )
@@ -268,7 +269,7 @@ def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: di
             log = tmp_path / f"run{i}.log"
             p = start_changefeed(*base, log=log, env={**env, "CHANGEFEED_FAULT_DIR": str(fault_dir)})
             if env:
-                assert p.wait(timeout=300) == -signal.SIGKILL, log.read_text()[-3000:]
+                killed_by_fault(p, log)
                 assert (fault_dir / f".fault-{env['CHANGEFEED_KILL_AT'].split(':')[0]}").exists()
             else:
                 ran = done[0]

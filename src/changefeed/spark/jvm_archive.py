@@ -2,8 +2,7 @@
 
 Starting the JVM and a SparkSession, most of it loading and verifying Spark's classes, is the
 biggest part of a feed's start on a small machine. A dynamic CDS archive (`-XX:SharedArchiveFile`)
-holds those classes ready to map: measured here, SparkSession 4.4-5.2 s instead of 7.5-8.1 s and the
-first job 1.3-1.6 s instead of 2.7-3.1 s. `python -m changefeed.spark.jvm_archive` (which
+holds those classes ready to map (figures in bench/README.md). `python -m changefeed.spark.jvm_archive` (which
 `make install` runs) builds it once per JVM, pyspark and Spark home; a feed uses it when it is
 there and starts as before when it is not.
 
@@ -18,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from changefeed.spark.spark_home import default_cache, use_linked_home
@@ -68,8 +68,10 @@ def usable(archive: Path) -> bool:
 
 
 def _jvm_runs(option: str) -> bool:
-    done = subprocess.run([sys.executable, "-m", f"{__package__}.jvm_exercise", option],
-                          capture_output=True, text=True, timeout=600)
+    # In a folder of its own: a JVM that crashes on the archive leaves its hs_err_pid*.log there.
+    with tempfile.TemporaryDirectory(prefix="changefeed-jvm-") as folder:
+        done = subprocess.run([sys.executable, "-m", f"{__package__}.jvm_exercise", option],
+                              capture_output=True, text=True, timeout=600, cwd=folder)
     return done.returncode == 0
 
 
