@@ -17,12 +17,13 @@ install: $(BIN)/changefeed
 demo: install
 	$(BIN)/changefeed demo
 
+# Two workers (pytest-xdist): a feed's test waits on its servers and processes much of the time.
 test: install
-	$(BIN)/pytest -q --durations=40
+	$(BIN)/pytest -q -n 2 --durations=40
 
 # The inner loop: every test that needs no Spark (pure units, real PostgreSQL and broker servers).
 test-fast: install
-	$(BIN)/pytest -q tests/core tests/spec tests/postgres tests/sinks tests/control tests/cli/test_docs_links.py
+	$(BIN)/pytest -q -n 2 tests/core tests/spec tests/postgres tests/sinks tests/control tests/cli/test_docs_links.py
 
 # Lint: ruff (style, imports), import-linter (the layers, no import circles), mypy --strict
 # (settings of all three in pyproject.toml).

@@ -32,6 +32,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 _counter = itertools.count()
 
+# The longest tests first (`make test` runs two pytest-xdist workers, which take the next test as
+# they finish one): the end-to-end feeds, then those that start a Spark session, then the rest fill
+# the gaps. Only the order changes; every test still runs.
+_FIRST = ("tests/e2e/", "tests/spark/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid
+        return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+    items.sort(key=rank)
+
 
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPostgres, LocalPostgres]]:
@@ -132,6 +145,20 @@ def changefeed_cli(*args: str, timeout: float = 600, **kwargs: object) -> subpro
     """Run `python -m changefeed ARGS` as its own process; returns the completed process."""
     return subprocess.run([sys.executable, "-m", "changefeed", *args], capture_output=True, text=True,
                           timeout=timeout, **kwargs)  # type: ignore[call-overload]
+
+
+def status_of(name: str, state: Path | str) -> dict[str, Any]:
+    """What `changefeed status --name NAME --state STATE --json` prints, read in this process: a
+    poll costs no Python start of its own."""
+    import json
+
+    from changefeed.control.status import status
+    from changefeed.spec.state import FeedState
+
+    feed = FeedState(state, name)
+    spec = feed.load()
+    assert spec is not None, f"no feed {name} under {state}"
+    return dict(json.loads(json.dumps(status(spec, feed).__dict__)))
 
 
 def start_changefeed(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

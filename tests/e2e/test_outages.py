@@ -37,6 +37,7 @@ from conftest import (
     fingerprint,
     kafka_partitions,
     start_changefeed,
+    status_of,
     terminating,
     wait_for,
     writing,
@@ -266,8 +267,8 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
                 wait_for("changes in the topic", lambda: len(ids()) > 400, log)
                 proxy.down() if fault == "down" else proxy.stall()
                 began = time.monotonic()
-                wait_for("status to say retrying", lambda: "retrying" in json.loads(changefeed_cli(
-                    "status", "--name", dbs.name, "--state", str(state), "--json").stdout)["state"], log, timeout=90)
+                wait_for("status to say retrying", lambda: "retrying" in status_of(dbs.name, state)["state"], log,
+                         timeout=90)
                 time.sleep(max(0.0, 30 - (time.monotonic() - began)))
                 proxy.up() if fault == "down" else proxy.flow()
                 time.sleep(3)
