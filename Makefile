@@ -19,7 +19,7 @@ demo: install
 
 # Two workers (pytest-xdist): a feed's test waits on its servers and processes much of the time.
 test: install
-	$(BIN)/pytest -q -n 2 --durations=40
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=40
 
 # The inner loop: every test that needs no Spark (pure units, real PostgreSQL and broker servers).
 test-fast: install

@@ -32,9 +32,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 _counter = itertools.count()
 
-# The longest tests first (`make test` runs two pytest-xdist workers, which take the next test as
-# they finish one): the end-to-end feeds, then those that start a Spark session, then the rest fill
-# the gaps. Only the order changes; every test still runs.
+# The longest tests first (`make test` runs two pytest-xdist workers; one that runs dry takes the
+# end of the other's queue, so short tests at the end even the two out): the end-to-end feeds, then
+# those that start a Spark session, then the rest. Only the order changes; every test still runs.
 _FIRST = ("tests/e2e/", "tests/spark/")
 
 
