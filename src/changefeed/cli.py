@@ -297,6 +297,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo(Path(args.workdir), seconds=args.seconds, master=args.master)
 
 
+def cmd_spark_server(args: argparse.Namespace) -> int:
+    from changefeed.spark.connect import serve
+
+    return serve(args.host, args.port, args.master)
+
+
 class _Parser(argparse.ArgumentParser):
     """Malformed options exit like every other bad input: typed message, hint, exit 64."""
 
@@ -372,10 +378,18 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                           "every re-snapshot then sends them again)")
 
 
+def _default_master() -> str:
+    """A team's Spark for every feed command, set once: CHANGEFEED_MASTER."""
+    return os.environ.get("CHANGEFEED_MASTER") or "local[*]"
+
+
 def _running_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--available-now", action="store_true",
                      help="deliver everything committed before start, then exit 0")
-    cmd.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    cmd.add_argument("--master", default=_default_master(),
+                     help="Spark master (default $CHANGEFEED_MASTER, else local[*]: Spark starts in the runner's "
+                          "process); sc://HOST:PORT runs the feed on a Spark Connect server that stays up "
+                          "(changefeed spark-server)")
     cmd.add_argument("--retry-max-backoff", default="30s",
                      help="longest wait between attempts while a fault lasts (source restarting, connection lost, "
                           "sink down), e.g. 30s (default 30s)")
@@ -458,8 +472,9 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--chunk-rows", type=int, default=1000,
                      help="about this many rows per compared chunk (default 1000)")
     ver.add_argument("--wait", default="2m", help="how long the feed may take to reach the point (default 2m)")
-    ver.add_argument("--master", default="local[*]",
-                     help="Spark master for running a stopped feed that is behind up to the point (default local[*])")
+    ver.add_argument("--master", default=_default_master(),
+                     help="Spark master for running a stopped feed that is behind up to the point (default "
+                          "$CHANGEFEED_MASTER, else local[*])")
     ver.add_argument("--json", action="store_true", help="machine-readable output")
     ver.set_defaults(func=cmd_verify)
 
@@ -477,10 +492,17 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=cmd_status)
 
+    srv = sub.add_parser("spark-server", help="run a Spark Connect server (until SIGINT/SIGTERM) on which feeds "
+                                              "start without a JVM of their own: run --master sc://HOST:PORT")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=15002, help="port to listen on (default 15002)")
+    srv.add_argument("--master", default="local[*]", help="the server's Spark master (default local[*])")
+    srv.set_defaults(func=cmd_spark_server)
+
     demo = sub.add_parser("demo", help="two embedded PostgreSQL servers, a workload, a feed, and a check")
     demo.add_argument("--workdir", default="./changefeed-demo", help="where the demo keeps its servers and state")
     demo.add_argument("--seconds", type=float, default=45, help="how long the write workload runs")
-    demo.add_argument("--master", default="local[*]")
+    demo.add_argument("--master", default=_default_master())
     demo.add_argument("--sink", choices=("replica", "delta"), default="replica",
                       help="replica: a second PostgreSQL server (default); delta: a Delta lake (a mirror and a "
                            "change log) queried with DuckDB")

@@ -194,6 +194,7 @@ def test_several_tasks_write_one_batch_and_the_driver_commits_it_once(dbs: Dbs, 
     assert delta_rows(lake, "public.wide", ["id", "v", "n"]) == source_rows(dbs, "public.wide", ["id", "v", "n"])
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_compact_merges_files_keeps_rows_and_vacuum_deletes_orphans(dbs: Dbs, tmp_path: Path, spark: object) -> None:
     import os
     import shutil

@@ -315,6 +315,7 @@ def local_transfers(nodes: dict[str, str], stop: threading.Event, done: list[int
             time.sleep(0.2)
 
 
+@pytest.mark.usefixtures("warm_spark")
 @pytest.mark.slow
 def test_a_node_down_for_20_s_stalls_the_feed_which_then_catches_up(dbs: Dbs, nodes: dict[str, str],
                                                                     second: LocalPostgres, tmp_path: Path) -> None:

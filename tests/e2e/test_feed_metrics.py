@@ -41,6 +41,7 @@ def scraped(what: str, port: int, ok: Callable[[dict[tuple[str, str], float]], b
     return wait_for(what, lambda: (m := scrape(port)) and ok(m) and m, log, timeout)  # type: ignore[no-any-return]
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_metrics_endpoint_and_status_show_the_lag(dbs: Dbs, tmp_path: Path) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")

@@ -154,6 +154,7 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
     assert status["batches"] == len(batches), status  # the ledger file agrees with the progress topic
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_an_outbox_snapshot_sends_no_row_it_held_and_racing_inserts_once(dbs: Dbs, tmp_path: Path,
                                                                         kafka: LocalKafka) -> None:
     with dbs.src() as c:

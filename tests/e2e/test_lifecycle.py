@@ -100,6 +100,7 @@ def quiet_source(servers: tuple[LocalPostgres, LocalPostgres], tmp_path: Path) -
         source.stop("immediate")
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_paused_feed_past_its_wal_budget_fails_with_the_documented_error(quiet_source: Dbs, tmp_path: Path) -> None:
     dbs = quiet_source
     with dbs.src() as c:

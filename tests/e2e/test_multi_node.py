@@ -200,6 +200,7 @@ def test_one_node_with_a_name_of_its_own(dbs: Dbs, tmp_path: Path, spark: object
     assert list(shown.nodes) == ["main"] and shown.nodes["main"]["lag_bytes"] == 0, shown
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_a_node_added_to_a_running_feed_and_removed_from_a_stopped_one(dbs: Dbs, nodes: dict[str, str],
                                                                        tmp_path: Path) -> None:
     for i, uri in enumerate(nodes.values(), 1):

@@ -94,6 +94,7 @@ def free_port() -> int:
 
 
 
+@pytest.mark.usefixtures("warm_spark")
 @pytest.mark.parametrize("fault", ["source crash-restart", "replica crash-restart", "backends terminated"])
 def test_a_fault_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
     """A crash-restart hits a server of the test's own (source or replica); `pg_terminate_backend`
@@ -169,6 +170,7 @@ def test_an_unforeseen_error_inside_a_task_is_retried(dbs: Dbs, tmp_path: Path) 
         carried_on(feed, log)
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_a_definite_fault_while_running_ends_the_run(dbs: Dbs, tmp_path: Path) -> None:
     """The feed's slot dropped by hand while it runs: retrying cannot bring the WAL back, so the run
     ends with SlotLost (exit 2), its hint, no traceback, and `status` says failed."""
@@ -201,6 +203,7 @@ def test_a_definite_fault_while_running_ends_the_run(dbs: Dbs, tmp_path: Path) -
     assert status["state"].startswith("failed"), status
 
 
+@pytest.mark.usefixtures("warm_spark")
 @pytest.mark.parametrize("path", ["source", "sink"])
 def test_a_stalled_connection_is_found_and_cut(dbs: Dbs, tmp_path: Path, path: str) -> None:
     """The feed reaches the source (or the replica) through a TCP proxy that stops forwarding for
@@ -236,6 +239,7 @@ def test_a_stalled_connection_is_found_and_cut(dbs: Dbs, tmp_path: Path, path: s
             assert_no_traceback(text)
 
 
+@pytest.mark.usefixtures("warm_spark")
 @pytest.mark.parametrize("fault", ["down", "stalled"])
 def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fault: str) -> None:
     """The broker of the test's own is reached only through a TCP proxy (it advertises the proxy's
@@ -288,6 +292,7 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
             carried_on(feed, log)
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_the_retention_budget_holds_while_retrying(dbs: Dbs, tmp_path: Path) -> None:
     """The replica is down for longer than --retention: the feed, retrying meanwhile, ends with
     RetentionExceeded (exit 2) instead of holding the source's WAL for ever."""

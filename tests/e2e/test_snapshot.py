@@ -143,6 +143,7 @@ def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: 
     assert items[0][2] is None and items[-1][3] is None
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_table_added_to_running_feed_arrives_with_existing_rows(dbs: Dbs, tmp_path: Path) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE first (id int PRIMARY KEY, v text)")

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("warm_spark")]
 
 TABLES = "public.acct,public.doc"
 

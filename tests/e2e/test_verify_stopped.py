@@ -151,6 +151,7 @@ def own_servers(tmp_path: Path) -> Iterator[tuple[LocalPostgres, LocalPostgres]]
         server.stop("immediate")
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_status_of_a_stopped_feed_with_a_server_down(own_servers: tuple[LocalPostgres, LocalPostgres],
                                                       tmp_path: Path) -> None:
     source, sink = own_servers

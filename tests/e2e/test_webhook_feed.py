@@ -187,6 +187,7 @@ def test_every_change_arrives_in_key_order_through_faults_and_a_kill(dbs: Dbs, t
     assert status["batches"] >= 2 and status["checkpoint_lsn"] and status["snapshot"]["public.t"]["rows"] == 200
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_a_400_stops_the_feed_with_the_status_shown(dbs: Dbs, tmp_path: Path,
                                                      receiver: tuple[Receiver, str]) -> None:
     rec, url = receiver
@@ -208,6 +209,7 @@ def test_a_400_stops_the_feed_with_the_status_shown(dbs: Dbs, tmp_path: Path,
     assert status["batches"] == 0
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_an_endpoint_down_for_a_while_is_waited_out(dbs: Dbs, tmp_path: Path,
                                                      receiver: tuple[Receiver, str]) -> None:
     """The endpoint answers 500 longer than the client's own retries last (retry_max=2): the batch

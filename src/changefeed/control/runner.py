@@ -33,6 +33,7 @@ from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import OutboxCleanup
+from changefeed.sinks.base import task_slots
 from changefeed.sinks.registry import sink_of, validated
 from changefeed.spark.checkpoint import chunks_to_read, resyncing
 from changefeed.spec.definition import PARALLEL_READ_SLOTS, FeedSpec
@@ -92,16 +93,27 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         stack.callback(write_note, state.retrying_file, None)
         faults.mark_feed_group()
         faults.reach("startup")
+        from changefeed.spark.connect import Held, is_remote
         from changefeed.spark.job import spark_session
         from changefeed.spec.secrets import executor_env
 
-        spark = None if stop.is_set() else spark_session(  # stopped while it attached: no Spark to start
+        spark = Held(master, lambda: spark_session(
             master, log=None if verbose else state.spark_log,
-            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink]))
+            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink])))
+        stack.callback(spark.close)
+        try:
+            with spark.reached():
+                if not stop.is_set():  # stopped while it attached: no Spark to start
+                    spark.get()
+        except TransientError as e:  # a Spark Connect server out of reach: like any fault at the start
+            if not state.has_checkpoint():
+                raise
+            fault = e
         if alongside is not None:
             alongside(stop)
         meter: Meter | None = None
-        report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}), "
+        on = f" on the Spark Connect server {master}" if is_remote(master) else ""
+        report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}){on}, "
                f"checkpoint in {state.checkpoint}")
         while not stop.is_set() and (fault is None or not _wait_out(fault, retry, spec, state, attempt, metrics,
                                                                      stop, report)):
@@ -113,8 +125,9 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     meter = Meter(report, prepared.ledger.totals)
                 else:  # the sink's ledger of this attempt
                     meter.totals = prepared.ledger.totals
-                _run_query(prepared, spark, meter, metrics, stop, retry, attempt, report,
-                           available_now=available_now, report_every_s=report_every_s)
+                with spark.reached():  # a Spark Connect server that went away: a new session
+                    _run_query(prepared, spark.get(), meter, metrics, stop, retry, attempt, report,
+                               available_now=available_now, report_every_s=report_every_s)
                 break
             except NodesChanged as e:
                 spec, prepared, fault = e.spec, None, None
@@ -365,7 +378,7 @@ def _parallel_reads(spec: FeedSpec, state: FeedState, spark: Any) -> bool:
         return True
     if spec.snapshot_reads == "sequential" or not (sink_of(spec.sink).parallel_reads and chunks_to_read(spec, state)):
         return False
-    return spec.snapshot_reads == "parallel" or spark.sparkContext.defaultParallelism >= PARALLEL_READ_SLOTS
+    return spec.snapshot_reads == "parallel" or task_slots(spark) >= PARALLEL_READ_SLOTS
 
 
 def _release_wal(prepared: Prepared, query: Any) -> None:

@@ -71,3 +71,21 @@ class Sink:
 def ledger_path(state: "FeedState") -> str:
     """Where a sink without a place of its own keeps its ledger (sinks.ledger.FileLedger)."""
     return str(state.dir / "delivered.jsonl")
+
+
+def task_slots(spark: Any) -> int:
+    """How many tasks `spark` runs at once (Spark's default parallelism). A Spark Connect session
+    has no SparkContext to ask: there it is the partition count of a range Spark splits by that
+    default, one small job, asked once per session."""
+    if not _is_connect(spark):
+        return int(spark.sparkContext.defaultParallelism)
+    if not hasattr(spark, "_changefeed_task_slots"):
+        from pyspark.sql import functions as F
+
+        row = spark.range(0, 1 << 16).withColumn("p", F.spark_partition_id()).agg(F.max("p").alias("p")).first()
+        spark._changefeed_task_slots = int(row["p"]) + 1
+    return int(spark._changefeed_task_slots)
+
+
+def _is_connect(spark: Any) -> bool:
+    return type(spark).__module__.startswith("pyspark.sql.connect")

@@ -3,25 +3,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from changefeed.sinks.registry import sink_of
-from changefeed.spark import jvm_archive, shipping, spark_log
-from changefeed.spark.spark_home import use_linked_home
+from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-
-# The driver JVM plans batches and passes packed chunks between Python processes; it never runs
-# long enough in one place to repay C2's slow compiles, which on two cores compete with the start
-# of the feed itself. C1 alone starts a feed much sooner at the same batch throughput (bench/README.md).
-QUICK_JIT = "-XX:TieredStopAtLevel=1"
 
 
 def spark_session(master: str = "local[*]", app: str = "changefeed", java_options: str | None = None,
                   log: Path | None = None, executor_env: dict[str, str] | None = None) -> Any:
-    """One SparkSession per process, with our data sources registered. The driver JVM gets
+    """One SparkSession per process, with our data sources registered: on a Spark Connect server
+    for a `master` sc://HOST:PORT (spark.connect), else with a driver of its own. The driver JVM gets
     `java_options`, by default the class archive's when there is one (see jvm_archive).
 
     With `log`, the JVM's output goes to that file instead of the console, and with it that of
@@ -31,32 +25,18 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     `executor_env` goes to the executors' environment on a cluster (a local master's share the
     driver's): the variables the feed's URIs name and the key of its stored secrets (see
     secrets.py). Spark's logs and UI show every executor variable's value as redacted."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    if not shipping.needs_shipping(master):  # on a cluster the workers must reach the driver: Spark's choice
-        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    use_linked_home()
+    if connect.is_remote(master):
+        spark = connect.session(master)
+        _register_sources(spark)
+        return spark
+    # on a cluster the workers must reach the driver: its address is Spark's choice
+    settings.python_env(loopback=not shipping.needs_shipping(master))
     if java_options is None:
         java_options = jvm_archive.java_options()
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
-    from changefeed.spark.source import ChangefeedSource
-    from changefeed.spark.writer import SinkSource
-
-    conf = (SparkConf().setMaster(master).setAppName(app)
-            .set("spark.driver.extraJavaOptions", f"-Xss64m {QUICK_JIT} {java_options}".strip())
-            .set("spark.driver.memory", os.environ.get("CHANGEFEED_DRIVER_MEMORY", "4g"))
-            .set("spark.ui.enabled", "false")
-            .set("spark.ui.showConsoleProgress", "false")
-            .set("spark.sql.shuffle.partitions", "2")
-            # a packed row is a whole chunk of changes: hand each to the sink as soon as it is read
-            .set("spark.sql.execution.arrow.maxRecordsPerBatch", "1")
-            .set("spark.sql.streaming.stopTimeout", "60s")
-            # the checkpoint's files are the owner's only (the state folder is 0700 too, see config)
-            .set("spark.hadoop.fs.permissions.umask-mode", "077")
-            .set("spark.redaction.regex", "(?i)secret|password|token|access[.]?key|executorEnv")
-            .set("spark.python.worker.faulthandler.enabled", "true"))
+    conf = SparkConf().setMaster(master).setAppName(app).setAll(list(settings.driver(java_options).items()))
     if shipping.needs_shipping(master):
         for name, value in (executor_env or {}).items():
             conf.set(f"spark.executorEnv.{name}", value)
@@ -65,9 +45,16 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     spark = SparkSession.builder.config(conf=conf).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "ERROR"))
     shipping.ship(spark, master)  # before the data sources are registered: they take the includes along
+    _register_sources(spark)
+    return spark
+
+
+def _register_sources(spark: Any) -> None:
+    from changefeed.spark.source import ChangefeedSource
+    from changefeed.spark.writer import SinkSource
+
     spark.dataSource.register(ChangefeedSource)
     spark.dataSource.register(SinkSource)
-    return spark
 
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,

@@ -11,7 +11,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from changefeed.errors import ConfigError
-from changefeed.sinks.base import BatchWriter, Sink
+from changefeed.sinks.base import BatchWriter, Sink, task_slots
 
 if TYPE_CHECKING:
     from changefeed.sinks.ledger import Ledger
@@ -54,7 +54,7 @@ class DeltaSink(Sink):
         from changefeed.sinks.delta.split import SPLIT_DDL, split
 
         opts = DeltaOptions.parse(spec.sink)
-        tasks = opts.tasks or changes.sparkSession.sparkContext.defaultParallelism
+        tasks = opts.tasks or task_slots(changes.sparkSession)
         return (changes.mapInArrow(partial(split, mode=opts.mode, buckets=opts.buckets), SPLIT_DDL)
                 .repartition(tasks, "part"))
 
