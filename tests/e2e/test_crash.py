@@ -45,7 +45,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
             time.sleep(0.002)
 
 
-def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_path: Path) -> None:
+def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_path: Path, spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
         c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
@@ -64,7 +64,7 @@ def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_p
         kill_runs(base, kills, tmp_path, random_after=(12, 20))
 
     # The kill runs left a backlog behind: drain it in big batches (a restart may change the limit).
-    final = changefeed_cli(*base, "--available-now", "--max-changes-per-batch", "0")
+    final = changefeed_cli(*base, "--available-now", "--master", spark_server, "--max-changes-per-batch", "0")
     assert final.returncode == 0, final.stderr[-3000:]
 
     for table in ("public.ledger", "public.accounts", "public.bulk"):

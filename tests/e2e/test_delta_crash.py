@@ -47,7 +47,8 @@ def rows(lake: Path, table: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("mode", ["mirror", "changelog", "history"])
-def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path: Path, mode: str) -> None:
+def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path: Path, mode: str,
+                                                             spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
         c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
@@ -63,7 +64,7 @@ def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path
     kills = ["delta_files_written:2", "before_sink_commit:2", "after_sink_commit:2", "random"]
     with writing(writer, dbs.source, written):
         kill_runs(base, kills, tmp_path, random_after=(10, 16))
-    final = changefeed_cli(*base, "--available-now", "--max-changes-per-batch", "0")
+    final = changefeed_cli(*base, "--available-now", "--master", spark_server, "--max-changes-per-batch", "0")
     assert final.returncode == 0, final.stderr[-3000:]
     n = written[0]
     assert n > 50

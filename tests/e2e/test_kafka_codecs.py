@@ -59,7 +59,7 @@ def codecs_in(kafka: LocalKafka, topic: str, partitions: int) -> set[str]:
 
 
 def test_a_feed_delivers_exactly_once_through_kills_with_every_codec(dbs: Dbs, tmp_path: Path,
-                                                                     kafka: LocalKafka) -> None:
+                                                                     kafka: LocalKafka, spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
         c.execute("INSERT INTO ledger SELECT g, 'old ' || g FROM generate_series(1, %s) g", (SNAPSHOT,))
@@ -85,7 +85,7 @@ def test_a_feed_delivers_exactly_once_through_kills_with_every_codec(dbs: Dbs, t
             (tmp_path / codec).mkdir()
             kill_runs(base, [kill_at], tmp_path / codec, random_after=(0, 0))
     compress_with("lz4")
-    final = changefeed_cli(*base, "--available-now")
+    final = changefeed_cli(*base, "--available-now", "--master", spark_server)
     assert final.returncode == 0, final.stderr[-3000:]
     assert LEAKS in final.stdout
 

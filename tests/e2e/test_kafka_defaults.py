@@ -52,7 +52,8 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
             time.sleep(0.001)
 
 
-def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path: Path, own_kafka: LocalKafka) -> None:
+def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path: Path, own_kafka: LocalKafka,
+                                                             spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
         c.execute("CREATE TABLE counters (id int PRIMARY KEY, version int NOT NULL)")
@@ -67,7 +68,7 @@ def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path:
     written = [0]
     with writing(writer, dbs.source, written):
         kill_runs(base, ["sink_write:1", "before_sink_commit:1", "random"], tmp_path, random_after=(10, 16))
-    final = changefeed_cli(*base, "--available-now")
+    final = changefeed_cli(*base, "--available-now", "--master", spark_server)
     assert final.returncode == 0, final.stderr[-3000:]
 
     from confluent_kafka.admin import AdminClient

@@ -61,7 +61,7 @@ def topic_records(kafka: LocalKafka, topic: str) -> list[list[Any]]:
 
 
 def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, tmp_path: Path,
-                                                                       kafka: LocalKafka) -> None:
+                                                                       kafka: LocalKafka, spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
         c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL, version int NOT NULL)")
@@ -84,7 +84,7 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
     kills = ["sink_write:1", "after_sink_commit:1", "before_sink_commit:1", "random"]
     with writing(writer, dbs.source, written):
         kill_runs(base, kills, tmp_path, random_after=(10, 16))
-    final = changefeed_cli(*base, "--available-now")
+    final = changefeed_cli(*base, "--available-now", "--master", spark_server)
     assert final.returncode == 0, final.stderr[-3000:]
 
     from confluent_kafka.admin import AdminClient

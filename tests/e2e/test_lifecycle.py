@@ -31,6 +31,7 @@ def slot_and_publication(dbs: Dbs) -> tuple[object, object]:
     return slot, pub
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_create_list_pause_resume_remove(dbs: Dbs, tmp_path: Path) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")

@@ -83,7 +83,8 @@ def applied_chunks(dbs: Dbs) -> list[tuple[int, str, int]]:
 
 
 @pytest.mark.parametrize("reads", ["parallel", "sequential"])
-def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: Path, reads: str) -> None:
+def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: Path, reads: str,
+                                                           spark_server: str) -> None:
     """Killed twice while a batch's chunks are read; then each chunk applied once, none lost. Chunks
     read in parallel tasks (shuffled to the writer), or one after the other by the writer's task."""
     with dbs.src() as c:
@@ -117,7 +118,7 @@ def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: 
     assert counts[0] > 100  # the writer really ran during the snapshot
     assert 0 < progress[0] < progress[1], progress  # each killed run finished some chunks, and kept them
 
-    final = changefeed_cli(*base, "--available-now")
+    final = changefeed_cli(*base, "--available-now", "--master", spark_server)
     assert final.returncode == 0, final.stderr[-3000:]
     for table in ("public.items", "public.accounts"):
         assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table), table

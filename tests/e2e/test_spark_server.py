@@ -92,12 +92,14 @@ def test_a_killed_runner_s_query_runs_on_until_the_feed_starts_again(server: Ser
     _table(dbs)
     base, log = _base(dbs, tmp_path, server.master), tmp_path / "run1.log"
     p = start_changefeed(*base, log=log)
-    wait_for("the snapshot", lambda: _same(dbs), log)
+    try:
+        wait_for("the snapshot", lambda: _same(dbs), log)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
     assert f"on the Spark Connect server {server.master}" in log.read_text()
-    assert not (tmp_path / "state" / dbs.name / "spark.log").exists() or \
-        "starts Spark" not in (tmp_path / "state" / dbs.name / "spark.log").read_text()  # no JVM of its own
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    spark_log = tmp_path / "state" / dbs.name / "spark.log"
+    assert not spark_log.exists() or "starts Spark" not in spark_log.read_text()  # no JVM of its own
     _bump(dbs, range(1, 51))  # the orphaned query is still delivering: what the docs warn of
     wait_for("the orphaned query to deliver", lambda: _sink_sum(dbs) == 50, log)
 

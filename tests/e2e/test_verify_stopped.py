@@ -55,6 +55,7 @@ def _same(dbs: Dbs) -> bool:
     return all(fingerprint(dbs.source, t) == fingerprint(dbs.sink, t) for t in ("public.acct", "public.log"))
 
 
+@pytest.mark.usefixtures("warm_spark")
 def test_verify_a_stopped_feed_caught_up_behind_repaired_paused_and_held(dbs: Dbs, tmp_path: Path) -> None:
     _setup(dbs.source)
     state = str(tmp_path / "state")
@@ -81,7 +82,7 @@ def test_verify_a_stopped_feed_caught_up_behind_repaired_paused_and_held(dbs: Db
 
     # behind its source (the last run SIGKILLed, changes after it): verify runs it up to a point
     log = tmp_path / "killed.log"
-    p = start_changefeed("run", *name, log=log)
+    p = start_changefeed("run", *name, "--master", "local[*]", log=log)  # its own Spark dies with it
     wait_for("the feed running", lambda: "running (until stopped)" in log.read_text(), log)
     _write(dbs.source, 100)
     wait_for("the changes applied", lambda: _same(dbs), log)
