@@ -35,14 +35,16 @@ _counter = itertools.count()
 
 # The longest tests first (`make test` runs two pytest-xdist workers; one that runs dry takes the
 # end of the other's queue, so short tests at the end even the two out): the end-to-end feeds, then
-# those that start a Spark session, then the rest. Only the order changes; every test still runs.
+# those that start a Spark session, then the rest; in each, the tests marked slow first. Only the
+# order changes; every test still runs.
 _FIRST = ("tests/e2e/", "tests/spark/")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, bool]:
         path = item.nodeid
-        return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+        first = next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+        return first, item.get_closest_marker("slow") is None  # the slow ones (a minute or more) first
 
     items.sort(key=rank)
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from conftest import Dbs, changefeed_cli, fingerprint, kill_runs, writing
 
@@ -45,6 +46,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
             time.sleep(0.002)
 
 
+@pytest.mark.slow
 def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_path: Path, spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")

@@ -60,6 +60,7 @@ def topic_records(kafka: LocalKafka, topic: str) -> list[list[Any]]:
             for p in sorted(meta.partitions)]
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, tmp_path: Path,
                                                                        kafka: LocalKafka, spark_server: str) -> None:
     with dbs.src() as c:

@@ -157,6 +157,7 @@ def _caught_up(dbs: Dbs) -> bool:
             "SELECT count(*), sum(v) FROM s_t").fetchone()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("warm_spark")
 def test_changes_the_wal_cannot_tell_stop_the_feed_until_the_named_fix(dbs: Dbs, tmp_path: Path) -> None:
     with dbs.src() as c:

@@ -55,6 +55,7 @@ def _same(dbs: Dbs) -> bool:
     return all(fingerprint(dbs.source, t) == fingerprint(dbs.sink, t) for t in ("public.acct", "public.log"))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("warm_spark")
 def test_verify_a_stopped_feed_caught_up_behind_repaired_paused_and_held(dbs: Dbs, tmp_path: Path) -> None:
     _setup(dbs.source)
