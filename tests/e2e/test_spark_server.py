@@ -37,7 +37,11 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "changefeed", "spark-server", "--port", str(port),
                                       "--master", "local[2]"], stdout=open(log, "ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        wait_for("the Spark Connect server ready", lambda: "Spark Connect server ready" in log.read_text(), log)
+        try:
+            wait_for("the Spark Connect server ready", lambda: "Spark Connect server ready" in log.read_text(), log)
+        except BaseException:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the command and its JVM
+            raise
         assert f"--master {self.master}" in log.read_text()
 
     def stop(self) -> int:
@@ -119,26 +123,25 @@ def test_a_killed_runner_s_query_runs_on_until_the_feed_starts_again(server: Ser
 def test_a_server_gone_mid_run_is_waited_out(dbs: Dbs, tmp_path: Path) -> None:
     _table(dbs)
     port = free_port()
-    first = Server(port, tmp_path / "server1.log")
+    servers = [Server(port, tmp_path / "server1.log")]
     log = tmp_path / "run.log"
-    feed = start_changefeed(*_base(dbs, tmp_path, first.master), "--retry-max-backoff", "2s", log=log)
+    feed = start_changefeed(*_base(dbs, tmp_path, servers[0].master), "--retry-max-backoff", "2s", log=log)
     try:
         wait_for("the snapshot", lambda: _same(dbs), log)
-        assert first.stop() == 0
+        assert servers[0].stop() == 0
         _bump(dbs, range(1, 101))
         wait_for("the fault reported", lambda: "Spark Connect server" in log.read_text()
                  and "next attempt in" in log.read_text(), log)
         assert feed.poll() is None, log.read_text()[-3000:]
-        second = Server(port, tmp_path / "server2.log")
-        try:
-            wait_for("the changes made while it was away", lambda: _sink_sum(dbs) == 100, log)
-        finally:
-            feed.send_signal(signal.SIGTERM)
-            assert feed.wait(timeout=120) == 0, log.read_text()[-3000:]
-            assert second.stop() == 0
+        servers.append(Server(port, tmp_path / "server2.log"))
+        wait_for("the changes made while it was away", lambda: _sink_sum(dbs) == 100, log)
+        feed.send_signal(signal.SIGTERM)
+        assert feed.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
         if feed.poll() is None:
             os.killpg(feed.pid, signal.SIGKILL)
+        for server in servers:
+            server.stop()
     text = log.read_text()
     assert "carrying on" in text
     assert_no_traceback(text)
