@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from changefeed.core.envelope import FORMATS
 from changefeed.errors import ChangefeedError, ConfigError
 from changefeed.sinks.registry import validated
+from changefeed.spark.connect import DEFAULT_PORT
 from changefeed.spec.definition import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_CHUNKS_PER_BATCH,
@@ -495,7 +496,7 @@ def parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("spark-server", help="run a Spark Connect server (until SIGINT/SIGTERM) on which feeds "
                                               "start without a JVM of their own: run --master sc://HOST:PORT")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=15002, help="port to listen on (default 15002)")
+    srv.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     srv.add_argument("--master", default="local[*]", help="the server's Spark master (default local[*])")
     srv.set_defaults(func=cmd_spark_server)
 

@@ -70,8 +70,8 @@ def session(master: str) -> Any:
 @contextmanager
 def server_reached(master: str) -> Iterator[None]:
     """A Spark Connect server that does not answer (down, restarted: its sessions are gone) is
-    ConnectionFailed of the component "spark": the runner waits and opens a new session. A
-    failed query is not (pyspark's StreamingQueryException passes)."""
+    ConnectionFailed of the component "Spark Connect server": the runner waits and opens a new
+    session. A failed query is not (pyspark's StreamingQueryException passes)."""
     from pyspark.errors import StreamingQueryException
     from pyspark.errors.exceptions.connect import SparkConnectGrpcException
 
