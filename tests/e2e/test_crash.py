@@ -57,7 +57,8 @@ def test_sigkill_at_awkward_moments_loses_and_duplicates_nothing(dbs: Dbs, tmp_p
     base = ["run", "--name", dbs.name, "--state", state]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", dbs.sink,
                            "--tables", "public.ledger,public.accounts,public.bulk",
-                           "--available-now", "--max-changes-per-batch", "400", "--wal-reader", "stream")
+                           "--available-now", "--max-changes-per-batch", "400", "--wal-reader", "stream",
+                           "--master", spark_server)
     assert first.returncode == 0, first.stderr
 
     written = [0, 0]

@@ -57,7 +57,7 @@ def test_sigkill_at_each_commit_step_keeps_delta_exactly_once(dbs: Dbs, tmp_path
     base = ["run", "--name", dbs.name, "--state", str(tmp_path / "state")]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", f"delta://{lake}?mode={mode}&buckets=4",
                            "--tables", "public.ledger,public.accounts", "--available-now",
-                           "--max-changes-per-batch", "300")
+                           "--max-changes-per-batch", "300", "--master", spark_server)
     assert first.returncode == 0, first.stderr[-3000:]
 
     written = [0]

@@ -187,12 +187,12 @@ EVENTS = "SELECT node, id, gid, md5(payload) FROM events"
 
 
 def test_transactions_stay_whole_through_small_windows_stalls_retries_kills_and_a_new_node(
-        dbs: Dbs, nodes: dict[str, str], tmp_path: Path) -> None:
+        dbs: Dbs, nodes: dict[str, str], tmp_path: Path, spark_server: str) -> None:
     state = str(tmp_path / "state")
     two = [a for n in ("n1", "n2") for a in ("--source", f"{n}={nodes[n]}")]
     base = ["run", "--name", dbs.name, "--state", state, "--master", "local[2]"]
     first = changefeed_cli(*base, *two, "--sink", dbs.sink, "--tables", "public.accounts,public.events",
-                           "--max-bytes-per-batch", "256kB", "--available-now")
+                           "--max-bytes-per-batch", "256kB", "--available-now", "--master", spark_server)
     assert first.returncode == 0, first.stderr[-3000:]
     samples: list[tuple[int, int]] = []
     sampler_stop, paused = threading.Event(), threading.Event()
@@ -234,7 +234,7 @@ def test_transactions_stay_whole_through_small_windows_stalls_retries_kills_and_
                 p.wait()
         assert work.retried & work.committed and len(work.committed) > 40, (len(work.retried), len(work.committed))
         log = tmp_path / "final.log"
-        final = changefeed_cli(*base, "--available-now", timeout=600)
+        final = changefeed_cli(*base, "--available-now", "--master", spark_server, timeout=600)
         log.write_text(final.stdout + final.stderr)
         assert final.returncode == 0, final.stderr[-3000:]
         assert_no_traceback(final.stdout + final.stderr)

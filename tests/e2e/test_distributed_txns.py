@@ -244,7 +244,8 @@ def sampling(uri: str, stop: threading.Event, samples: list[int], accounts: int)
 
 
 @pytest.mark.slow
-def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: dict[str, str], tmp_path: Path) -> None:
+def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: dict[str, str], tmp_path: Path,
+                                                             spark_server: str) -> None:
     """Three nodes; killed while a node's window is read (others' maybe not yet), while a part is
     held, after the replica's commit (before the slots move); then run on until caught up."""
     nodes = three
@@ -252,7 +253,8 @@ def test_sigkill_at_awkward_moments_keeps_every_sample_whole(dbs: Dbs, three: di
     sources = [a for n, uri in nodes.items() for a in ("--source", f"{n}={uri}")]
     base = ["run", "--name", dbs.name, "--state", state, *sources, "--sink", dbs.sink, "--tables", "public.accounts",
             "--max-changes-per-batch", "40", "--master", "local[2]"]
-    first = changefeed_cli(*base, "--available-now")  # the feed exists (and has its snapshot) before the load
+    # the feed exists (and has its snapshot) before the load
+    first = changefeed_cli(*base, "--available-now", "--master", spark_server)
     assert first.returncode == 0, first.stderr[-3000:]
     stop, sampler_stop = threading.Event(), threading.Event()
     done, samples = [0], []

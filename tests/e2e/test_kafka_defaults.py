@@ -61,7 +61,7 @@ def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path:
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", f"kafka://{own_kafka.bootstrap}",
-                           "--tables", "public.ledger,public.counters", "--available-now")
+                           "--tables", "public.ledger,public.counters", "--available-now", "--master", spark_server)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "Traceback" not in first.stderr and "error:" not in first.stderr, first.stderr[-3000:]
 

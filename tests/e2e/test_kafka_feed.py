@@ -78,7 +78,8 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
     base = ["run", "--name", dbs.name, "--state", state]
     first = changefeed_cli(*base, "--source", dbs.source, "--sink", sink, "--tables", "public.ledger,public.accounts",
                            "--outbox", "public.outbox", "--outbox-ttl", "2s", "--outbox-snapshot-events",
-                           "--available-now")  # the snapshot, before any change races it; its rows are events too
+                           "--available-now", "--master", spark_server)  # the snapshot, before any change
+    # races it; its rows are events too
     assert first.returncode == 0, first.stderr[-3000:]
 
     written = [0]

@@ -17,12 +17,13 @@ pytestmark = pytest.mark.timeout(600)
 TXNS, ROWS = 30, 1000
 
 
-def test_windows_read_ahead_survive_sigkill(dbs: Dbs, tmp_path: Path) -> None:
+def test_windows_read_ahead_survive_sigkill(dbs: Dbs, tmp_path: Path, spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text NOT NULL, n int NOT NULL DEFAULT 0)")
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state, "--available-now", "--max-bytes-per-batch", "512kB"]
-    first = changefeed_cli(*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.t")
+    first = changefeed_cli(*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.t",
+                           "--master", spark_server)
     assert first.returncode == 0, first.stderr[-3000:]
     with dbs.src() as c:  # a backlog of ~20 windows: every batch after the first can be read ahead
         for i in range(TXNS):
@@ -32,7 +33,7 @@ def test_windows_read_ahead_survive_sigkill(dbs: Dbs, tmp_path: Path) -> None:
                 c.execute("UPDATE t SET n = n + 1 WHERE id %% 7 = %s", (i % 7,))
 
     kill_runs(base, ["read:4"], tmp_path, random_after=(0, 0))  # the 4th window: its next one is being read ahead
-    final = changefeed_cli(*base)
+    final = changefeed_cli(*base, "--master", spark_server)
     assert final.returncode == 0, final.stderr[-3000:]
 
     assert fingerprint(dbs.source, "public.t") == fingerprint(dbs.sink, "public.t")

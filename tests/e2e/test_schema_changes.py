@@ -78,20 +78,21 @@ def _replica_key(dbs: Dbs, table: str) -> list[str]:
             "WHERE i.indrelid = %s::regclass AND i.indisprimary ORDER BY k.o", (table,))]
 
 
-def _killed_and_restarted(p: subprocess.Popen[bytes], name: list[str], log: Path,
-                          written: list[int]) -> subprocess.Popen[bytes]:
-    """SIGKILL the feed right after the changes (maybe mid batch), start it again, and wait until
-    it runs and the writes go on after the restart."""
+def _killed_and_restarted(p: subprocess.Popen[bytes], name: list[str], log: Path, written: list[int],
+                          master: str) -> subprocess.Popen[bytes]:
+    """SIGKILL the feed right after the changes (maybe mid batch), start it again on `master` (it
+    is stopped, not killed: the shared Spark Connect server serves), and wait until it runs and the
+    writes go on after the restart."""
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=60)
-    p = start_changefeed("run", *name, log=log)
+    p = start_changefeed("run", *name, "--master", master, log=log)
     wait_for("the feed running again", lambda: log.read_text().count("running (until stopped)") >= 2, log)
     before = len(written)
     wait_for("writes after the restart", lambda: len(written) > before + 50, log)
     return p
 
 
-def test_changes_the_wal_tells_are_followed_across_a_kill(dbs: Dbs, tmp_path: Path) -> None:
+def test_changes_the_wal_tells_are_followed_across_a_kill(dbs: Dbs, tmp_path: Path, spark_server: str) -> None:
     _tables(dbs)
     name, first = _feed(dbs, tmp_path, list(FOLLOWED))
     log = tmp_path / "run.log"
@@ -105,7 +106,7 @@ def test_changes_the_wal_tells_are_followed_across_a_kill(dbs: Dbs, tmp_path: Pa
                     c.execute(ddl)
                     time.sleep(0.05)  # writes land between the changes
             time.sleep(1.5)
-            p = _killed_and_restarted(p, name, log, written)
+            p = _killed_and_restarted(p, name, log, written, spark_server)
         except BaseException:
             os.killpg(p.pid, signal.SIGKILL)
             raise
@@ -201,7 +202,7 @@ def test_changes_the_wal_cannot_tell_stop_the_feed_until_the_named_fix(dbs: Dbs,
         assert p.wait(timeout=120) == 0
 
 
-def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_path: Path) -> None:
+def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_path: Path, spark_server: str) -> None:
     with dbs.src() as c:
         c.execute("CREATE TABLE d_t (id int PRIMARY KEY, v int, a text, n int, gone int)")
         c.execute("INSERT INTO d_t SELECT g, g, 'a' || g, g % 100, g FROM generate_series(1, 300) g")
@@ -238,7 +239,7 @@ def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_pa
                     c.execute(ddl)
                     time.sleep(0.2)
             time.sleep(1)
-            p = _killed_and_restarted(p, name, log, written)
+            p = _killed_and_restarted(p, name, log, written, spark_server)
         except BaseException:
             os.killpg(p.pid, signal.SIGKILL)
             raise

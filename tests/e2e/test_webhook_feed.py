@@ -112,7 +112,8 @@ def source_rows(dbs: Dbs) -> dict[int, int]:
 
 
 def test_every_change_arrives_in_key_order_through_faults_and_a_kill(dbs: Dbs, tmp_path: Path,
-                                                                      receiver: tuple[Receiver, str]) -> None:
+                                                                      receiver: tuple[Receiver, str],
+                                                                      spark_server: str) -> None:
     rec, url = receiver
     rec.plan = {2: "500", 4: "429", 6: "hang", 8: "store_then_500", 10: "close", 13: "500", 14: "500", 16: "hold"}
     with dbs.src() as c:
@@ -144,7 +145,7 @@ def test_every_change_arrives_in_key_order_through_faults_and_a_kill(dbs: Dbs, t
         wait_for("a request to hold", lambda: rec.held.wait(0.1), log)
         p.send_signal(signal.SIGKILL)  # in the middle of a request, mid-batch
         p.wait(30)
-        p = start_changefeed(*args, log=log)
+        p = start_changefeed(*args, "--master", spark_server, log=log)  # stopped, not killed: on the shared server
         workload(range(30, 60))
         expected = source_rows(dbs)
         wait_for("the endpoint to hold the source's rows", lambda: replay(rec.messages()) == expected, log)
