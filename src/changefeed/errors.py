@@ -66,6 +66,11 @@ class FeedBusy(DefiniteError):
     """Another runner holds this feed."""
 
 
+class LeaseLost(DefiniteError):
+    """Another runner took the feed's lease: this one must write nothing more (the sinks' fences
+    refuse its batches) and stops."""
+
+
 class SlotLost(DefiniteError):
     """The replication slot is missing or invalidated while a checkpoint depends on it."""
 

@@ -30,6 +30,7 @@ from changefeed.postgres import checksum as cs
 from changefeed.postgres.connect import connect, lost_connection, one_row
 from changefeed.postgres.source import describe_tables
 from changefeed.sinks.registry import sink_of
+from changefeed.sinks.replica import ledger as replica_ledger
 from changefeed.spec.definition import FeedSpec, node_role
 from changefeed.spec.state import FeedState
 
@@ -213,7 +214,7 @@ def _repair(feed: Held, todo: dict[str, list[str]], wait_s: float) -> dict[str, 
         with connect(spec.sink, "sink") as conn, lost_connection("sink"):
             cs.session(conn)
             conn.execute("BEGIN")
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{spec.name}",))
+            replica_ledger.lock_feed(conn, spec.name)
             if (position(conn, spec.name) or {}) != point.sink_at:
                 raise TransientError("the feed moved on before the repair could start", "verify --repair again")
             for table, keys in todo.items():

@@ -33,7 +33,7 @@ from changefeed.postgres.ddl_capture import PREFIX as DDL_PREFIX
 from changefeed.sinks.replica import merge
 from changefeed.sinks.replica import shape as replica_shape
 from changefeed.sinks.replica.insert_run import INSERT_RUN_ROWS, DirectCopy, insert_runs
-from changefeed.sinks.replica.ledger import META_SCHEMA, applied_upto
+from changefeed.sinks.replica.ledger import META_SCHEMA, applied_upto, check_fence, lock_feed
 
 SESSION_MEMORY = "256MB"
 APPLIED_OPS = ("c", "u", "r", "d", "t")
@@ -63,9 +63,10 @@ class BatchApplier:
 
     def __init__(self, conn: psycopg.Connection[Any], feed: str, batch_id: int, *,
                  in_stream_order: bool = False, resync: frozenset[str] = frozenset(),
-                 renamed: dict[str, str] | None = None) -> None:
+                 renamed: dict[str, str] | None = None, epoch: int | None = None) -> None:
         assert conn.autocommit, "the applier opens its own transaction"
         self.conn, self.feed, self.batch_id = conn, feed, batch_id
+        self.epoch = epoch  # the runner's lease term (postgres.lease); None: a run that holds none
         self.in_stream_order = in_stream_order
         self.follower = replica_shape.Follower(conn, feed, resync=resync, renamed=renamed or {},
                                                keep_dropped=in_stream_order)
@@ -86,7 +87,13 @@ class BatchApplier:
         # replica crash would lose batches nothing replays. Stronger settings (standbys) are kept.
         self.conn.execute("SELECT set_config('synchronous_commit', CASE current_setting('synchronous_commit') "
                           "WHEN 'off' THEN 'local' ELSE current_setting('synchronous_commit') END, true)")
-        self.conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{self.feed}",))
+        lock_feed(self.conn, self.feed)  # held to the commit: a fence raised meanwhile waits for it
+        if self.epoch is not None:
+            try:
+                check_fence(self.conn, self.feed, self.epoch)
+            except ChangefeedError:
+                self.rollback()
+                raise
         self.done = applied_upto(self.conn, self.feed)
 
     def add(self, rb: Any) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.errors import LeaseLost
 from changefeed.postgres.connect import one_row
 from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
 from changefeed.sinks.replica.merge import ensure_tables
@@ -40,6 +41,41 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
         " read_lsn pg_lsn NOT NULL, batch_id bigint NOT NULL,"
         " applied_at timestamptz NOT NULL DEFAULT clock_timestamp(), read_task bigint, PRIMARY KEY (feed, chunk_no))")
     _ensure_column(conn, "snapshot_chunks", "read_task", "bigint")
+    # fences: per feed, the latest lease term (postgres.lease) that claimed the replica; a batch of
+    # an earlier term is refused (check_fence), so a runner that lost its lease lands nothing.
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.fences ("
+        " feed text PRIMARY KEY, epoch bigint NOT NULL, holder text NOT NULL,"
+        " raised_at timestamptz NOT NULL DEFAULT clock_timestamp())")
+
+
+def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
+    """The transaction lock that orders every write of `feed`'s bookkeeping on the replica: a
+    batch's apply (replica/apply.py), a fence raised, a verify's repair."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{feed}",))
+
+
+def raise_fence(conn: psycopg.Connection[Any], feed: str, epoch: int, holder: str) -> None:
+    """Claim the replica for lease term `epoch` (a runner that just took the lease, before its
+    first batch): from this commit on, batches of earlier terms are refused. Waits for a batch
+    being applied to end (it lands, or is refused, before the claim)."""
+    ensure_meta(conn)
+    with conn.transaction():
+        lock_feed(conn, feed)
+        conn.execute(f"INSERT INTO {META_SCHEMA}.fences AS f (feed, epoch, holder) VALUES (%s, %s, %s) "
+                     "ON CONFLICT (feed) DO UPDATE SET epoch = excluded.epoch, holder = excluded.holder, "
+                     "raised_at = clock_timestamp() WHERE f.epoch < excluded.epoch", (feed, epoch, holder))
+
+
+def check_fence(conn: psycopg.Connection[Any], feed: str, epoch: int) -> None:
+    """Inside a batch's transaction, after lock_feed: LeaseLost when a later lease term claimed
+    the replica (the batch is rolled back by the caller, nothing of it lands)."""
+    row = conn.execute(f"SELECT epoch, holder FROM {META_SCHEMA}.fences WHERE feed = %s", (feed,)).fetchone()
+    if row is not None and int(row[0]) > epoch:
+        raise LeaseLost(f"feed {feed}: this runner's lease (term {epoch}) was taken over by {row[1]} "
+                        f"(term {row[0]}); the replica refused its batch",
+                        "nothing of the batch was applied; the runner holding the lease goes on with the feed",
+                        component="sink")
 
 
 def _ensure_column(conn: psycopg.Connection[Any], table: str, column: str, type_: str, default: str = "") -> None:

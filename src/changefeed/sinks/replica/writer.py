@@ -23,17 +23,19 @@ QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the datab
 
 class ReplicaWriter:
     """Options: uri, feed, multi_node, resync (tables that follow any schema change, see
-    core.schema_change), renamed (JSON [[old, new], ...]: tables renamed on the source)."""
+    core.schema_change), renamed (JSON [[old, new], ...]: tables renamed on the source), epoch
+    (the runner's lease term: a batch is refused once a later term claimed the replica)."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.uri = options["uri"]
         self.feed = options["feed"]
         self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
         self.renamed = dict(json.loads(options.get("renamed") or "[]"))
+        self.epoch = int(options["epoch"]) if options.get("epoch") else None
 
     def _applier(self, conn: Any, batch: BatchInput, in_stream_order: bool = False) -> replica.BatchApplier:
         applier = replica.BatchApplier(conn, self.feed, batch.task.batch_id, in_stream_order=in_stream_order,
-                                       resync=self.resync, renamed=self.renamed)
+                                       resync=self.resync, renamed=self.renamed, epoch=self.epoch)
         applier.begin()
         return applier
 
