@@ -20,6 +20,8 @@ from changefeed.spark.connect import DEFAULT_PORT
 from changefeed.spec.definition import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_CHUNKS_PER_BATCH,
+    DEFAULT_LEASE_S,
+    MIN_LEASE_S,
     PARALLEL_READ_SLOTS,
     SNAPSHOT_MODES,
     SNAPSHOT_READS,
@@ -67,6 +69,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "retention_s": _option("retention", parse_duration, args.retention),
         "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
         "max_clock_skew_s": _option("max-clock-skew", parse_duration, args.max_clock_skew),
+        "lease_s": _option("lease", parse_duration, args.lease),
         "format": args.format, "diff": args.diff,
         "outbox": _qualified(args.outbox) if args.outbox else None, "outbox_columns": args.outbox_columns,
         "outbox_topic": args.outbox_topic,
@@ -357,6 +360,10 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                                 "(default 0: no limit)")
     cmd.add_argument("--max-clock-skew", help="a feed of several nodes: how far the nodes' clocks may disagree, "
                      "e.g. 500ms (default 500ms)")
+    cmd.add_argument("--lease", help="how long the runner's lease on the feed lasts unrenewed, by the source's "
+                     f"clock (renewed every third of it), e.g. 10s (default {DEFAULT_LEASE_S:g}s, at least "
+                     f"{MIN_LEASE_S:g}s); each run takes it in a new term, and the replica refuses batches of "
+                     "earlier terms")
     cmd.add_argument("--format", choices=FORMATS,
                      help="message envelope of a Kafka or webhook sink: json (default), debezium, text")
     cmd.add_argument("--diff", action="store_true", default=None,

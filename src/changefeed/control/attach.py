@@ -39,6 +39,7 @@ class Prepared:
     state: FeedState
     sources: dict[str, Any]  # per source node, a connection that holds the feed's advisory lock there
     ledger: Ledger
+    epoch: int | None = None  # the runner's lease term, once it took the lease (control.lease_keeper)
 
     @property
     def source_conn(self) -> Any:

@@ -21,7 +21,7 @@ from changefeed.control.runner_lock import holder, run_state
 from changefeed.core import snapshot
 from changefeed.core.requests import SnapshotRequests
 from changefeed.errors import ConfigError, FeedBusy
-from changefeed.postgres import ddl_capture, slots
+from changefeed.postgres import ddl_capture, lease, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, redact
 from changefeed.postgres.source import split_table
@@ -75,6 +75,7 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
         held = [(node, _held_for_removal(spec, node, stack)) for node in spec.sources]
         for node, (conn, slot) in held:
             gone += _drop(conn, spec.name, node, slot, f" on source node {node.name}" if spec.multi_node else "")
+        lease.forget(held[0][1][0], spec.name)  # its lease and terms: a feed made again starts at term 1
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"

@@ -14,7 +14,7 @@ from typing import Any
 import psycopg
 
 from changefeed import errors, faults
-from changefeed.control import retention
+from changefeed.control import lease_keeper, retention
 from changefeed.control.attach import Prepared, about, attach, follow_renames
 from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from changefeed.control.retry import Retry, Retrying, write_note
@@ -77,7 +77,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     return
             attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
             try:
-                prepared = attach(spec, state, attempt, report)
+                prepared = _attach(spec, state, attempt, report)
                 _check_retention(prepared, report)
             except TransientError as e:
                 if not state.has_checkpoint():
@@ -119,7 +119,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                                                                      stop, report)):
             try:
                 if prepared is None:  # after a transient fault: connect and check again
-                    prepared = attach(spec, state, attempt, report)
+                    prepared = _attach(spec, state, attempt, report)
                     _check_retention(prepared, report)
                 if meter is None:
                     meter = Meter(report, prepared.ledger.totals)
@@ -142,6 +142,15 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
+
+
+def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callable[[str], None]) -> Prepared:
+    """attach, then take the feed's lease in a new term and claim the sink for it: from here on a
+    runner of an earlier term (frozen, cut off) lands nothing in a sink that has a fence."""
+    prepared = attach(spec, state, attempt, report)
+    with _lost_connections(prepared):
+        prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
+    return prepared
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -211,11 +220,15 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     cleanup = _outbox_cleanup(prepared, attempt)
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
     parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
-    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync)
-    batches_at_start = meter.batches
+    query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
+                        epoch=prepared.epoch)
+    keeper = lease_keeper.Keeper(spec, prepared.epoch) if prepared.epoch is not None else None
+    batches_at_start, clean = meter.batches, False
     try:
         with _lost_connections(prepared):
             while query.isActive and not stop.is_set():
+                if keeper is not None:
+                    keeper.check()  # another runner took the feed over: stop writing
                 with suppress(StreamingQueryException):  # a failed query is handled below
                     query.awaitTermination(report_every_s)
                 meter.update(query)
@@ -247,16 +260,19 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     if query.exception() is not None:  # it failed before it stopped: a failure like any other
                         break
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
-                                        resync=resync)
+                                        resync=resync, epoch=prepared.epoch)
             if query.exception() is not None:
                 _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
                 raise _query_error(query.exception(), state)
             _release_wal(prepared, query)
             _clean_outbox(cleanup, prepared, report)
+            clean = True
     finally:
         if query.isActive:
             report(f"feed {spec.name}: stopping")
             _stop(query, state)
+        if keeper is not None:
+            keeper.close(release=clean)  # a clean stop ends the lease: a standby need not wait it out
         with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
             meter.update(query)
 

@@ -61,6 +61,10 @@ class Ledger(Protocol):
     def forget(self) -> bool:
         """Drop the feed's bookkeeping (not the delivered data); True if there was any."""
 
+    def fence(self, epoch: int, holder: str) -> bool:
+        """Claim the sink for lease term `epoch` (postgres.lease), before the term's first batch:
+        True if the sink then refuses batches of earlier terms, False where it has no fence yet."""
+
     def close(self) -> None: ...
 
 
@@ -173,6 +177,10 @@ class FileLedger:
         existed = self.path.exists()
         self.path.unlink(missing_ok=True)
         return existed
+
+    def fence(self, epoch: int, holder: str) -> bool:
+        """No fence: the file is the runner's own (Kafka and Delta fence on their own terms)."""
+        return False
 
     def close(self) -> None:
         """Nothing held open."""

@@ -58,11 +58,13 @@ def _register_sources(spark: Any) -> None:
 
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
-                parallel_reads: bool = False, resync: tuple[str, ...] = ()) -> Any:
+                parallel_reads: bool = False, resync: tuple[str, ...] = (), epoch: int | None = None) -> Any:
     """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
     feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
     parallel tasks and shuffles them to the writer task(s); without it the writer task reads them
-    itself, one after the other, and no shuffle is paid for (see sinks.base.Sink.plan)."""
+    itself, one after the other, and no shuffle is paid for (see sinks.base.Sink.plan). `epoch`, the
+    runner's lease term, goes to the sink's writer: a sink with a fence refuses it once a later
+    term claimed the sink (control.lease_keeper)."""
     nodes = [[n.name, n.uri, n.slot, n.publication] for n in spec.sources]
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
@@ -80,7 +82,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000))))
     sink = sink_of(spec.sink)
     options = {"sink": sink.name, "uri": spec.sink, "feed": spec.name, "multi_node": str(spec.multi_node).lower(),
-               "resync": ",".join(resync), **sink.writer_options(spec, state)}
+               "resync": ",".join(resync), "epoch": "" if epoch is None else str(epoch),
+               **sink.writer_options(spec, state)}
     writer = (sink.plan(reader.load(), spec, parallel_reads).writeStream.format("changefeed-sink")
               .queryName(f"changefeed_{spec.name}").options(**options)
               .option("checkpointLocation", str(state.checkpoint)))

@@ -26,6 +26,9 @@ SNAPSHOT_READS = ("auto", "parallel", "sequential")
 PARALLEL_READ_SLOTS = 4
 DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_MAX_CLOCK_SKEW_S = 0.5
+# The runner renews its lease a third of it apart (control.lease_keeper): shorter leases would
+# end under a busy machine's scheduling pauses alone.
+DEFAULT_LEASE_S, MIN_LEASE_S = 10.0, 2.0
 WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
 
 
@@ -84,6 +87,7 @@ class FeedSpec:
     capture_ddl: bool = False  # DDL of captured tables as messages in the stream (postgres.ddl_capture)
     wal_reader: str = WAL_READERS[0]
     max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S  # how far the nodes' clocks may disagree (core.distributed)
+    lease_s: float = DEFAULT_LEASE_S  # how long a runner's lease lasts unrenewed (postgres.lease)
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:
@@ -173,6 +177,9 @@ class FeedSpec:
                                    ("max-clock-skew", self.max_clock_skew_s)) if v < 0]
         if negative:
             raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
+        if self.lease_s < MIN_LEASE_S:
+            raise ConfigError(f"--lease must be at least {MIN_LEASE_S:g}s, got {self.lease_s:g}s",
+                              f"the runner renews it every third of it; the default is {DEFAULT_LEASE_S:g}s")
         if self.wal_reader not in WAL_READERS:
             raise ConfigError(f"--wal-reader must be one of {', '.join(WAL_READERS)}, got {self.wal_reader!r}",
                               "peek: the SQL function (default); stream: the streaming replication protocol")

@@ -191,7 +191,13 @@ class ReplicaLedger:
             if has_meta(self.conn, table):
                 deleted |= self.conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s",
                                              (self.feed,)).rowcount > 0
+        if has_meta(self.conn, "fences"):
+            self.conn.execute(f"DELETE FROM {META_SCHEMA}.fences WHERE feed = %s", (self.feed,))
         return deleted
+
+    def fence(self, epoch: int, holder: str) -> bool:
+        raise_fence(self.conn, self.feed, epoch, holder)
+        return True
 
     def close(self) -> None:
         self.conn.close()

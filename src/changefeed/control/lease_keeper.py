@@ -1,0 +1,85 @@
+"""The runner's hold on its lease (postgres.lease): take it in a new term when the feed starts,
+claim the sinks for that term (their fences), renew it every third of its length on a connection
+of its own, and end it when the run ends cleanly, so that a standby need not wait it out.
+
+Renewing is liveness, not safety: a runner that cannot renew (frozen, cut off from the source)
+may still try to write, and the sinks' fences refuse it once a later term claimed them. Losing
+the lease (a renewal finds another term) ends this run with LeaseLost.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+
+from changefeed.errors import ChangefeedError, LeaseLost
+from changefeed.postgres import lease
+from changefeed.postgres.connect import connect
+from changefeed.sinks.ledger import Ledger
+from changefeed.spec.definition import FeedSpec
+
+
+def take(spec: FeedSpec, conn: Any, ledger: Ledger) -> int:
+    """Take the feed's lease in a new term and claim the sink for it; the term. `conn` holds the
+    feed's session lock on the first source node: whoever held the lease before is gone (a live
+    runner keeps that lock), so the lease is taken whatever its time left."""
+    epoch = lease.take(conn, spec.name, spec.lease_s, force=True)
+    assert epoch is not None, "a forced take always gets a term"
+    ledger.fence(epoch, lease.me())
+    return epoch
+
+
+class Keeper:
+    """Renews the lease of term `epoch` in a thread until `close`; `lost` is set, with `error`,
+    once another term holds it. A renewal that fails on the connection is tried again on a new
+    one until the next renewal is due (the runner's own checks meet an unreachable source)."""
+
+    def __init__(self, spec: FeedSpec, epoch: int) -> None:
+        self.spec, self.epoch = spec, epoch
+        self.lost = threading.Event()
+        self.error: LeaseLost | None = None
+        self._stop = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread = threading.Thread(target=self._run, name="changefeed-lease", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        every = self.spec.lease_s / 3
+        while not self._stop.wait(every):
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = connect(self.spec.sources[0].uri, "source", autocommit=True)
+                if not lease.renew(self._conn, self.spec.name, self.epoch, self.spec.lease_s):
+                    held = lease.current(self._conn, self.spec.name)
+                    who = f"{held.holder} (term {held.epoch})" if held else "nobody (the lease was removed)"
+                    self.error = LeaseLost(
+                        f"feed {self.spec.name}: this runner's lease (term {self.epoch}) is held by {who} now",
+                        "another runner took the feed over; this one stops and writes nothing more",
+                        component="lease")
+                    self.lost.set()
+                    return
+            except (ChangefeedError, psycopg.Error):
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None  # the next turn connects again
+
+    def check(self) -> None:
+        """LeaseLost once the lease is another term's."""
+        if self.error is not None:
+            raise self.error
+
+    def close(self, release: bool) -> None:
+        """Stop renewing; with `release` (a clean stop) end the lease now."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            if release and not self.lost.is_set():
+                if self._conn is None or self._conn.closed:
+                    self._conn = connect(self.spec.sources[0].uri, "source", autocommit=True)
+                lease.release(self._conn, self.spec.name, self.epoch)
+        except (ChangefeedError, psycopg.Error):
+            pass  # it ends by itself
+        finally:
+            if self._conn is not None:
+                self._conn.close()
