@@ -31,33 +31,35 @@ def take(spec: FeedSpec, conn: Any, ledger: Ledger) -> int:
 
 
 class Keeper:
-    """Renews the lease of term `epoch` in a thread until `close`; `lost` is set, with `error`,
-    once another term holds it. A renewal that fails on the connection is tried again on a new
-    one until the next renewal is due (the runner's own checks meet an unreachable source)."""
+    """Renews the lease of term `epoch` in a thread until `close`; `error` is set once another
+    term holds it. A renewal that fails on the connection is tried again on a new one when the
+    next is due (the runner's own checks meet an unreachable source)."""
 
     def __init__(self, spec: FeedSpec, epoch: int) -> None:
         self.spec, self.epoch = spec, epoch
-        self.lost = threading.Event()
         self.error: LeaseLost | None = None
         self._stop = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
         self._thread = threading.Thread(target=self._run, name="changefeed-lease", daemon=True)
         self._thread.start()
 
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.spec.sources[0].uri, "source", autocommit=True)
+        return self._conn
+
     def _run(self) -> None:
         every = self.spec.lease_s / 3
         while not self._stop.wait(every):
             try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = connect(self.spec.sources[0].uri, "source", autocommit=True)
-                if not lease.renew(self._conn, self.spec.name, self.epoch, self.spec.lease_s):
-                    held = lease.current(self._conn, self.spec.name)
+                conn = self._connection()
+                if not lease.renew(conn, self.spec.name, self.epoch, self.spec.lease_s):
+                    held = lease.current(conn, self.spec.name)
                     who = f"{held.holder} (term {held.epoch})" if held else "nobody (the lease was removed)"
                     self.error = LeaseLost(
                         f"feed {self.spec.name}: this runner's lease (term {self.epoch}) is held by {who} now",
                         "another runner took the feed over; this one stops and writes nothing more",
                         component="lease")
-                    self.lost.set()
                     return
             except (ChangefeedError, psycopg.Error):
                 if self._conn is not None:
@@ -74,10 +76,8 @@ class Keeper:
         self._stop.set()
         self._thread.join()
         try:
-            if release and not self.lost.is_set():
-                if self._conn is None or self._conn.closed:
-                    self._conn = connect(self.spec.sources[0].uri, "source", autocommit=True)
-                lease.release(self._conn, self.spec.name, self.epoch)
+            if release and self.error is None:
+                lease.release(self._connection(), self.spec.name, self.epoch)
         except (ChangefeedError, psycopg.Error):
             pass  # it ends by itself
         finally:

@@ -220,15 +220,15 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     cleanup = _outbox_cleanup(prepared, attempt)
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
     parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
+    assert prepared.epoch is not None, "taken by _attach"
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch)
-    keeper = lease_keeper.Keeper(spec, prepared.epoch) if prepared.epoch is not None else None
+    keeper = lease_keeper.Keeper(spec, prepared.epoch)
     batches_at_start, clean = meter.batches, False
     try:
         with _lost_connections(prepared):
             while query.isActive and not stop.is_set():
-                if keeper is not None:
-                    keeper.check()  # another runner took the feed over: stop writing
+                keeper.check()  # another runner took the feed over: stop writing
                 with suppress(StreamingQueryException):  # a failed query is handled below
                     query.awaitTermination(report_every_s)
                 meter.update(query)
@@ -271,8 +271,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
         if query.isActive:
             report(f"feed {spec.name}: stopping")
             _stop(query, state)
-        if keeper is not None:
-            keeper.close(release=clean)  # a clean stop ends the lease: a standby need not wait it out
+        keeper.close(release=clean)  # a clean stop ends the lease: a standby need not wait it out
         with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
             meter.update(query)
 

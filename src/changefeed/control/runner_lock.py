@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
 from changefeed.errors import FeedBusy
+from changefeed.postgres import lease
 from changefeed.spec.state import FeedState
 
 VERIFY = "verify"  # what a verify holding a stopped feed writes first into the lock file
@@ -38,7 +38,7 @@ def state_lock(state: FeedState, *, by: str = "", stop: threading.Event | None =
         _take(fd, state, stop, report)
         held = True
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{by + ', ' if by else ''}pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        os.pwrite(fd, f"{by + ', ' if by else ''}{lease.me()}".encode(), 0)
         yield
     finally:
         if held and not state.spec_file.exists():  # still ours: unlinked before the lock goes

@@ -50,15 +50,20 @@ class Lease:
         return self.remaining_s <= 0
 
 
+def _missing(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the source database has no lease table yet (readers create nothing)."""
+    return bool(one_row(conn.execute("SELECT to_regclass('changefeed.leases') IS NULL"))[0])
+
+
 def ensure(conn: psycopg.Connection[Any]) -> None:
     """The lease table, made once per source database."""
-    if one_row(conn.execute("SELECT to_regclass('changefeed.leases') IS NULL"))[0]:
+    if _missing(conn):
         conn.execute(DDL)
 
 
 def current(conn: psycopg.Connection[Any], feed: str) -> Lease | None:
     """The feed's lease, None if it was never taken (or the table is not there)."""
-    if one_row(conn.execute("SELECT to_regclass('changefeed.leases') IS NULL"))[0]:
+    if _missing(conn):
         return None
     row = conn.execute(
         "SELECT epoch, holder, extract(epoch FROM expires_at - clock_timestamp())::float8, lease_s "
@@ -102,5 +107,5 @@ def release(conn: psycopg.Connection[Any], feed: str, epoch: int) -> None:
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
     """Drop the feed's lease row (the feed is removed)."""
-    if not one_row(conn.execute("SELECT to_regclass('changefeed.leases') IS NULL"))[0]:
+    if not _missing(conn):
         conn.execute("DELETE FROM changefeed.leases WHERE feed = %s", (feed,))

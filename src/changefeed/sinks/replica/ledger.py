@@ -57,9 +57,9 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
 
 def raise_fence(conn: psycopg.Connection[Any], feed: str, epoch: int, holder: str) -> None:
     """Claim the replica for lease term `epoch` (a runner that just took the lease, before its
-    first batch): from this commit on, batches of earlier terms are refused. Waits for a batch
-    being applied to end (it lands, or is refused, before the claim)."""
-    ensure_meta(conn)
+    first batch; the ledger's tables exist, see ensure_meta): from this commit on, batches of
+    earlier terms are refused. Waits for a batch being applied to end (it lands, or is refused,
+    before the claim)."""
     with conn.transaction():
         lock_feed(conn, feed)
         conn.execute(f"INSERT INTO {META_SCHEMA}.fences AS f (feed, epoch, holder) VALUES (%s, %s, %s) "
