@@ -71,6 +71,11 @@ class LeaseLost(DefiniteError):
     refuse its batches) and stops."""
 
 
+class CheckpointLost(DefiniteError):
+    """The feed's Spark checkpoint is missing or older than its sink, and the sink cannot say
+    exactly where the feed stands (see sinks.ledger.Ledger.resume_offset)."""
+
+
 class SlotLost(DefiniteError):
     """The replication slot is missing or invalidated while a checkpoint depends on it."""
 

@@ -17,6 +17,7 @@ from psycopg import sql
 
 from changefeed import faults
 from changefeed.control.runner_lock import state_lock
+from changefeed.core.offsets import Offset
 from changefeed.errors import (
     ChangefeedError,
     SlotLost,
@@ -40,6 +41,7 @@ class Prepared:
     sources: dict[str, Any]  # per source node, a connection that holds the feed's advisory lock there
     ledger: Ledger
     epoch: int | None = None  # the runner's lease term, once it took the lease (control.lease_keeper)
+    resume: Offset | None = None  # where a query without a checkpoint starts (spark.checkpoint.resume)
 
     @property
     def source_conn(self) -> Any:
@@ -79,7 +81,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
         stack.callback(ledger.close)
         checkpoint = ledger.checkpoint() or {}
         for c in checked:
-            if state.has_checkpoint() or c.slot is not None:
+            if state.has_checkpoint() or c.slot is not None or c.node.name in checkpoint:  # (the sink's: a
+                # runner without the checkpoint resumes from the sink, which needs the slot as much)
                 with about(spec, c.node):
                     slots.check_slot_usable(c.slot, c.node.slot, checkpoint.get(c.node.name), spec.name)
                     if spec.multi_node:

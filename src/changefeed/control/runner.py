@@ -35,7 +35,7 @@ from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import OutboxCleanup
 from changefeed.sinks.base import task_slots
 from changefeed.sinks.registry import sink_of, validated
-from changefeed.spark.checkpoint import chunks_to_read, resyncing
+from changefeed.spark.checkpoint import chunks_to_read, resume, resyncing
 from changefeed.spec.definition import PARALLEL_READ_SLOTS, FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -150,6 +150,7 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
     prepared = attach(spec, state, attempt, report)
     with _lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
+        prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
     return prepared
 
 
@@ -222,7 +223,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
     assert prepared.epoch is not None, "taken by _attach"
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
-                        epoch=prepared.epoch)
+                        epoch=prepared.epoch, resume=prepared.resume)
     keeper = lease_keeper.Keeper(spec, prepared.epoch)
     batches_at_start, clean = meter.batches, False
     try:
@@ -260,7 +261,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     if query.exception() is not None:  # it failed before it stopped: a failure like any other
                         break
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
-                                        resync=resync, epoch=prepared.epoch)
+                                        resync=resync, epoch=prepared.epoch, resume=prepared.resume)
             if query.exception() is not None:
                 _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
                 raise _query_error(query.exception(), state)

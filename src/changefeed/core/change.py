@@ -160,6 +160,7 @@ class Progress:
     read: dict[str, Any] | None = None  # who read it: {"task" (attempt id), "pid", "began", "ended" (Unix s)}
     gids: list[list[Any]] | None = None  # prepared parts it delivered: [gid, xid]
     pending: list[str] | None = None  # gids with a part prepared on the node, undecided at its end
+    offset: dict[str, Any] | None = None  # the batch's end offset (core.offsets), the same in every partition
 
     def to_meta(self) -> str:
         return json.dumps(self.__dict__)
@@ -187,6 +188,8 @@ class BatchProgress:
     positions: Mapping[str, int] | None = None
     reads: tuple[dict[str, Any], ...] = ()  # per input partition read: {"node", "part", **Progress.read,
     #                                         "gids" and "pending" where it has them}
+    offset: dict[str, Any] | None = None  # the batch's end offset: where the next batch starts (a sink
+    #                                       that records it lets a lost checkpoint be rebuilt from it)
 
     @property
     def nodes(self) -> dict[str, int]:
@@ -197,7 +200,7 @@ class BatchProgress:
     def from_json(cls, p: dict[str, Any]) -> "BatchProgress":
         """From its `__dict__` as JSON (what the file and Kafka ledgers store)."""
         return cls(p["end_lsn"], p["resolved_ts"], p["last_commit_time"], p["changes"], tuple(p["chunks"]),
-                   p.get("positions"), tuple(p.get("reads") or ()))
+                   p.get("positions"), tuple(p.get("reads") or ()), p.get("offset"))
 
     @classmethod
     def of(cls, parts: "list[Progress]") -> "BatchProgress":
@@ -214,12 +217,12 @@ class BatchProgress:
                                   "none: the batch is read again when the query runs next; if this repeats, report it")
         times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
         resolved, chunks = max(p.resolved_ts for p in parts), tuple(p.chunk for p in parts if p.chunk)
-        positions = parts[0].positions
+        positions, offset = parts[0].positions, parts[0].offset
         reads = tuple({"node": p.node, "part": p.part, **p.read, **({"gids": p.gids} if p.gids else {}),
                        **({"pending": p.pending} if p.pending else {})}
                       for p in sorted(parts, key=lambda p: p.part) if p.read)
         if positions is None:
             return cls(max(p.end_lsn for p in parts), resolved, max(times) if times else None,
-                       sum(p.changes for p in parts), chunks, None, reads)
+                       sum(p.changes for p in parts), chunks, None, reads, offset)
         return cls(resolved, resolved, max(times) if times else None, sum(p.changes for p in parts), chunks,
-                   dict(positions), reads)
+                   dict(positions), reads, offset)

@@ -61,6 +61,12 @@ class Ledger(Protocol):
     def forget(self) -> bool:
         """Drop the feed's bookkeeping (not the delivered data); True if there was any."""
 
+    def resume_offset(self) -> dict[str, Any] | None:
+        """The end offset (core.offsets) of the last batch recorded, where the sink records it in
+        the batch's own transaction (then it is exactly where the feed stands, and a lost Spark
+        checkpoint is rebuilt from it: spark.checkpoint.resume); None where it does not, or before
+        the first batch."""
+
     def fence(self, epoch: int, holder: str) -> bool:
         """Claim the sink for lease term `epoch` (postgres.lease), before the term's first batch:
         True if the sink then refuses batches of earlier terms, False where it has no fence yet."""
@@ -177,6 +183,10 @@ class FileLedger:
         existed = self.path.exists()
         self.path.unlink(missing_ok=True)
         return existed
+
+    def resume_offset(self) -> dict[str, Any] | None:
+        """None: a file written after the sink committed may lag it (see resume_offset above)."""
+        return None
 
     def fence(self, epoch: int, holder: str) -> bool:
         """No fence: the file is the runner's own (Kafka and Delta fence on their own terms)."""

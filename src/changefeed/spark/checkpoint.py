@@ -1,12 +1,19 @@
 """What Spark's checkpoint says about the feed: the last batch it planned (its offset log) and
 whether it was committed downstream (its commit log), read as files by the driver. Spark writes
-these; changefeed only reads them (to tell whether snapshot chunks are still to be read).
+these; changefeed reads them (to tell whether snapshot chunks are still to be read), and at a
+start compares them with the sink's ledger (`resume`): a checkpoint missing or behind the sink is
+replaced by a new query that starts where the sink's last batch ended.
 """
 from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
 
 from changefeed.core import snapshot
 from changefeed.core.offsets import Offset
 from changefeed.core.requests import SnapshotRequests
+from changefeed.errors import CheckpointLost
+from changefeed.sinks.ledger import Ledger
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -40,3 +47,46 @@ def resyncing(state: FeedState) -> tuple[str, ...]:
     end, _ = logged_end(state)
     taken = end.cursor.requests if end else 0
     return tuple(sorted({t for _, tables in SnapshotRequests(state.requests).after(taken) for t in tables}))
+
+
+def _key(offset: Offset) -> int:
+    """What orders a feed's batches: a one-node feed's end LSN, else the resolved ts (as
+    core.change.BatchProgress.end_lsn)."""
+    return offset.lsn if len(offset.lsns) == 1 else offset.ts
+
+
+def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None]) -> Offset | None:
+    """Where a new query of the feed starts when this state folder's Spark checkpoint is missing
+    (a new host, a standby, a deleted or damaged folder) or older than the sink (another runner
+    of the feed moved it on since): the end offset of the last batch the sink recorded, None when
+    the checkpoint is current (Spark carries on from it) or the sink has no batch yet (a new feed
+    starts from its slot and its snapshot).
+
+    A stale checkpoint is moved aside to `checkpoint.replaced` (a copy for inspection; the one
+    before it is dropped). A sink that does not record its batches' offsets with the batch itself
+    cannot say where the feed stands: CheckpointLost, nothing changed."""
+    recorded = ledger.resume_offset()
+    end, _ = logged_end(state)
+    if recorded is None:
+        delivered = ledger.checkpoint()
+        if delivered is not None and (end is None or any(lsn > end.lsns.get(node, 0) for node, lsn in
+                                                         delivered.items())):
+            where = "has no checkpoint" if end is None else "has a checkpoint older than the sink's last batch"
+            raise CheckpointLost(
+                f"the feed's state folder {state.dir} {where}, and its sink does not record where each batch "
+                "ended: starting over would deliver changes again, or skip some",
+                "restore the state folder from the runner that ran the feed last (or point --state at it); "
+                "to start the feed over, changefeed remove --name NAME and create it again")
+        return None
+    offset = Offset.from_json(recorded)
+    if end is not None and _key(offset) <= _key(end):
+        return None
+    if end is not None:
+        aside = state.checkpoint.with_name("checkpoint.replaced")
+        shutil.rmtree(aside, ignore_errors=True)
+        state.checkpoint.rename(aside)
+        report(f"feed {state.dir.name}: the checkpoint in {state.checkpoint} is older than the sink (another "
+               f"runner moved the feed on); moved aside to {aside}, resuming from the sink's last batch")
+    else:
+        report(f"feed {state.dir.name}: no checkpoint in {state.checkpoint}; resuming from the sink's last batch")
+    return offset

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from changefeed.core.offsets import Offset
 from changefeed.sinks.registry import sink_of
 from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log
 from changefeed.spec.definition import FeedSpec
@@ -58,13 +59,15 @@ def _register_sources(spark: Any) -> None:
 
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
-                parallel_reads: bool = False, resync: tuple[str, ...] = (), epoch: int | None = None) -> Any:
+                parallel_reads: bool = False, resync: tuple[str, ...] = (), epoch: int | None = None,
+                resume: Offset | None = None) -> Any:
     """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
     feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
     parallel tasks and shuffles them to the writer task(s); without it the writer task reads them
     itself, one after the other, and no shuffle is paid for (see sinks.base.Sink.plan). `epoch`, the
     runner's lease term, goes to the sink's writer: a sink with a fence refuses it once a later
-    term claimed the sink (control.lease_keeper)."""
+    term claimed the sink (control.lease_keeper). `resume`: where the query starts when the state
+    folder has no checkpoint of the feed (spark.checkpoint.resume)."""
     nodes = [[n.name, n.uri, n.slot, n.publication] for n in spec.sources]
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
@@ -79,7 +82,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("requests_dir", str(state.requests))
               .option("barrier_file", str(state.barrier_file))
               .option("joining_file", str(state.joining_file))
-              .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000))))
+              .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000)))
+              .option("resume_offset", json.dumps(resume.to_json()) if resume else ""))
     sink = sink_of(spec.sink)
     options = {"sink": sink.name, "uri": spec.sink, "feed": spec.name, "multi_node": str(spec.multi_node).lower(),
                "resync": ",".join(resync), "epoch": "" if epoch is None else str(epoch),

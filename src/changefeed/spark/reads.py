@@ -137,7 +137,8 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                                     lambda rel: src.column_catalog(conn, rel), part=partition.part,
                                     parts=partition.parts, node=node.name, positions=partition.positions,
                                     read={**reader(began), "ahead": spooled is not None},
-                                    prepared=partition.prepared, undecided=partition.pending)
+                                    prepared=partition.prepared, undecided=partition.pending,
+                                    offset=partition.end.to_json())
             blocks = spooled or wal_reader(partition.wal).window(conn, node, role, start, end)
             ahead = partition.ahead
             if ahead is not None and _outlives_task():  # the next window, once the server answered this one
@@ -191,6 +192,7 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     read = {**reader(began), "ended": time.time()}
     done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows,
                        {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
-                        "task": read["task"]}, part.part, part.parts, node.name, part.positions, read)
+                        "task": read["task"]}, part.part, part.parts, node.name, part.positions, read,
+                       offset=part.end.to_json())
     yield ch.pack(ch.progress_batch(done))
     faults.reach("snapshot_chunk")

@@ -32,12 +32,12 @@ from changefeed.core import change as ch
 from changefeed.core import distributed as dist
 from changefeed.core import snapshot
 from changefeed.core.hlc import window_end_ts
-from changefeed.core.lsn import Lsn
+from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.offsets import Offset
 from changefeed.core.requests import SnapshotRequests
 from changefeed.core.resolved import Frontier, resolved_ts
-from changefeed.errors import carried
+from changefeed.errors import SlotLost, carried, start_over_hint
 from changefeed.postgres import cut as nodes_cut
 from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
@@ -67,7 +67,8 @@ class ChangefeedSource(DataSource):
     core.requests), barrier_file (see core.barrier), joining_file (nodes being added, see
     postgres/cut.py), wal_reader (peek or stream, see postgres/wal_reader.py), parallel_reads
     ("false": a batch's partitions are read by one task, as one GroupPartition), max_clock_skew_us
-    (see core.distributed)."""
+    (see core.distributed), resume_offset (where a query without a checkpoint starts, see
+    initialOffset)."""
 
     @classmethod
     def name(cls) -> str:
@@ -98,6 +99,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
         self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
+        self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -126,6 +128,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @carried("source")
     @lost_connection("source")
     def initialOffset(self) -> dict[str, Any]:
+        """A new feed starts at its slots and its snapshot; a feed whose runner has no checkpoint of
+        it (`resume_offset`, spark.checkpoint.resume) where its sink's last batch ended."""
         lsns = {}
         for name, node in self.nodes.items():
             with self._on(name):
@@ -133,6 +137,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             slots.check_slot_usable(state, node.slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[name] = state.confirmed_flush
+            if self.resume is not None and self.resume.lsns.get(name, 0) < state.confirmed_flush:
+                raise SlotLost(f"replication slot {node.slot} is at {format_lsn(state.confirmed_flush)}, past the "
+                               f"sink's last batch of feed {self.feed} at {format_lsn(self.resume.lsns.get(name, 0))}: "
+                               "the changes between were released without reaching the sink (a sink restored from "
+                               "a backup?)", start_over_hint(self.feed))
+        if self.resume is not None:
+            return self.resume.to_json()
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
     def getDefaultReadLimit(self) -> ReadLimit:

@@ -81,7 +81,9 @@ class ChangeBuilder:
     def __init__(self, start_lsn: int, end_lsn: int, start_ts: int, end_ts: int,
                  catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1, node: str = "n1",
                  positions: Mapping[str, int] | None = None, read: dict[str, Any] | None = None,
-                 prepared: dict[int, tuple[str, int]] | None = None, undecided: list[str] | None = None) -> None:
+                 prepared: dict[int, tuple[str, int]] | None = None, undecided: list[str] | None = None,
+                 offset: dict[str, Any] | None = None) -> None:
+        self.offset = offset  # the batch's end offset, for the P row
         self.start_lsn, self.end_lsn, self.end_ts = start_lsn, end_lsn, end_ts
         self.part, self.parts, self.node, self.positions, self.read = part, parts, node, positions, read
         self.last_ts = start_ts
@@ -386,7 +388,7 @@ class ChangeBuilder:
         progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes,
                                part=self.part, parts=self.parts, node=self.node, positions=self.positions,
                                read=self.read and {**self.read, "ended": time.time()},
-                               gids=self.gids or None, pending=self.undecided or None)
+                               gids=self.gids or None, pending=self.undecided or None, offset=self.offset)
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
         self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts, 0))

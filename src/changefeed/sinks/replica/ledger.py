@@ -33,6 +33,9 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
     _ensure_column(conn, "progress", "positions", "jsonb")
     # reads: which Spark task read each of the batch's input partitions, and when (core.change.BatchProgress)
     _ensure_column(conn, "progress", "reads", "jsonb")
+    # end_offset: the batch's end offset (core.offsets), where the next batch starts: a runner
+    # without the feed's Spark checkpoint resumes from it (spark.checkpoint.resume)
+    _ensure_column(conn, "progress", "end_offset", "jsonb")
     # One row per snapshot chunk applied: a chunk is applied once (the key refuses a second).
     # read_task: the Spark task attempt that read the chunk.
     conn.execute(
@@ -194,6 +197,16 @@ class ReplicaLedger:
         if has_meta(self.conn, "fences"):
             self.conn.execute(f"DELETE FROM {META_SCHEMA}.fences WHERE feed = %s", (self.feed,))
         return deleted
+
+    def resume_offset(self) -> dict[str, Any] | None:
+        """The last progress row's end offset (read through to_jsonb: rows, and sinks, made before
+        the column have none)."""
+        if not has_meta(self.conn, "progress"):
+            return None
+        row = self.conn.execute(
+            f"SELECT to_jsonb(p) -> 'end_offset' FROM {META_SCHEMA}.progress p WHERE feed = %s "
+            "ORDER BY end_lsn DESC LIMIT 1", (self.feed,)).fetchone()
+        return None if row is None or row[0] is None else dict(row[0])
 
     def fence(self, epoch: int, holder: str) -> bool:
         raise_fence(self.conn, self.feed, epoch, holder)
