@@ -105,9 +105,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     from changefeed.control.runner import run
 
     state = FeedState(args.state, args.name)
-    spec = _spec_from_args(args, state)
-    run(spec, state, **_running(args))
+    if args.standby and state.load() is None and not (args.sink or args.tables):
+        spec = _standing_by(args)
+    else:
+        spec = _spec_from_args(args, state)
+    run(spec, state, standby=args.standby, **_running(args))
     return 0
+
+
+def _standing_by(args: argparse.Namespace) -> FeedSpec:
+    """A standby with no state folder of the feed: the definition its runners stored on the source,
+    read through this host's --source."""
+    from changefeed.control.standby import stored_definition
+
+    if not args.source:
+        raise ConfigError("run --standby without a state folder of the feed needs --source (the feed's first "
+                          "source node)", "e.g. changefeed run --standby --name NAME --source postgresql://...")
+    uri = parse_node(args.source[0], 1)[1]
+    spec = stored_definition(uri, args.name)
+    return spec if spec.multi_node else FeedSpec(**{**spec.__dict__, "source": uri}).protected()
 
 
 def _running(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,7 +162,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([f.__dict__ for f in feeds], indent=2))
     for f in [] if args.json else feeds:
-        print(f"{f.name}: {f.state}; tables {', '.join(f.tables)}; source {f.source}; sink {f.sink}")
+        runners = f"; active {f.active}" if f.active else ""
+        runners += "".join(f"; standby {who}" for who in f.standbys)
+        print(f"{f.name}: {f.state}{runners}; tables {', '.join(f.tables)}; source {f.source}; sink {f.sink}")
     return 0
 
 
@@ -420,6 +438,10 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a feed until stopped (SIGINT/SIGTERM), or until caught up")
     _definition_args(run)
     _running_args(run)
+    run.add_argument("--standby", action="store_true",
+                     help="if another runner runs the feed, wait (with Spark started) and take the feed over when "
+                          "that runner is gone; needs only --name and --source when the feed has no state folder "
+                          "here (it runs the definition stored on the source)")
     run.set_defaults(func=cmd_run)
 
     create = sub.add_parser("create", help="check and create a feed (slot, publication, target tables) without "

@@ -1,11 +1,13 @@
-"""Named fault points for crash tests: SIGKILL the whole feed at an awkward moment.
+"""Named fault points for crash tests: SIGKILL (or freeze) the whole feed at an awkward moment.
 
 `CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the n-th
 time (default 1st) execution reaches `point`: node_created (a feed's publication and slot exist on
 one more source node), startup, read, pending (a node's window ended with a prepared part undecided
 on it), snapshot_chunk (a chunk was read), sink_write (a message sink wrote another 1000 messages of
 a batch), insert_run (the replica COPYed a run of inserts into its target, inside the batch's
-transaction), before_sink_commit or after_sink_commit. `CHANGEFEED_FAIL_AT=point[:n]` instead raises
+transaction), before_sink_commit or after_sink_commit. `CHANGEFEED_STOP_AT=point[:n]` freezes it
+there instead (SIGSTOP; the process groups stopped are written to `.stopped-groups` in the fault
+folder, for the test to SIGCONT). `CHANGEFEED_FAIL_AT=point[:n]` instead raises
 an unexpected error there, once (the n-th time): a task failing for a reason changefeed has no type
 for. Counting uses a file next to the feed state (`CHANGEFEED_FAULT_DIR`), because the points run in
 different processes. Unset: no cost.
@@ -21,6 +23,13 @@ def reach(point: str) -> None:
         # The feed's group (driver + JVM), then ours: PySpark's worker daemon has its own group.
         os.killpg(int(os.environ.get("CHANGEFEED_PGID", os.getpgrp())), signal.SIGKILL)
         os.killpg(os.getpgrp(), signal.SIGKILL)
+    if _due("CHANGEFEED_STOP_AT", point, "stop"):  # frozen: the groups noted for the test to wake them
+        groups = {int(os.environ.get("CHANGEFEED_PGID", os.getpgrp())), os.getpgrp()}
+        with open(os.path.join(os.environ.get("CHANGEFEED_FAULT_DIR", "."), ".stopped-groups"), "w") as f:
+            f.write(" ".join(map(str, sorted(groups))))
+        for group in groups - {os.getpgrp()}:
+            os.killpg(group, signal.SIGSTOP)
+        os.killpg(os.getpgrp(), signal.SIGSTOP)  # ours last: this process stops here
     if _due("CHANGEFEED_FAIL_AT", point, "fail"):
         raise InjectedFault(f"fault injected at {point} (CHANGEFEED_FAIL_AT)")
 
@@ -52,5 +61,5 @@ def _due(variable: str, point: str, kind: str) -> bool:
 
 def mark_feed_group() -> None:
     """Called by the driver before Spark starts, so workers know which group is the feed."""
-    if os.environ.get("CHANGEFEED_KILL_AT"):
+    if os.environ.get("CHANGEFEED_KILL_AT") or os.environ.get("CHANGEFEED_STOP_AT"):
         os.environ["CHANGEFEED_PGID"] = str(os.getpgrp())

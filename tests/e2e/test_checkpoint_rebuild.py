@@ -24,7 +24,8 @@ def _ledger(dbs: Dbs) -> tuple[int, int, int]:
 
 def _write(dbs: Dbs, first: int, n: int) -> None:
     with dbs.src() as c:
-        c.execute("INSERT INTO t SELECT g, 'v' || g FROM generate_series(%s::bigint, %s::bigint) g", (first, first + n - 1))
+        c.execute("INSERT INTO t SELECT g, 'v' || g FROM generate_series(%s::bigint, %s::bigint) g",
+                  (first, first + n - 1))
         c.execute("UPDATE t SET v = v || '+' WHERE id % 7 = 0")
         c.execute("DELETE FROM t WHERE id %% 11 = 0 AND id >= %s::bigint", (first,))
 

@@ -20,17 +20,19 @@ from changefeed.control.runner_lock import state_lock
 from changefeed.core.offsets import Offset
 from changefeed.errors import (
     ChangefeedError,
+    ConfigError,
     SlotLost,
     SourceNotReady,
     start_over_hint,
 )
-from changefeed.postgres import ddl_capture, slots, twophase
+from changefeed.postgres import ddl_capture, feed_record, lease, slots, twophase
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import check_outbox_table
 from changefeed.sinks.ledger import Ledger
 from changefeed.sinks.registry import open_ledger, validated
 from changefeed.spec.definition import FeedSpec, SourceNode
+from changefeed.spec.secrets import same as same_secret
 from changefeed.spec.state import FeedState
 
 
@@ -76,6 +78,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
         spec = follow_renames(spec, state, stack)
     checked = [_check_node(spec, node, stack, report) for node in spec.sources]
     _check_same_tables(spec, checked)
+    _check_same_feed(spec, state, checked[0].conn)
     with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report), lost_connection("sink"):
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
@@ -100,7 +103,27 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     for note in ledger.notes():
         report(f"feed {spec.name}: {note}")
     state.save(spec)
+    feed_record.store(checked[0].conn, spec.name, spec.to_json(), lease.me())  # what a standby runs
     return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger)
+
+
+def _check_same_feed(spec: FeedSpec, state: FeedState, conn: Any) -> None:
+    """A feed new to this state folder whose name another runner's feed has on this source must
+    be the same feed (its sink and tables): two definitions under one name would write to two
+    places from one slot."""
+    if state.spec_file.exists():
+        return
+    stored = feed_record.load(conn, spec.name)
+    if stored is None:
+        return
+    other = FeedSpec.from_json(stored.definition, "the definition stored on the source")
+    differs = [option for option, same in (("--tables", set(other.tables) == set(spec.tables)),
+                                           ("--sink", same_secret(spec.sink, other.sink, "--sink"))) if not same]
+    if differs:
+        raise ConfigError(f"feed {spec.name} exists on this source with a different {' and '.join(differs)} "
+                          f"(stored by {stored.stored_by} at {stored.stored_at})",
+                          "give the same definition (or run --standby --name NAME --source URI, which takes the "
+                          "stored one), or choose another --name")
 
 
 def follow_renames(spec: FeedSpec, state: FeedState, stack: ExitStack | None = None,

@@ -30,6 +30,20 @@ def take(spec: FeedSpec, conn: Any, ledger: Ledger) -> int:
     return epoch
 
 
+def lost(spec: FeedSpec, epoch: int, held: lease.Lease | None) -> LeaseLost:
+    who = f"{held.holder} (term {held.epoch})" if held else "nobody (the lease was removed)"
+    return LeaseLost(f"feed {spec.name}: this runner's lease (term {epoch}) is held by {who} now",
+                     "another runner took the feed over; this one stops and writes nothing more", component="lease")
+
+
+def check_still_held(spec: FeedSpec, epoch: int) -> None:
+    """LeaseLost if a term after `epoch` took the feed (a runner back from a fault)."""
+    with connect(spec.sources[0].uri, "source") as conn:
+        held = lease.current(conn, spec.name)
+    if held is None or held.epoch != epoch:
+        raise lost(spec, epoch, held)
+
+
 class Keeper:
     """Renews the lease of term `epoch` in a thread until `close`; `error` is set once another
     term holds it. A renewal that fails on the connection is tried again on a new one when the
@@ -54,12 +68,7 @@ class Keeper:
             try:
                 conn = self._connection()
                 if not lease.renew(conn, self.spec.name, self.epoch, self.spec.lease_s):
-                    held = lease.current(conn, self.spec.name)
-                    who = f"{held.holder} (term {held.epoch})" if held else "nobody (the lease was removed)"
-                    self.error = LeaseLost(
-                        f"feed {self.spec.name}: this runner's lease (term {self.epoch}) is held by {who} now",
-                        "another runner took the feed over; this one stops and writes nothing more",
-                        component="lease")
+                    self.error = lost(self.spec, self.epoch, lease.current(conn, self.spec.name))
                     return
             except (ChangefeedError, psycopg.Error):
                 if self._conn is not None:

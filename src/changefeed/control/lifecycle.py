@@ -9,8 +9,8 @@ replica's tables stay.
 from __future__ import annotations
 
 import shutil
-from contextlib import ExitStack, closing
-from dataclasses import dataclass
+from contextlib import ExitStack, closing, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,11 @@ from psycopg import sql
 
 from changefeed.control.attach import add_source, prepare
 from changefeed.control.runner_lock import holder, run_state
+from changefeed.control.status import runners
 from changefeed.core import snapshot
 from changefeed.core.requests import SnapshotRequests
-from changefeed.errors import ConfigError, FeedBusy
-from changefeed.postgres import ddl_capture, lease, slots
+from changefeed.errors import ChangefeedError, ConfigError, FeedBusy
+from changefeed.postgres import ddl_capture, feed_record, lease, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, redact
 from changefeed.postgres.source import split_table
@@ -46,6 +47,8 @@ class Listed:
     tables: tuple[str, ...]
     source: str
     sink: str
+    active: str | None = None  # see status.FeedStatus: who holds the lease, on any host
+    standbys: list[str] = field(default_factory=list)
 
 
 def list_feeds(root: Path | str) -> list[Listed]:
@@ -56,7 +59,10 @@ def list_feeds(root: Path | str) -> list[Listed]:
         assert spec is not None
         source = redact(spec.source) if not spec.nodes else \
             ", ".join(f"{n.name}={redact(n.uri)}" for n in spec.sources)
-        out.append(Listed(spec.name, run_state(state), spec.tables, source, redact(spec.sink)))
+        listed = Listed(spec.name, run_state(state), spec.tables, source, redact(spec.sink))
+        with suppress(ChangefeedError):  # a source that does not answer: the state folder's view only
+            listed.active, listed.standbys = runners(spec)
+        out.append(listed)
     return out
 
 
@@ -76,6 +82,7 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
         for node, (conn, slot) in held:
             gone += _drop(conn, spec.name, node, slot, f" on source node {node.name}" if spec.multi_node else "")
         lease.forget(held[0][1][0], spec.name)  # its lease and terms: a feed made again starts at term 1
+        feed_record.forget(held[0][1][0], spec.name)
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"

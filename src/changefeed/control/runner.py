@@ -15,6 +15,7 @@ import psycopg
 
 from changefeed import errors, faults
 from changefeed.control import lease_keeper, retention
+from changefeed.control import standby as standby_mode
 from changefeed.control.attach import Prepared, about, attach, follow_renames
 from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
 from changefeed.control.retry import Retry, Retrying, write_note
@@ -29,7 +30,7 @@ from changefeed.errors import (
     QueryFailed,
     TransientError,
 )
-from changefeed.postgres import slots
+from changefeed.postgres import feed_record, lease, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import OutboxCleanup
@@ -45,7 +46,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         stop_event: threading.Event | None = None, handle_signals: bool = True,
         metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False,
         retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None,
-        alongside: Callable[[threading.Event], None] | None = None, locked: bool = False) -> None:
+        alongside: Callable[[threading.Event], None] | None = None, locked: bool = False,
+        standby: bool = False) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
     Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
@@ -56,19 +58,30 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     ends at once on any fault, so a mistyped URI shows. Definite faults end the run with their
     typed error. `locked`: the caller holds the feed's state folder lock already (verify running a
     stopped feed up to its point). `alongside(stop)` starts work that lasts as long as the run
-    (`run --every`'s verification), once Spark is up."""
+    (`run --every`'s verification), once Spark is up. `standby`: wait, with Spark started, until
+    the feed's active runner is gone, then take the feed over (control.standby)."""
     stop = stop_event or threading.Event()
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
     retry = Retry(retry_max_backoff_s, give_up_after_s)
     if handle_signals and threading.current_thread() is threading.main_thread():
         _stop_on_signals(stop)
+    from changefeed.spark.connect import Held, is_remote
+    from changefeed.spark.job import spark_session
+    from changefeed.spec.secrets import executor_env
+
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
         prepared: Prepared | None = None
         fault: TransientError | None = None
+        spark = Held(master, lambda: spark_session(
+            master, log=None if verbose else state.spark_log,
+            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink])))
+        stack.callback(spark.close)
         try:
             validated(spec)
+            if standby:
+                standby_mode.check_standby(spec)
             if not locked:
                 try:
                     stack.enter_context(state_lock(state, stop=stop, report=report))
@@ -76,13 +89,26 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     report(f"feed {spec.name}: stopped before it started")
                     return
             attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
-            try:
-                prepared = _attach(spec, state, attempt, report)
-                _check_retention(prepared, report)
-            except TransientError as e:
-                if not state.has_checkpoint():
-                    raise
-                prepared, fault = None, e
+            while True:
+                if standby:
+                    taken = _take_turn(spec, spark, stop, report)
+                    if taken is None:
+                        report(f"feed {spec.name}: stopped while standing by")
+                        return
+                    spec = taken
+                try:
+                    prepared = _attach(spec, state, attempt, report)
+                    _check_retention(prepared, report)
+                except FeedBusy:
+                    if not standby:
+                        raise
+                    attempt.close()  # another standby was first: wait on
+                    continue
+                except TransientError as e:
+                    if not state.has_checkpoint():
+                        raise
+                    prepared, fault = None, e
+                break
         except FeedBusy:
             raise  # about this runner, not the feed
         except ChangefeedError as e:
@@ -93,14 +119,6 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         stack.callback(write_note, state.retrying_file, None)
         faults.mark_feed_group()
         faults.reach("startup")
-        from changefeed.spark.connect import Held, is_remote
-        from changefeed.spark.job import spark_session
-        from changefeed.spec.secrets import executor_env
-
-        spark = Held(master, lambda: spark_session(
-            master, log=None if verbose else state.spark_log,
-            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink])))
-        stack.callback(spark.close)
         try:
             with spark.reached():
                 if not stop.is_set():  # stopped while it attached: no Spark to start
@@ -112,6 +130,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         if alongside is not None:
             alongside(stop)
         meter: Meter | None = None
+        term = prepared.epoch if prepared else None  # this run's lease term: another one means it was taken over
         on = f" on the Spark Connect server {master}" if is_remote(master) else ""
         report(f"feed {spec.name}: running ({'until caught up' if available_now else 'until stopped'}){on}, "
                f"checkpoint in {state.checkpoint}")
@@ -119,8 +138,9 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                                                                      stop, report)):
             try:
                 if prepared is None:  # after a transient fault: connect and check again
-                    prepared = _attach(spec, state, attempt, report)
+                    prepared = _attach(spec, state, attempt, report, term)
                     _check_retention(prepared, report)
+                term = prepared.epoch
                 if meter is None:
                     meter = Meter(report, prepared.ledger.totals)
                 else:  # the sink's ledger of this attempt
@@ -144,14 +164,33 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                f"{counted(batches, 'batch')}")
 
 
-def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callable[[str], None]) -> Prepared:
+def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callable[[str], None],
+            term: int | None = None) -> Prepared:
     """attach, then take the feed's lease in a new term and claim the sink for it: from here on a
-    runner of an earlier term (frozen, cut off) lands nothing in a sink that has a fence."""
+    runner of an earlier term (frozen, cut off) lands nothing in a sink that has a fence. A run
+    that held term `term` before a fault stops with LeaseLost if another runner took the feed
+    over meanwhile (a standby): it must not take the feed back."""
+    if term is not None:
+        lease_keeper.check_still_held(spec, term)
     prepared = attach(spec, state, attempt, report)
     with _lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
         prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
     return prepared
+
+
+def _take_turn(spec: FeedSpec, spark: Any, stop: threading.Event, report: Callable[[str], None]) -> FeedSpec | None:
+    """A standby: start Spark, wait for the active runner to go, then the definition it ran (stored
+    on the source), None if stopped meanwhile."""
+    with spark.reached():
+        spark.get()  # ready before the takeover: its start is most of a runner's
+    if not standby_mode.await_turn(spec, stop, report):
+        return None
+    ran = standby_mode.stored_definition(spec.sources[0].uri, spec.name)
+    if not ran.multi_node:  # this host's way to the source
+        ran = FeedSpec(**{**ran.__dict__, "source": spec.source})
+    report(f"feed {spec.name}: the active runner is gone; taking the feed over")
+    return ran
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -225,7 +264,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch, resume=prepared.resume)
     keeper = lease_keeper.Keeper(spec, prepared.epoch)
-    batches_at_start, clean = meter.batches, False
+    batches_at_start, clean, published = meter.batches, False, spec
     try:
         with _lost_connections(prepared):
             while query.isActive and not stop.is_set():
@@ -248,6 +287,9 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                 stored = state.load()
                 if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
                     raise NodesChanged(stored)
+                if stored is not None and stored != published:  # altered: what a standby would run
+                    feed_record.store(prepared.source_conn, spec.name, stored.to_json(), lease.me())
+                    published = stored
                 if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
                     follow_renames(stored or spec, state, conns=prepared.sources)
                 wanted = (_parallel_reads(spec, state, spark), resyncing(state))  # (a snapshot request taken in:

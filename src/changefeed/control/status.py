@@ -5,7 +5,7 @@ Read from the source (slot, flush position, clock) and the sink's bookkeeping; c
 from __future__ import annotations
 
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ from changefeed.control.runner_lock import run_state
 from changefeed.core.hlc import physical_ms
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import ConnectionFailed
-from changefeed.postgres import slots, twophase
+from changefeed.postgres import feed_record, lease, slots, twophase
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.sinks.registry import open_ledger
@@ -43,10 +43,13 @@ class FeedStatus:
     verified: dict[str, Any] | None = None  # the last verify: at (Unix time), equal, mismatched_rows, lsns
     unreachable: dict[str, str] = field(default_factory=dict)  # what could not be asked now (sink, source [node
     #                                                           NAME]) and why: the fields it would give are unknown
+    active: str | None = None  # the runner holding the feed's lease, on any host (postgres.lease), and its term
+    standbys: list[str] = field(default_factory=list)  # runners waiting to take the feed over (run --standby)
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
-               if k not in ("snapshot", "nodes", "verified", "unreachable")]
+               if k not in ("snapshot", "nodes", "verified", "unreachable", "standbys")]
+        out += [f"standby: {who}" for who in self.standbys]
         out += [f"unknown: the {what} cannot be reached now ({why}); what it would tell is shown as -"
                 for what, why in self.unreachable.items()]
         if self.verified:
@@ -80,7 +83,23 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
             unreachable[spec.role(node.name)] = e.message.splitlines()[0]
     found = _measured(spec, state, sink, readings, unreachable)
     found.verified = verified(feed_state)
+    if spec.sources[0].name in readings:
+        with suppress(ConnectionFailed):
+            found.active, found.standbys = runners(spec)
     return found
+
+
+def runners(spec: FeedSpec) -> tuple[str, list[str]]:
+    """Who holds the feed's lease (and until when), and who stands by, as the first node has it."""
+    role = spec.role(spec.sources[0].name)
+    with connect(spec.sources[0].uri, role, connect_timeout=3) as conn, lost_connection(role):
+        held, waiting = lease.current(conn, spec.name), feed_record.standbys(conn, spec.name)
+    if held is None:
+        return "none", waiting
+    if held.free:
+        return f"none (term {held.epoch} of {held.holder} ended {-held.remaining_s:.1f}s ago)", waiting
+    return f"{held.holder} (term {held.epoch}, lease renewed within {held.lease_s:g}s; {held.remaining_s:.1f}s left)", \
+        waiting
 
 
 def verified(feed_state: FeedState) -> dict[str, Any] | None:

@@ -63,8 +63,8 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
                           "write it as postgresql://USER:PASSWORD@HOST:PORT/DBNAME")
     resolved = resolve(uri, f"the {role} URI", in_uri=True)
     try:
-        conn = WatchedConnection.connect(resolved, autocommit=autocommit, connect_timeout=10,
-                                         application_name="changefeed", **{**KEEPALIVES, **kwargs})
+        conn = WatchedConnection.connect(resolved, autocommit=autocommit, application_name="changefeed",
+                                         **{"connect_timeout": 10, **KEEPALIVES, **kwargs})
         conn.probe_uri = resolved
         return conn
     except psycopg.ProgrammingError as e:

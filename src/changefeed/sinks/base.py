@@ -38,6 +38,8 @@ class Sink:
     name = ""
     messages = False  # delivers formatted messages (--format), not rows
     parallel_reads = False  # the arrival order of a batch's input partitions at its writer does not matter
+    resumable = False  # its ledger records each batch's end offset with the batch (Ledger.resume_offset): a
+    #                    runner without the feed's checkpoint (a standby taking over) starts from it
 
     def validate(self, uri: str) -> None:
         """Check the URI and its options without connecting (ConfigError)."""

@@ -28,7 +28,7 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_MAX_CLOCK_SKEW_S = 0.5
 # The runner renews its lease a third of it apart (control.lease_keeper): shorter leases would
 # end under a busy machine's scheduling pauses alone.
-DEFAULT_LEASE_S, MIN_LEASE_S = 10.0, 2.0
+DEFAULT_LEASE_S, MIN_LEASE_S = 5.0, 2.0  # the default: bench/README.md, takeover
 WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class ReplicaSink(Sink):
     name = "replica"
     parallel_reads = True
+    resumable = True
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from changefeed.postgres.connect import connect

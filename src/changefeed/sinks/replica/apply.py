@@ -137,10 +137,11 @@ class BatchApplier:
         if applied:
             self.conn.execute(
                 f"INSERT INTO {META_SCHEMA}.progress (feed, batch_id, end_lsn, resolved_ts, commit_time, changes, "
-                "positions, reads, end_offset) VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s, %s, %s, %s)",
+                "positions, reads, end_offset, epoch) "
+                "VALUES (%s, %s, %s::pg_lsn, %s, to_timestamp(%s / 1e6), %s, %s, %s, %s, %s)",
                 (self.feed, self.batch_id, format_lsn(p.end_lsn), p.resolved_ts, p.last_commit_time, p.changes,
                  Jsonb(p.positions) if p.positions else None, Jsonb(list(p.reads)) if p.reads else None,
-                 Jsonb(p.offset) if p.offset else None))
+                 Jsonb(p.offset) if p.offset else None, self.epoch))
             if p.chunks:
                 with self.conn.cursor() as cur:
                     cur.executemany(

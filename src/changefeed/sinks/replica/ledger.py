@@ -36,6 +36,8 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
     # end_offset: the batch's end offset (core.offsets), where the next batch starts: a runner
     # without the feed's Spark checkpoint resumes from it (spark.checkpoint.resume)
     _ensure_column(conn, "progress", "end_offset", "jsonb")
+    # epoch: the lease term (postgres.lease) of the runner that applied the batch
+    _ensure_column(conn, "progress", "epoch", "bigint")
     # One row per snapshot chunk applied: a chunk is applied once (the key refuses a second).
     # read_task: the Spark task attempt that read the chunk.
     conn.execute(
@@ -58,16 +60,28 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str) -> None:
     conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"changefeed-sink:{feed}",))
 
 
+FENCE_PATIENCE_S = 1.0  # how long a claim waits for a batch in flight before it ends that batch's session
+
+
 def raise_fence(conn: psycopg.Connection[Any], feed: str, epoch: int, holder: str) -> None:
     """Claim the replica for lease term `epoch` (a runner that just took the lease, before its
     first batch; the ledger's tables exist, see ensure_meta): from this commit on, batches of
     earlier terms are refused. Waits for a batch being applied to end (it lands, or is refused,
-    before the claim)."""
-    with conn.transaction():
-        lock_feed(conn, feed)
-        conn.execute(f"INSERT INTO {META_SCHEMA}.fences AS f (feed, epoch, holder) VALUES (%s, %s, %s) "
-                     "ON CONFLICT (feed) DO UPDATE SET epoch = excluded.epoch, holder = excluded.holder, "
-                     "raised_at = clock_timestamp() WHERE f.epoch < excluded.epoch", (feed, epoch, holder))
+    before the claim); one that does not end within FENCE_PATIENCE_S is an earlier term's runner
+    frozen (or cut off) in the middle of its batch: its session is ended, the batch rolls back."""
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL lock_timeout = '{int(FENCE_PATIENCE_S * 1000)}ms'")
+                lock_feed(conn, feed)
+                conn.execute(f"INSERT INTO {META_SCHEMA}.fences AS f (feed, epoch, holder) VALUES (%s, %s, %s) "
+                             "ON CONFLICT (feed) DO UPDATE SET epoch = excluded.epoch, holder = excluded.holder, "
+                             "raised_at = clock_timestamp() WHERE f.epoch < excluded.epoch", (feed, epoch, holder))
+            return
+        except psycopg.errors.LockNotAvailable:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                         "AND objid = (hashtext(%s)::bigint & 4294967295)::oid AND pid <> pg_backend_pid()",
+                         (f"changefeed-sink:{feed}",))
 
 
 def check_fence(conn: psycopg.Connection[Any], feed: str, epoch: int) -> None:

@@ -1,0 +1,134 @@
+"""Takeover time: from the active runner's end to the first change a standby applies (see bench/README.md).
+
+Two runners of one feed (source -> replica), each with its own state folder, one active and one
+`run --standby`; a writer commits a row every few milliseconds. Each round ends the active
+runner in one of two ways, then waits for the replica to show a row committed after that moment:
+* `kill`: SIGKILL of its whole process group (a crashed host whose connections the source's
+  server sees close): the standby sees the feed's session lock free;
+* `freeze`: SIGSTOP of its process group (a host cut off, a long pause; the source keeps its
+  sessions): the standby waits for the lease to end (`--lease`), then ends those sessions.
+The ended runner comes back as a standby before the next round. Prints each round's seconds,
+then per kind the median, min and max.
+
+    .venv/bin/python bench/takeover.py --rounds 5 --lease 5s
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replica_throughput import bench_setup, log, spread  # noqa: E402
+
+
+class Writer(threading.Thread):
+    """Inserts row n every ~5 ms; `commits[n]` is the monotonic time its COMMIT returned."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(daemon=True)
+        self.uri, self.stop, self.last = uri, threading.Event(), 0
+        self.commits: dict[int, float] = {}
+
+    def run(self) -> None:
+        with psycopg.connect(self.uri, autocommit=True) as c:
+            n = 0
+            while not self.stop.is_set():
+                n += 1
+                c.execute("INSERT INTO t VALUES (%s, now())", (n,))
+                self.commits[n] = time.monotonic()
+                self.last = n
+                time.sleep(0.005)
+
+
+def applied(uri: str) -> int:
+    with psycopg.connect(uri) as c:
+        if c.execute("SELECT to_regclass('public.t') IS NULL").fetchone()[0]:  # type: ignore[index]
+            return 0
+        return int(c.execute("SELECT coalesce(max(id), 0) FROM t").fetchone()[0])  # type: ignore[index]
+
+
+def start(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=open(log_path, "ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait(what: str, check: object, timeout: float, poll: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(poll)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5, help="takeovers of each kind (default 5)")
+    ap.add_argument("--kinds", default="kill,freeze", help="kill, freeze or both (default)")
+    ap.add_argument("--lease", default="5s", help="the feed's --lease (default 5s)")
+    ap.add_argument("--workdir")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    work, _, (source, sink) = bench_setup(ap, args.workdir, args.keep, "changefeed-takeover-", ("source", "sink"))
+    src_uri, dst_uri = source.uri(), sink.uri()
+    with psycopg.connect(src_uri, autocommit=True) as c:
+        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, at timestamptz)")
+    writer = Writer(src_uri)
+    writer.start()
+    states, logs = [work / "host-a", work / "host-b"], [work / "logs" / "a.log", work / "logs" / "b.log"]
+    runners = [start(["run", "--name", "tk", "--state", str(states[0]), "--source", src_uri, "--sink", dst_uri,
+                      "--tables", "public.t", "--lease", args.lease], logs[0]), None]
+    wait("the first rows", lambda: applied(dst_uri) > 100, 120)
+    runners[1] = start(["run", "--standby", "--name", "tk", "--state", str(states[1]), "--source", src_uri], logs[1])
+    results: dict[str, list[float]] = {}
+    active, seen = 0, [0, 0]  # per log: "standing by" lines before its runner's latest start
+
+    def standing(i: int) -> int:
+        return logs[i].read_text().count("standing by; active")
+
+    kinds = [k for k in args.kinds.split(",") for _ in range(args.rounds)]
+    for i, kind in enumerate(kinds):
+        standby = 1 - active
+        wait("the standby to stand by", lambda: standing(standby) > seen[standby], 120, 0.2)
+        time.sleep(2)  # the active runner in its stride
+        ended = time.monotonic()
+        os.killpg(runners[active].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)  # type: ignore[union-attr]
+        mark = writer.last
+        wait("a row committed after the end on the replica", lambda: applied(dst_uri) > mark, 120)
+        took = time.monotonic() - ended
+        results.setdefault(kind, []).append(took)
+        log(f"round {i + 1} {kind}: {took:.2f}s from the end of the active runner to a new row on the replica")
+        old = runners[active]
+        assert old is not None
+        if kind == "freeze":
+            os.killpg(old.pid, signal.SIGCONT)
+            code = old.wait(timeout=120)
+            if code != 2:
+                raise SystemExit(f"the woken runner exited {code}, not 2 (LeaseLost): see {logs[active]}")
+        else:
+            old.wait()
+        seen[active] = standing(active)
+        runners[active] = start(["run", "--standby", "--name", "tk", "--state", str(states[active])], logs[active])
+        active = standby
+    writer.stop.set()
+    for kind, xs in results.items():
+        s = spread(xs)
+        assert s is not None
+        print(f"{kind:6} lease {args.lease}: median {s[0]:.2f}s  [{s[1]:.2f} - {s[2]:.2f}] over {len(xs)} takeovers")
+    for p in runners:
+        if p is not None and p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""A standby runner (`run --standby`): it waits, with Spark started, until the feed's active runner
+is gone, then runs the feed in a new lease term.
+
+The active runner is gone when its sessions on the first source node are (the feed's session
+lock there is free: a process killed, a host whose connections the server closed), or when its
+lease ended unrenewed (a runner frozen or cut off from the source, whose sessions the server
+still keeps): then the standby ends those sessions itself (`pg_terminate_backend`, which needs
+the feed's user to be the same role or a member of `pg_signal_backend`) and the sinks' fences
+keep the old runner from landing anything should it wake up. Several standbys may wait: the
+first to take the session lock runs the feed, the others go on waiting.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from changefeed.errors import ConfigError
+from changefeed.postgres import feed_record, lease
+from changefeed.postgres.connect import connect, lost_connection, one_row
+from changefeed.sinks.registry import sink_of
+from changefeed.spec.definition import FeedSpec
+
+POLL_S = 0.2  # how often a standby looks at the lease: the takeover's share of its time
+
+
+def stored_definition(source: str, name: str) -> FeedSpec:
+    """The definition of feed `name` as its runners stored it on `source` (a standby with no state
+    folder of the feed); ConfigError if there is none."""
+    with connect(source, "source") as conn, lost_connection("source"):
+        stored = feed_record.load(conn, name)
+    if stored is None:
+        raise ConfigError(f"no feed named {name} on this source: a standby runs a feed some runner has run",
+                          "check --name and --source, or start the feed first with changefeed run --name NAME "
+                          "--source ... --sink ... --tables ...")
+    spec = FeedSpec.from_json(stored.definition, f"the definition stored on the source by {stored.stored_by}")
+    check_standby(spec)
+    return spec
+
+
+def check_standby(spec: FeedSpec) -> None:
+    """ConfigError unless a runner of the feed can take it over without its checkpoint."""
+    sink = sink_of(spec.sink)
+    if not sink.resumable:
+        raise ConfigError(f"feed {spec.name} writes to a {sink.name} sink: a standby cannot take it over yet (its "
+                          "position is kept with the runner's checkpoint, not in the sink)",
+                          "run the feed without --standby; standbys take over feeds into a replica")
+
+
+def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], None]) -> bool:
+    """Wait until the feed's active runner is gone (see the module doc): True, or False when
+    stopped meanwhile. Meanwhile this runner is listed as a standby."""
+    me, told = lease.me(), ""
+    with connect(spec.sources[0].uri, "source", autocommit=True) as conn, lost_connection("source"):
+        conn.execute("SELECT set_config('application_name', %s, false)", (f"changefeed-standby:{spec.name}"[:63],))
+        try:
+            while not stop.is_set():
+                feed_record.standing_by(conn, spec.name, me)
+                held = lease.current(conn, spec.name)
+                if _lock_free(conn, spec.name):
+                    return True
+                if held is not None and held.free:
+                    _end_sessions(conn, spec)
+                    return True
+                active = f"{held.holder} (term {held.epoch})" if held else "a runner of an older changefeed"
+                if active != told:
+                    report(f"feed {spec.name}: standing by; active: {active}")
+                    told = active
+                stop.wait(POLL_S)
+            return False
+        finally:
+            if not conn.closed:
+                feed_record.left(conn, spec.name, me)
+
+
+def _lock_free(conn: psycopg.Connection[Any], feed: str) -> bool:
+    """Whether no session holds the feed's lock (postgres.source.lock_feed): let go again at once."""
+    key = f"changefeed:{feed}"
+    if not one_row(conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)))[0]:
+        return False
+    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
+    return True
+
+
+def _end_sessions(conn: psycopg.Connection[Any], spec: FeedSpec) -> None:
+    """End the sessions of a runner whose lease ended (it holds the feed's lock and reads the slots
+    on every node): the servers would keep them until their TCP connections time out."""
+    try:
+        for i, node in enumerate(spec.sources):
+            if i == 0:
+                _terminate(conn, spec.name, node.slot, node.prepare_slot)
+                continue
+            with connect(node.uri, spec.role(node.name), autocommit=True) as other:
+                _terminate(other, spec.name, node.slot, node.prepare_slot)
+    except psycopg.errors.InsufficientPrivilege:
+        raise ConfigError(f"feed {spec.name}: the active runner's lease ended, but its sessions on the source "
+                          "cannot be ended by this user", "GRANT pg_signal_backend TO the feed's source user "
+                          "(or use the same user as the other runner)") from None
+
+
+def _terminate(conn: psycopg.Connection[Any], feed: str, *slot_names: str) -> None:
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
+        "AND l.granted AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid UNION SELECT active_pid "
+        "FROM pg_replication_slots WHERE slot_name = ANY(%s) AND active_pid IS NOT NULL) s "
+        "WHERE pid <> pg_backend_pid()", (f"changefeed:{feed}", list(slot_names)))

@@ -1,0 +1,73 @@
+"""spark.checkpoint.resume against ledgers, without Spark: where a query without a usable checkpoint starts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from changefeed.core.change import BatchProgress
+from changefeed.core.offsets import Offset
+from changefeed.core.snapshot import Cursor
+from changefeed.errors import CheckpointLost
+from changefeed.sinks.ledger import FileLedger
+from changefeed.spark.checkpoint import resume
+from changefeed.spec.state import FeedState
+
+
+class Recorded(FileLedger):
+    """A file ledger that says it records its batches' end offsets (as the replica does)."""
+
+    def resume_offset(self) -> dict[str, Any] | None:
+        entries = self._entries()
+        return entries[-1].progress.offset if entries else None
+
+
+def _plan(state: FeedState, batch: int, end: Offset, committed: bool = True) -> None:
+    """What Spark's offset and commit logs hold after planning (and committing) batch `batch`."""
+    for log in ("offsets", "commits"):
+        (state.checkpoint / log).mkdir(parents=True, exist_ok=True)
+    (state.checkpoint / "offsets" / str(batch)).write_text('v1\n{"batchWatermarkMs":0}\n' + json.dumps(end.to_json()))
+    if committed:
+        (state.checkpoint / "commits" / str(batch)).write_text('v1\n{"nextBatchWatermarkMs":0}')
+
+
+def _record(ledger: FileLedger, batch: int, end: Offset) -> None:
+    ledger.record(batch, BatchProgress(end.lsn, end.ts, None, 1, (), None, (), end.to_json()), 0.0, 1.0)
+
+
+def _offset(lsn: int) -> Offset:
+    return Offset({"n1": lsn}, lsn * 10, Cursor(pending=("public.t",), after=["7"], next_no=3, requests=1))
+
+
+def test_missing_and_stale_checkpoints_resume_from_the_ledger(tmp_path: Path) -> None:
+    state, said = FeedState(tmp_path, "f"), []
+    ledger = Recorded(tmp_path / "ledger.jsonl")
+    assert resume(state, ledger, said.append) is None  # a new feed: its slot and snapshot
+    _record(ledger, 0, _offset(100))
+    got = resume(state, ledger, said.append)
+    assert got == _offset(100) and got.cursor.after == ["7"] and "no checkpoint" in said[-1]
+    _plan(state, 4, _offset(100))
+    assert resume(state, ledger, said.append) is None  # current: Spark goes on from it
+    _plan(state, 5, _offset(150), committed=False)
+    assert resume(state, ledger, said.append) is None  # planned past the ledger: Spark replays batch 5
+    _record(ledger, 9, _offset(300))  # another runner moved the feed on
+    assert resume(state, ledger, said.append) == _offset(300)
+    assert not state.checkpoint.exists() and (state.dir / "checkpoint.replaced" / "offsets" / "5").exists()
+    assert "older than the sink" in said[-1]
+
+
+def test_a_ledger_without_offsets_refuses_a_missing_or_stale_checkpoint(tmp_path: Path) -> None:
+    state = FeedState(tmp_path, "f")
+    ledger = FileLedger(tmp_path / "ledger.jsonl")  # records after the sink committed: no offsets
+    assert resume(state, ledger, print) is None
+    _record(ledger, 0, _offset(100))
+    with pytest.raises(CheckpointLost, match="has no checkpoint"):
+        resume(state, ledger, print)
+    _plan(state, 0, _offset(100))
+    assert resume(state, ledger, print) is None
+    _record(ledger, 1, _offset(200))
+    with pytest.raises(CheckpointLost, match="older than the sink"):
+        resume(state, ledger, print)
+    assert (state.checkpoint / "offsets" / "0").exists()  # nothing changed

@@ -1,0 +1,221 @@
+"""A standby (`run --standby`) on its own state folder takes a feed over when its active runner is
+SIGKILLed or frozen past its lease, and carries on exactly once from the replica's ledger; the
+old runner, once woken, lands nothing and stops with LeaseLost."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from changefeed.postgres import lease
+from conftest import Dbs, assert_no_traceback, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
+
+pytestmark = pytest.mark.timeout(900)
+
+ACCOUNTS, BALANCE = 40, 1000
+
+
+def mover(uri: str, stop: threading.Event, written: list[int]) -> None:
+    """Each transaction appends ledger row n and moves money between two accounts."""
+    with psycopg.connect(uri, autocommit=True) as c:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            with c.transaction():
+                c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (n, f"entry {n}"))
+                c.execute("UPDATE accounts SET balance = balance - 3 WHERE id = %s", (n % ACCOUNTS,))
+                c.execute("UPDATE accounts SET balance = balance + 3 WHERE id = %s", ((n * 7 + 1) % ACCOUNTS,))
+            written[:] = [n]
+            time.sleep(0.003)
+
+
+def _replicated(dbs: Dbs) -> int:
+    with psycopg.connect(dbs.sink) as d:
+        if d.execute("SELECT to_regclass('public.ledger') IS NULL").fetchone()[0]:  # type: ignore[index]
+            return 0
+        return int(d.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])  # type: ignore[index]
+
+
+def _money_whole(dbs: Dbs) -> None:
+    """The replica, at whatever batch it is, never holds a transfer in half."""
+    with psycopg.connect(dbs.sink) as d:
+        total = d.execute("SELECT sum(balance), count(*) FROM accounts").fetchone()
+    assert total == (ACCOUNTS * BALANCE, ACCOUNTS), total
+
+
+def _setup(dbs: Dbs) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, %s FROM generate_series(0, %s) g", (BALANCE, ACCOUNTS - 1))
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text)")
+
+
+def _stop_all(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with_signal(p, signal.SIGKILL)
+            p.wait()
+
+
+def with_signal(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_standby_takes_over_each_time_the_active_runner_is_killed(dbs: Dbs, tmp_path: Path) -> None:
+    _setup(dbs)
+    states = [tmp_path / "host-a", tmp_path / "host-b"]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    written: list[int] = [0]
+    with writing(mover, dbs.source, written):
+        runners = [start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), "--source", dbs.source,
+                                    "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "4s",
+                                    log=logs[0])]
+        try:
+            wait_for("rows on the replica", lambda: _replicated(dbs) > 50, logs[0])
+            # the standby needs only the name and the source: the definition is on the source
+            runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),
+                                            "--source", dbs.source, log=logs[1]))
+            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            listed = changefeed_cli("status", "--name", dbs.name, "--state", str(states[0]))
+            assert "standby: pid " in listed.stdout and f"active: pid {runners[0].pid} " in listed.stdout, listed
+            active = 0
+            for kill in range(3):
+                standby = 1 - active
+                before_log = logs[standby].read_text().count("taking the feed over")
+                with_signal(runners[active], signal.SIGKILL)  # the whole runner: driver, JVM, workers
+                runners[active].wait()
+                at_kill = _replicated(dbs)
+                killed = time.monotonic()
+                wait_for("the standby to take over", lambda: logs[standby].read_text().count("taking the feed over")
+                         > before_log, logs[standby], timeout=120)
+                wait_for("new rows applied by the new active runner", lambda: _replicated(dbs) > at_kill + 20,
+                         logs[standby], timeout=180)
+                print(f"takeover {kill + 1}: {time.monotonic() - killed:.1f}s from the kill to new rows")
+                _money_whole(dbs)
+                # the killed host comes back as a standby (its own state folder, its stale checkpoint)
+                runners[active] = start_changefeed("run", "--standby", "--name", dbs.name, "--state",
+                                                   str(states[active]), log=logs[active])
+                wait_for("the old runner to stand by", lambda: logs[active].read_text().count("standing by; active")
+                         > kill // 2, logs[active], timeout=120)
+                active = standby
+        except BaseException:
+            _stop_all(*runners)
+            raise
+    try:
+        wait_for("the replica to catch up", lambda: fingerprint(dbs.source, "public.ledger")
+                 == fingerprint(dbs.sink, "public.ledger"), logs[active], timeout=180)
+        # the standby first (else it takes over from the clean stop), then the active runner
+        for i in (1 - active, active):
+            runners[i].send_signal(signal.SIGTERM)  # the runner's own process: it stops its JVM
+            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+        assert "stopped while standing by" in logs[1 - active].read_text()
+    finally:
+        _stop_all(*runners)
+    assert fingerprint(dbs.source, "public.accounts") == fingerprint(dbs.sink, "public.accounts")
+    _money_whole(dbs)
+    with dbs.dst() as d:
+        rows, ends = d.execute("SELECT count(*), count(DISTINCT end_lsn) FROM changefeed.progress WHERE feed = %s",
+                               (dbs.name,)).fetchone()  # type: ignore[misc]
+        chunks = d.execute("SELECT count(*), count(DISTINCT table_name) FROM changefeed.snapshot_chunks "
+                           "WHERE feed = %s", (dbs.name,)).fetchone()
+    assert rows == ends, "a batch was recorded twice"
+    assert chunks == (2, 2), f"the snapshot was read again by a runner that took over: {chunks}"
+    with dbs.src() as c:
+        held = lease.current(c, dbs.name)
+    assert held is not None and held.epoch >= 4 and held.free, held  # a term per takeover; released at the end
+    for log in logs:
+        assert_no_traceback(log.read_text())
+
+
+def test_a_frozen_runner_is_taken_over_by_a_standby_and_lands_nothing_when_woken(dbs: Dbs, tmp_path: Path,
+                                                                                  spark_server: str) -> None:
+    _setup(dbs)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    written: list[int] = [0]
+    with writing(mover, dbs.source, written):
+        # frozen in the middle of a batch: its transaction on the replica open, holding the feed's lock there
+        a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
+                             "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "3s",
+                             log=logs[0], env={"CHANGEFEED_STOP_AT": "before_sink_commit:12",
+                                               "CHANGEFEED_FAULT_DIR": str(tmp_path)})
+        b: subprocess.Popen[bytes] | None = None
+        try:
+            wait_for("rows on the replica", lambda: _replicated(dbs) > 50, logs[0])
+            b = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"), "--source",
+                                 dbs.source, "--master", spark_server, log=logs[1])
+            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            wait_for("the runner to freeze", lambda: (tmp_path / ".stopped-groups").exists(), logs[0])
+            frozen_at = _replicated(dbs)  # its sessions stay open, it renews nothing
+            wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
+                     timeout=60)
+            wait_for("new rows from the standby", lambda: _replicated(dbs) > frozen_at + 20, logs[1])
+            with dbs.dst() as d:
+                claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s",
+                                    (dbs.name,)).fetchone()
+            assert claimed is not None and claimed[0] >= 2
+            for group in (tmp_path / ".stopped-groups").read_text().split():
+                os.killpg(int(group), signal.SIGCONT)
+            code = a.wait(timeout=120)
+            assert code == 2, f"the woken runner exited {code}:\n{logs[0].read_text()[-3000:]}"
+        except BaseException:
+            _stop_all(a, *([b] if b else []))
+            raise
+    assert b is not None
+    try:
+        wait_for("the replica to catch up", lambda: fingerprint(dbs.source, "public.ledger")
+                 == fingerprint(dbs.sink, "public.ledger"), logs[1], timeout=180)
+        b.send_signal(signal.SIGTERM)
+        assert b.wait(timeout=120) == 0, logs[1].read_text()[-3000:]
+    finally:
+        _stop_all(a, b)
+    text = logs[0].read_text()
+    assert re.search(r"lease \(term 1\)[^\n]*(held by|taken over by) pid \d+", text), text[-3000:]
+    assert_no_traceback(text)
+    with dbs.dst() as d:
+        late = d.execute("SELECT count(*) FROM changefeed.progress WHERE feed = %s AND applied_at > %s "
+                         "AND epoch < %s", (dbs.name, claimed[1], claimed[0])).fetchone()
+        terms = d.execute("SELECT array_agg(DISTINCT epoch ORDER BY epoch) FROM changefeed.progress WHERE feed = %s",
+                          (dbs.name,)).fetchone()
+        rows, ends = d.execute("SELECT count(*), count(DISTINCT end_lsn) FROM changefeed.progress WHERE feed = %s",
+                               (dbs.name,)).fetchone()  # type: ignore[misc]
+    assert late == (0,) and rows == ends  # nothing of the old term landed after the claim; no batch twice
+    assert terms is not None and terms[0][0] == 1 and terms[0][-1] == claimed[0], terms
+    assert fingerprint(dbs.source, "public.accounts") == fingerprint(dbs.sink, "public.accounts")
+    _money_whole(dbs)
+
+
+def test_standby_bad_input(dbs: Dbs, tmp_path: Path) -> None:
+    """A standby of a feed no runner ever ran, and a second definition under a feed's name: clear
+    errors, nothing created."""
+    proc = changefeed_cli("run", "--standby", "--name", "nosuchfeed", "--state", str(tmp_path / "s"),
+                          "--source", dbs.source)
+    assert proc.returncode != 0 and "no feed named nosuchfeed on this source" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "s" / "nosuchfeed").exists()
+
+    _setup(dbs)
+    made = changefeed_cli("create", "--name", dbs.name, "--state", str(tmp_path / "one"), "--source", dbs.source,
+                          "--sink", dbs.sink, "--tables", "public.accounts")
+    assert made.returncode == 0, made.stderr
+    other = changefeed_cli("create", "--name", dbs.name, "--state", str(tmp_path / "two"), "--source", dbs.source,
+                           "--sink", dbs.sink, "--tables", "public.ledger")
+    assert other.returncode == 64 and "different --tables" in other.stderr, other.stderr
+    assert not (tmp_path / "two" / dbs.name).exists()
+    with dbs.src() as c:
+        slots = c.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s",
+                          (f"%{dbs.name}%",)).fetchone()
+    assert slots == (1,)
+    webhook = changefeed_cli("run", "--standby", "--name", "hooked", "--state", str(tmp_path / "w"), "--source",
+                             dbs.source, "--sink", "webhook-http://127.0.0.1:9/x", "--tables", "public.accounts")
+    assert webhook.returncode == 64 and "a standby cannot take it over yet" in webhook.stderr, webhook.stderr
+    short = changefeed_cli("run", "--name", dbs.name, "--state", str(tmp_path / "one"), "--lease", "1s")
+    assert short.returncode == 64 and "--lease must be at least" in short.stderr, short.stderr
