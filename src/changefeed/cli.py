@@ -70,6 +70,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
         "max_clock_skew_s": _option("max-clock-skew", parse_duration, args.max_clock_skew),
         "lease_s": _option("lease", parse_duration, args.lease),
+        "failover_slot": False if args.no_failover_slot else None,
         "format": args.format, "diff": args.diff,
         "outbox": _qualified(args.outbox) if args.outbox else None, "outbox_columns": args.outbox_columns,
         "outbox_topic": args.outbox_topic,
@@ -378,6 +379,9 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                                 "(default 0: no limit)")
     cmd.add_argument("--max-clock-skew", help="a feed of several nodes: how far the nodes' clocks may disagree, "
                      "e.g. 500ms (default 500ms)")
+    cmd.add_argument("--no-failover-slot", action="store_true",
+                     help="create the feed's slots as plain slots (default on PostgreSQL 17+: failover slots, which "
+                          "a standby with sync_replication_slots keeps, so the feed survives its promotion)")
     cmd.add_argument("--lease", help="how long the runner's lease on the feed lasts unrenewed, by the source's "
                      f"clock (renewed every third of it), e.g. 10s (default {DEFAULT_LEASE_S:g}s, at least "
                      f"{MIN_LEASE_S:g}s); each run takes it in a new term, and the replica refuses batches of "

@@ -100,7 +100,8 @@ def test_a_feed_delivers_exactly_once_through_kills_with_every_codec(dbs: Dbs, t
     assert set(range(1, SNAPSHOT + 1)) <= read <= set(range(1, total + 1))
 
     progress = [r for r in read_partition(kafka.bootstrap, progress_topic, 0) if r.key == dbs.name.encode()]
-    batch_ids = [json.loads(r.value or b"")["batch"] for r in committed(progress)]
+    batch_ids = [json.loads(r.value or b"")["batch"] for r in committed(progress)
+                 if not json.loads(r.value or b"").get("claimed")]  # (each run's claim re-states the last batch)
     assert batch_ids == sorted(set(batch_ids)) and batch_ids[0] == 0, batch_ids  # none committed twice
     assert codecs_in(kafka, topic, 2) >= {"zstd", "snappy", "lz4"}  # committed by the zstd, snappy and last runs
     assert codecs_in(kafka, progress_topic, 1) >= {"zstd", "snappy", "lz4"}

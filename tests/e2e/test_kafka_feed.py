@@ -143,9 +143,13 @@ def test_sigkill_while_writing_to_kafka_loses_and_duplicates_nothing(dbs: Dbs, t
     kept = {f"e{n}" for n in range(1, written[0] + 1, 2)} | {f"old{g}" for g in range(1, 6)}
     assert left < kept, "the TTL cleanup deleted no delivered outbox row"
 
-    # the progress topic: one committed record per batch, batch ids and resolved ts increasing
+    # the progress topic: one committed record per batch, batch ids and resolved ts increasing (and each
+    # run's claim of the feed for its lease term, which re-states the last batch's record)
     records = [json.loads(r.value) for r in committed(read_partition(kafka.bootstrap, progress_topic, 0))
                if r.key == dbs.name.encode()]
+    claims = [r for r in records if r.get("claimed")]
+    assert claims and [r["epoch"] for r in claims] == sorted({r["epoch"] for r in claims})  # a term each
+    records = [r for r in records if not r.get("claimed")]
     batches = [r["batch"] for r in records]
     assert batches == sorted(set(batches)), "a batch was committed twice"
     resolved = [r["progress"]["resolved_ts"] for r in records]

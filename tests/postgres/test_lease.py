@@ -35,9 +35,13 @@ def test_an_ended_lease_nobody_took_is_still_its_terms_and_a_release_frees_it_at
         term = lease.take(c, dbs.name, 0.2, "frozen")
         assert term is not None
         time.sleep(0.4)
+        ran_out = lease.current(c, dbs.name)
+        assert ran_out is not None and ran_out.free and not ran_out.released
         assert lease.renew(c, dbs.name, term, 30.0)  # woken, nobody took it meanwhile: carries on
         assert lease.take(c, dbs.name, 30.0, "standby") is None
         lease.release(c, dbs.name, term)
+        released = lease.current(c, dbs.name)
+        assert released is not None and released.free and released.released  # a clean stop, told apart
         assert lease.take(c, dbs.name, 30.0, "standby") == term + 1
         lease.release(c, dbs.name, term)  # an old term's release frees nothing
         assert lease.take(c, dbs.name, 30.0, "third") is None

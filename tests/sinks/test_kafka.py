@@ -17,8 +17,9 @@ from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
 from changefeed.errors import ConfigError, ConnectionFailed, SinkError, TransientError
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from changefeed.sinks.kafka.admin import KafkaLedger, check_cluster, create_topics
+from changefeed.sinks.kafka.admin import check_cluster, create_topics
 from changefeed.sinks.kafka.batch import KafkaBatch, ProgressRecord, committed_progress
+from changefeed.sinks.kafka.ledger import KafkaLedger
 from changefeed.sinks.kafka.options import KafkaOptions, sanitize_topic
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,9 @@ from changefeed.core.envelope import Record
 from changefeed.errors import ConfigError, TransientError
 from changefeed.local.kafka import LocalKafka, read_partition
 from changefeed.sinks.kafka import log, probe, progress
-from changefeed.sinks.kafka.admin import KafkaLedger, create_topics
+from changefeed.sinks.kafka.admin import create_topics
 from changefeed.sinks.kafka.batch import KafkaBatch, committed_progress
+from changefeed.sinks.kafka.ledger import KafkaLedger
 from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.kafka.readback import reading
 

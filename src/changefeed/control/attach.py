@@ -191,10 +191,11 @@ def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checke
             made: list[str] = []
             created.append((c, publication, made))
             if c.slot is None:
-                if spec.multi_node and slots.slot_state(c.conn, c.node.prepare_slot) is None:  # (a run that died
-                    slots.create_slot(c.conn, c.node.prepare_slot, two_phase=True)            # may have left it)
+                # (a run that died may have left the prepare slot)
+                if spec.multi_node and slots.slot_state(c.conn, c.node.prepare_slot) is None:
+                    slots.create_slot(c.conn, c.node.prepare_slot, two_phase=True, failover=spec.failover_slot)
                     made.append(c.node.prepare_slot)
-                slots.create_slot(c.conn, c.node.slot)
+                slots.create_slot(c.conn, c.node.slot, failover=spec.failover_slot)
                 made.append(c.node.slot)
             if spec.capture_ddl:
                 ddl_capture.install(c.conn, spec.name, c.node.publication)
@@ -270,3 +271,16 @@ def _endpoint(uri: str) -> str:
     """scheme://host:port of a URI, for messages: no credentials, no query (Kafka's may hold secrets)."""
     parts = urlsplit(uri)
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+
+
+@contextmanager
+def lost_connections(prepared: Prepared) -> Iterator[None]:
+    """The runner's own work on the source nodes and the sink: a lost connection is
+    ConnectionFailed, naming the server whose connection broke."""
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        broken = [n for n, conn in prepared.sources.items() if conn.broken]
+        role = prepared.spec.role(broken[0]) if broken else "sink"
+        with lost_connection(role):
+            raise e from None

@@ -15,7 +15,7 @@ import psycopg
 
 from changefeed.errors import ChangefeedError, LeaseLost
 from changefeed.postgres import lease
-from changefeed.postgres.connect import connect
+from changefeed.postgres.connect import connect, lost_connection
 from changefeed.sinks.ledger import Ledger
 from changefeed.spec.definition import FeedSpec
 
@@ -38,7 +38,7 @@ def lost(spec: FeedSpec, epoch: int, held: lease.Lease | None) -> LeaseLost:
 
 def check_still_held(spec: FeedSpec, epoch: int) -> None:
     """LeaseLost if a term after `epoch` took the feed (a runner back from a fault)."""
-    with connect(spec.sources[0].uri, "source") as conn:
+    with connect(spec.sources[0].uri, "source") as conn, lost_connection("source"):
         held = lease.current(conn, spec.name)
     if held is None or held.epoch != epoch:
         raise lost(spec, epoch, held)

@@ -6,33 +6,28 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
 from typing import Any
 
 import psycopg
 
 from changefeed import errors, faults
-from changefeed.control import lease_keeper, retention
+from changefeed.control import lease_keeper, retention_check
 from changefeed.control import standby as standby_mode
-from changefeed.control.attach import Prepared, about, attach, follow_renames
+from changefeed.control.attach import Prepared, about, attach, follow_renames, lost_connections
 from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
-from changefeed.control.retry import Retry, Retrying, write_note
+from changefeed.control.retry import Retry, write_note
 from changefeed.control.runner_lock import Stopped, state_lock
 from changefeed.control.status import counted
-from changefeed.core.hlc import physical_ms
 from changefeed.errors import (
     ChangefeedError,
     ConfigError,
-    DefiniteError,
     FeedBusy,
     QueryFailed,
     TransientError,
 )
 from changefeed.postgres import feed_record, lease, slots
-from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import OutboxCleanup
 from changefeed.sinks.base import task_slots
 from changefeed.sinks.registry import sink_of, validated
@@ -91,14 +86,23 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             attempt = stack.enter_context(ExitStack())  # an attempt's connections, closed before the next one's
             while True:
                 if standby:
-                    taken = _take_turn(spec, spark, stop, report)
+                    try:
+                        taken = _take_turn(spec, spark, stop, report)
+                    except TransientError as e:  # the source (or Spark) out of reach: a standby waits it out
+                        delay = retry.failed(e)
+                        report(f"feed {spec.name}: standing by, {e.message.splitlines()[0]}; next look in "
+                               f"{delay:.1f}s")
+                        if stop.wait(delay):
+                            return
+                        continue
+                    retry.succeeded()
                     if taken is None:
                         report(f"feed {spec.name}: stopped while standing by")
                         return
                     spec = taken
                 try:
                     prepared = _attach(spec, state, attempt, report)
-                    _check_retention(prepared, report)
+                    retention_check.check(prepared, report)
                 except FeedBusy:
                     if not standby:
                         raise
@@ -139,7 +143,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             try:
                 if prepared is None:  # after a transient fault: connect and check again
                     prepared = _attach(spec, state, attempt, report, term)
-                    _check_retention(prepared, report)
+                    retention_check.check(prepared, report)
                 term = prepared.epoch
                 if meter is None:
                     meter = Meter(report, prepared.ledger.totals)
@@ -173,7 +177,7 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
     if term is not None:
         lease_keeper.check_still_held(spec, term)
     prepared = attach(spec, state, attempt, report)
-    with _lost_connections(prepared):
+    with lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
         prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
     return prepared
@@ -237,7 +241,7 @@ def _wait_out(fault: TransientError, retry: Retry, spec: FeedSpec, state: FeedSt
         state.record_failure(fault)
         raise
     assert retry.current is not None
-    _check_retention_meanwhile(spec, state, retry.current)
+    retention_check.meanwhile(spec, state, retry.current)
     write_note(state.retrying_file, retry.current)
     if metrics is not None:
         metrics.update(state="retrying", reason=retry.current.reason, component=retry.current.component)
@@ -266,7 +270,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     keeper = lease_keeper.Keeper(spec, prepared.epoch)
     batches_at_start, clean, published = meter.batches, False, spec
     try:
-        with _lost_connections(prepared):
+        with lost_connections(prepared):
             while query.isActive and not stop.is_set():
                 keeper.check()  # another runner took the feed over: stop writing
                 with suppress(StreamingQueryException):  # a failed query is handled below
@@ -280,7 +284,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                 if spec.snapshot == "only" and _snapshot_done(query):
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
                     break
-                _check_retention(prepared, report)
+                retention_check.check(prepared, report)
                 if state.paused:
                     report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
@@ -305,7 +309,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
                                         resync=resync, epoch=prepared.epoch, resume=prepared.resume)
             if query.exception() is not None:
-                _check_retention(prepared, report)  # a lost slot fails the reads: name it properly
+                retention_check.check(prepared, report)  # a lost slot fails the reads: name it properly
                 raise _query_error(query.exception(), state)
             _release_wal(prepared, query)
             _clean_outbox(cleanup, prepared, report)
@@ -331,69 +335,6 @@ def _stop(query: Any, state: FeedState) -> None:
                           component="query") from None
 
 
-@contextmanager
-def _lost_connections(prepared: Prepared) -> Iterator[None]:
-    """The runner's own work on the source nodes and the sink: a lost connection is
-    ConnectionFailed, naming the server whose connection broke."""
-    try:
-        yield
-    except psycopg.OperationalError as e:
-        broken = [n for n, conn in prepared.sources.items() if conn.broken]
-        role = prepared.spec.role(broken[0]) if broken else "sink"
-        with lost_connection(role):
-            raise e from None
-
-
-def _check_retention(prepared: Prepared, report: Callable[[str], None]) -> None:
-    """Stop (typed error, recorded) when PostgreSQL invalidated a node's slot or past the
-    retention budget on a node; warn near the budget. A connection lost meanwhile is
-    ConnectionFailed."""
-    spec = prepared.spec
-    try:
-        with _lost_connections(prepared):
-            checkpoint = prepared.ledger.checkpoint() or {}
-            resolved = prepared.ledger.last_resolved_ts()
-        for node in spec.sources:
-            conn = prepared.sources[node.name]
-            with about(spec, node):
-                slot = slots.slot_state(conn, node.slot)
-                slots.check_slot_usable(slot, node.slot, checkpoint.get(node.name), spec.name)
-                if spec.multi_node:
-                    slots.check_slot_usable(slots.slot_state(conn, node.prepare_slot), node.prepare_slot, None,
-                                            spec.name)
-                assert slot is not None
-                if slot.restart_lsn is None:
-                    continue
-                current, now_ms = src.flush_lsn(conn)
-            held = retention.Holding(node.slot, slot.restart_lsn, max(0, current - slot.restart_lsn),
-                                     None if resolved is None else max(0.0, (now_ms - physical_ms(resolved)) / 1000),
-                                     node.name if spec.multi_node else "")
-            warning = retention.check(held, spec.name, spec.retention_s, spec.max_retained_wal)
-            if warning:
-                report(warning)
-    except DefiniteError as e:
-        prepared.state.record_failure(e)
-        raise
-
-
-def _check_retention_meanwhile(spec: FeedSpec, state: FeedState, fault: Retrying) -> None:
-    """The retention budget while a fault lasts: nothing was delivered since it began, so the
-    checkpoint is at least that old; the WAL each node's slot holds is asked of the nodes that
-    answer. Past a budget the run ends (RetentionExceeded, recorded)."""
-    try:
-        for node in spec.sources:
-            retained, restart = 0, 0
-            if spec.max_retained_wal:
-                with suppress(ChangefeedError), connect(node.uri, "source") as conn, lost_connection("source"):
-                    slot = slots.slot_state(conn, node.slot)
-                    if slot is not None and slot.restart_lsn is not None:
-                        restart, retained = slot.restart_lsn, max(0, src.flush_lsn(conn)[0] - slot.restart_lsn)
-            retention.check(retention.Holding(node.slot, restart, retained, time.time() - fault.since,
-                                              node.name if spec.multi_node else ""),
-                            spec.name, spec.retention_s, spec.max_retained_wal)
-    except ChangefeedError as e:
-        state.record_failure(e)
-        raise
 
 
 def _outbox_cleanup(prepared: Prepared, stack: ExitStack) -> OutboxCleanup | None:

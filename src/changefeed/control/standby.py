@@ -24,6 +24,7 @@ from changefeed.sinks.registry import sink_of
 from changefeed.spec.definition import FeedSpec
 
 POLL_S = 0.2  # how often a standby looks at the lease: the takeover's share of its time
+RELEASE_GRACE_S = 10.0  # how long a runner that released its lease (a clean stop) may take to close its sessions
 
 
 def stored_definition(source: str, name: str) -> FeedSpec:
@@ -43,10 +44,11 @@ def stored_definition(source: str, name: str) -> FeedSpec:
 def check_standby(spec: FeedSpec) -> None:
     """ConfigError unless a runner of the feed can take it over without its checkpoint."""
     sink = sink_of(spec.sink)
-    if not sink.resumable:
+    if not sink.resumable(spec.sink):
         raise ConfigError(f"feed {spec.name} writes to a {sink.name} sink: a standby cannot take it over yet (its "
                           "position is kept with the runner's checkpoint, not in the sink)",
-                          "run the feed without --standby; standbys take over feeds into a replica")
+                          "run the feed without --standby; standbys take over feeds into a replica, or into "
+                          "Kafka with delivery=exactly_once (the default)")
 
 
 def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], None]) -> bool:
@@ -61,8 +63,8 @@ def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], No
                 held = lease.current(conn, spec.name)
                 if _lock_free(conn, spec.name):
                     return True
-                if held is not None and held.free:
-                    _end_sessions(conn, spec)
+                if held is not None and held.free and (not held.released or -held.remaining_s > RELEASE_GRACE_S):
+                    _end_sessions(conn, spec)  # (a released lease: its runner is closing its sessions itself)
                     return True
                 active = f"{held.holder} (term {held.epoch})" if held else "a runner of an older changefeed"
                 if active != told:

@@ -97,7 +97,8 @@ def runners(spec: FeedSpec) -> tuple[str, list[str]]:
     if held is None:
         return "none", waiting
     if held.free:
-        return f"none (term {held.epoch} of {held.holder} ended {-held.remaining_s:.1f}s ago)", waiting
+        how = "released" if held.released else "ended"
+        return f"none (term {held.epoch} of {held.holder} {how} {-held.remaining_s:.1f}s ago)", waiting
     return f"{held.holder} (term {held.epoch}, lease renewed within {held.lease_s:g}s; {held.remaining_s:.1f}s left)", \
         waiting
 

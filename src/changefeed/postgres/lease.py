@@ -49,6 +49,11 @@ class Lease:
     def free(self) -> bool:
         return self.remaining_s <= 0
 
+    @property
+    def released(self) -> bool:
+        """Ended by its runner's clean stop (release), not by time: that runner is on its way out."""
+        return self.lease_s == 0
+
 
 def _missing(conn: psycopg.Connection[Any]) -> bool:
     """Whether the source database has no lease table yet (readers create nothing)."""
@@ -100,9 +105,10 @@ def renew(conn: psycopg.Connection[Any], feed: str, epoch: int, lease_s: float) 
 
 
 def release(conn: psycopg.Connection[Any], feed: str, epoch: int) -> None:
-    """End the lease of term `epoch` now (a clean stop): a standby takes over at once."""
-    conn.execute("UPDATE changefeed.leases SET expires_at = clock_timestamp() WHERE feed = %s AND epoch = %s",
-                 (feed, epoch))
+    """End the lease of term `epoch` now (a clean stop): a standby takes over at once. Its length
+    becomes 0, which tells a release from a lease that ran out (Lease.released)."""
+    conn.execute("UPDATE changefeed.leases SET expires_at = clock_timestamp(), lease_s = 0 "
+                 "WHERE feed = %s AND epoch = %s", (feed, epoch))
 
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:

@@ -46,9 +46,13 @@ def slot_state(conn: psycopg.Connection[Any], slot: str) -> SlotState | None:
     return SlotState(row[0], row[1], lsn(row[2]), lsn(row[3]), row[4], row[5], row[6], row[7])
 
 
-def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False) -> Lsn:
-    """Create the pgoutput slot; returns the LSN from which it will deliver commits."""
+def create_slot(conn: psycopg.Connection[Any], slot: str, two_phase: bool = False, failover: bool = False) -> Lsn:
+    """Create the pgoutput slot; returns the LSN from which it will deliver commits. `failover`
+    (PostgreSQL 17+; ignored before): a slot standbys with `sync_replication_slots` keep a copy
+    of, so that it survives the standby's promotion."""
     args = ", false, true" if two_phase else ""  # (temporary, two_phase): PostgreSQL 14+
+    if failover and conn.info.server_version >= 170000:
+        args = f", false, {str(two_phase).lower()}, true"  # (temporary, two_phase, failover)
     row = one_row(conn.execute(f"SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput'{args})",
                                (slot,)))
     return parse_lsn(row[0])

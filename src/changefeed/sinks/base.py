@@ -38,11 +38,15 @@ class Sink:
     name = ""
     messages = False  # delivers formatted messages (--format), not rows
     parallel_reads = False  # the arrival order of a batch's input partitions at its writer does not matter
-    resumable = False  # its ledger records each batch's end offset with the batch (Ledger.resume_offset): a
-    #                    runner without the feed's checkpoint (a standby taking over) starts from it
 
     def validate(self, uri: str) -> None:
         """Check the URI and its options without connecting (ConfigError)."""
+
+    def resumable(self, uri: str) -> bool:
+        """Whether the sink at `uri` records each batch's end offset with the batch
+        (Ledger.resume_offset) and fences earlier lease terms: a runner without the feed's
+        checkpoint (a standby taking over) can start from it."""
+        return False
 
     def check_feed(self, spec: "FeedSpec") -> None:
         """Refuse (ConfigError) a feed this sink cannot serve (its URI is valid)."""

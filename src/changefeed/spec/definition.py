@@ -88,6 +88,7 @@ class FeedSpec:
     wal_reader: str = WAL_READERS[0]
     max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S  # how far the nodes' clocks may disagree (core.distributed)
     lease_s: float = DEFAULT_LEASE_S  # how long a runner's lease lasts unrenewed (postgres.lease)
+    failover_slot: bool = True  # PostgreSQL 17+: slots made as failover slots (kept on a synchronized standby)
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:

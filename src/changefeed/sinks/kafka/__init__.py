@@ -28,8 +28,14 @@ class KafkaSink(Sink):
 
         KafkaOptions.parse(uri)
 
+    def resumable(self, uri: str) -> bool:
+        """Exactly once: the progress record commits with the batch and carries the runner's term."""
+        from changefeed.sinks.kafka.options import KafkaOptions
+
+        return KafkaOptions.parse(uri).delivery == "exactly_once"
+
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
-        from changefeed.sinks.kafka.admin import KafkaLedger
+        from changefeed.sinks.kafka.ledger import KafkaLedger
         from changefeed.sinks.kafka.options import KafkaOptions
 
         return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), spec.name, outbox=spec.outbox)

@@ -1,4 +1,4 @@
-"""Kafka sink, control side: check the cluster, create the feed's topics, keep the ledger.
+"""Kafka sink, control side: check the cluster, create the feed's topics.
 
 `check` runs before anything else of a feed is created: client settings librdkafka refuses, an
 unreachable broker, refused credentials, or (exactly once) a cluster that cannot start the feed's
@@ -7,10 +7,6 @@ to are created when missing (`create_topics=true`, the default) with `topic_part
 `replication_factor` (-1: the broker's defaults); the progress topic has one partition and is
 compacted, so the last record of each feed stays however long the feed is down.
 
-The ledger the CLI reads (status, metrics, retention) is the feed's `delivered.jsonl`, appended
-by the Spark driver after each batch committed, as for webhooks (sinks.ledger.FileLedger). The
-progress topic is the truth the sink skips replayed batches by; the file may trail it by the
-last batch before a crash, until that batch's replay records it.
 """
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ from typing import Any
 from changefeed.errors import ConfigError, ConnectionFailed, SinkError
 from changefeed.sinks.kafka.failures import kafka_error
 from changefeed.sinks.kafka.options import KafkaOptions
-from changefeed.sinks.ledger import FileLedger
 
 _known: set[tuple[str, str]] = set()  # (bootstrap, topic) seen to exist by this process
 
@@ -101,42 +96,3 @@ def create_topics(opts: KafkaOptions, topics: Iterable[str], *, progress: bool =
                     raise SinkError(f"Kafka {opts.bootstrap}: cannot create topic {topic}: {e.args[0].str()}",
                                     "create it yourself, or grant the sink's principal Create on the cluster") from None
     _known.update((opts.bootstrap, t) for t in missing)
-
-
-class KafkaLedger(FileLedger):
-    """The file ledger, plus checking the cluster and creating the topics when the feed starts."""
-
-    def __init__(self, path: str, opts: KafkaOptions, feed: str, *, outbox: str = "") -> None:
-        super().__init__(path)
-        self.opts, self.feed, self.outbox = opts, feed, outbox  # the outbox's events go to topics made on demand
-        self._existing: set[str] | None = None
-        self._notes: list[str] = []
-
-    def check(self) -> None:
-        self.opts.check_client(self.feed)
-        self._existing = check_cluster(self.opts)
-        if self.opts.delivery == "exactly_once":
-            check_transactions(self.opts, self.feed)
-
-    def prepare(self, tables: list[Any]) -> None:
-        existing = self._existing if self._existing is not None else check_cluster(self.opts)
-        topics = [self.opts.topic(t.schema, t.name) for t in tables if t.qualified != self.outbox]
-        exactly_once = self.opts.delivery == "exactly_once"
-        progress = [self.opts.progress_topic] if exactly_once else []
-        if self.opts.create_topics:
-            create_topics(self.opts, topics)
-            create_topics(self.opts, progress, progress=True)
-        else:
-            missing = [t for t in topics + progress if t not in existing]
-            if missing:
-                raise SinkError(f"Kafka {self.opts.bootstrap} has no topic {', '.join(missing)} and "
-                                "create_topics=false", "create them (the progress topic with one partition, "
-                                "cleanup.policy=compact), or drop create_topics=false from the --sink URI")
-        if exactly_once:  # the progress topic exists: decide how to read it (probed once per process)
-            from changefeed.sinks.kafka.probe import resolve, verdict
-
-            resolve(self.opts, self.feed)
-            self._notes = [verdict(self.opts, self.feed).line()]
-
-    def notes(self) -> list[str]:
-        return list(self._notes)

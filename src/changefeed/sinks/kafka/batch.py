@@ -14,6 +14,13 @@ and the batch fails, and the next attempt's fresh producer and progress read set
 Spark replays a batch with the same id and the same offsets (its offset log), so (query id,
 batch id) names the batch's content; the query id changes only with a new checkpoint. As a
 second guard, a batch whose end LSN is not past the committed one is aborted, not committed.
+
+Runners of different lease terms (postgres.lease): each progress record carries its runner's term
+(`epoch`), and a runner that takes the feed claims Kafka for its term before its first batch
+(`claim`: a transaction of one progress record, the last one re-stated with the new term, after
+an init_transactions that fences every earlier producer of the feed). A batch whose progress read
+finds a later term is refused (LeaseLost): a runner that lost its lease delivers nothing more,
+and one whose transaction was open at the claim is fenced by the claim's init_transactions.
 """
 from __future__ import annotations
 
@@ -24,11 +31,12 @@ from typing import Any
 
 from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
-from changefeed.errors import ChangefeedError, SinkError, TransientError
+from changefeed.errors import ChangefeedError, LeaseLost, SinkError, TransientError
 from changefeed.sinks.kafka.failures import kafka_error
 from changefeed.sinks.kafka.options import KafkaOptions
 
 POLL_S = 0.05
+CLAIM = "(claim)"  # the query a claim opens its transaction as: no Spark query id looks like it
 
 
 @dataclass(frozen=True)
@@ -40,15 +48,19 @@ class ProgressRecord:
     batch: int
     progress: BatchProgress
     messages: int
+    epoch: int = 0  # the lease term of the runner that wrote it (0: written before terms)
+    claimed: bool = False  # a claim's record (KafkaBatch.claim): the last batch's, re-stated with a new term
 
     def encode(self) -> bytes:
         return json.dumps({"feed": self.feed, "query": self.query, "batch": self.batch, "messages": self.messages,
-                           "progress": self.progress.__dict__}, separators=(",", ":")).encode()
+                           "progress": self.progress.__dict__, "epoch": self.epoch,
+                           **({"claimed": True} if self.claimed else {})}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, value: bytes) -> ProgressRecord:
         d = json.loads(value)
-        return cls(d["feed"], d["query"], int(d["batch"]), BatchProgress.from_json(d["progress"]), int(d["messages"]))
+        return cls(d["feed"], d["query"], int(d["batch"]), BatchProgress.from_json(d["progress"]), int(d["messages"]),
+                   int(d.get("epoch") or 0), bool(d.get("claimed")))
 
 
 def committed_progress(opts: KafkaOptions, feed: str) -> ProgressRecord | None:
@@ -75,8 +87,10 @@ class KafkaBatch:
     """open() -> skip or begin; send() each message in order; close(progress) commits."""
 
     def __init__(self, opts: KafkaOptions, feed: str, query: str, batch: int,
-                 read_progress: Callable[[KafkaOptions, str], ProgressRecord | None] = committed_progress) -> None:
+                 read_progress: Callable[[KafkaOptions, str], ProgressRecord | None] = committed_progress,
+                 epoch: int | None = None) -> None:
         self.opts, self.feed, self.query, self.batch, self.read_progress = opts, feed, query, batch, read_progress
+        self.epoch = epoch  # the runner's lease term; None: a run that holds none
         self.exactly_once = opts.delivery == "exactly_once"
         self.sent = 0
         self._producer: Any = None
@@ -100,6 +114,11 @@ class KafkaBatch:
             raise self._fail(kafka_error(e, "starting the producer", self.opts)) from None
         try:
             self._last = self.read_progress(self.opts, self.feed)
+            if self._last is not None and self.epoch is not None and self._last.epoch > self.epoch:
+                raise LeaseLost(f"feed {self.feed}: this runner's lease (term {self.epoch}) was taken over (term "
+                                f"{self._last.epoch} claimed Kafka); batch {self.batch} was not delivered",
+                                "nothing of the batch was delivered; the runner holding the lease goes on with the "
+                                "feed", component="sink")
             if self._last is not None and self._last.query == self.query and self._last.batch >= self.batch:
                 self._drop()
                 return self._last
@@ -110,6 +129,33 @@ class KafkaBatch:
             raise self._fail(e) from None
         self._in_txn = True
         return None
+
+    def claim(self) -> None:
+        """As a batch of no messages: fence every earlier producer of the feed, then commit its last
+        progress record again with this term (one with no batch, if the feed has none yet). A
+        later term's claim found there is left as it is: this runner's batches are then refused."""
+        from confluent_kafka import KafkaException
+
+        try:
+            done = self.open()
+        except LeaseLost:
+            return
+        assert done is None, "no progress record names the claim's query"
+        last, epoch = self._last, self.epoch or 0
+        nothing = BatchProgress(0, 0, None, 0, ())
+        record = (ProgressRecord(self.feed, last.query, last.batch, last.progress, last.messages, epoch, True)
+                  if last is not None else ProgressRecord(self.feed, "", -1, nothing, 0, epoch, True))
+        try:
+            self._producer.produce(self.opts.progress_topic, key=self.feed.encode(), value=record.encode(),
+                                   partition=0, on_delivery=self._on_delivery)
+            self._flush()
+            self._producer.commit_transaction(self.opts.timeout_s)
+            self._in_txn = False
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, f"claiming the feed for lease term {epoch}", self.opts)) from None
+        finally:
+            if not self._in_txn:
+                self._producer = None
 
     def send(self, topic: str, record: Record, partition: int | None = None) -> None:
         """Queue one message; librdkafka sends in order per partition (idempotent producer)."""
@@ -170,7 +216,7 @@ class KafkaBatch:
         once) wait until every message was acknowledged."""
         from confluent_kafka import KafkaException
 
-        record = ProgressRecord(self.feed, self.query, self.batch, progress, self.sent)
+        record = ProgressRecord(self.feed, self.query, self.batch, progress, self.sent, self.epoch or 0)
         try:
             if not self.exactly_once:
                 self._flush()
@@ -243,3 +289,9 @@ class KafkaBatch:
                 pass
         self._producer = None
         self._in_txn = False
+
+
+
+def claim(opts: KafkaOptions, feed: str, epoch: int) -> None:
+    """Claim the feed's Kafka sink for lease term `epoch` (see the module doc)."""
+    KafkaBatch(opts, feed, CLAIM, -1, epoch=epoch).claim()

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 class ReplicaSink(Sink):
     name = "replica"
     parallel_reads = True
-    resumable = True
+
+    def resumable(self, uri: str) -> bool:
+        return True  # its ledger commits with each batch, and it has a fence
 
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from changefeed.postgres.connect import connect

@@ -1,0 +1,128 @@
+"""A standby takes over a feed into Kafka (exactly once): the active runner SIGKILLed twice, a
+standby with its own state folder takes over each time from the progress topic, and a
+read_committed reader gets every change once; a runner of an earlier term is refused."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from changefeed.core.change import BatchProgress
+from changefeed.errors import LeaseLost
+from changefeed.local.kafka import LocalKafka, committed, read_partition
+from changefeed.sinks.kafka.batch import KafkaBatch, claim, committed_progress
+from changefeed.sinks.kafka.options import KafkaOptions
+from conftest import Dbs, assert_no_traceback, changefeed_cli, start_changefeed, wait_for, writing
+
+pytestmark = pytest.mark.timeout(900)
+ACCOUNTS = 20
+
+
+def mover(uri: str, stop: threading.Event, written: list[int]) -> None:
+    with psycopg.connect(uri, autocommit=True) as c:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            with c.transaction():
+                c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (n, f"entry {n}"))
+                c.execute("UPDATE accounts SET balance = balance - 1 WHERE id = %s", (n % ACCOUNTS,))
+                c.execute("UPDATE accounts SET balance = balance + 1 WHERE id = %s", ((n * 7 + 1) % ACCOUNTS,))
+            written[:] = [n]
+            time.sleep(0.003)
+
+
+def _ids(kafka: LocalKafka, topic: str) -> list[int]:
+    """The ledger ids a read_committed reader gets from `topic` (one partition), in order."""
+    return [json.loads(r.key)[0] for r in committed(read_partition(kafka.bootstrap, topic, 0, timeout=60))
+            if r.key is not None and r.value is not None]
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
+
+
+def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path, kafka: LocalKafka,
+                                                      spark_server: str) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
+    prefix, progress_topic = f"s{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
+    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}&topic_partitions=1"
+    topic = f"{prefix}public.ledger"
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    states = [tmp_path / "a", tmp_path / "b"]
+    written = [0]
+    runners: list[subprocess.Popen[bytes]] = []
+    first = changefeed_cli("run", "--name", dbs.name, "--state", str(states[0]), "--source", dbs.source, "--sink",
+                           sink, "--tables", "public.ledger,public.accounts", "--available-now", "--master",
+                           spark_server)  # the snapshot, before changes race it (messages of both would arrive)
+    assert first.returncode == 0, first.stderr[-3000:]
+    try:
+        with writing(mover, dbs.source, written):
+            runners.append(start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), log=logs[0]))
+            wait_for("changes in Kafka", lambda: "changes in" in logs[0].read_text(), logs[0])
+            runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),
+                                            "--source", dbs.source, log=logs[1]))
+            active = 0
+            for kill in range(2):
+                standby = 1 - active
+                wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[standby].read_text(),
+                         logs[standby])
+                time.sleep(1.5)  # in the middle of its batches
+                _kill(runners[active])
+                at_kill = written[0]
+                wait_for("the standby to take over", lambda: "taking the feed over" in logs[standby].read_text(),
+                         logs[standby], timeout=120)
+                wait_for("rows written after the kill in Kafka", lambda: max(_ids(kafka, topic), default=0) > at_kill,
+                         logs[standby], timeout=180)
+                logs[active].write_text("")  # the next standby's lines only
+                runners[active] = start_changefeed("run", "--standby", "--name", dbs.name, "--state",
+                                                   str(states[active]), log=logs[active])
+                active = standby
+        wait_for("every row in Kafka", lambda: max(_ids(kafka, topic), default=0) >= written[0], logs[active])
+        for i in (1 - active, active):  # the standby first: else it takes over from the clean stop
+            runners[i].send_signal(signal.SIGTERM)
+            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+    finally:
+        for p in runners:
+            if p.poll() is None:
+                _kill(p)
+    ids = sorted(_ids(kafka, topic))  # (snapshot rows arrive after the window they were read in)
+    progress = [json.loads(r.value or b"") for r in committed(read_partition(kafka.bootstrap, progress_topic, 0))]
+    trail = [(p["query"][:8], p["batch"], p.get("epoch"), p.get("claimed"), p["progress"]["end_lsn"]) for p in progress]
+    assert ids == list(range(1, written[0] + 1)), \
+        f"{len(ids)} ids for {written[0]} rows, {len(set(ids))} distinct; progress records: {trail}"
+    for log in logs:
+        assert_no_traceback(log.read_text())
+
+    # The progress record carries the term of the runner that wrote it; a batch of an earlier term is refused.
+    opts = KafkaOptions.parse(sink)
+    last = committed_progress(opts, dbs.name)
+    assert last is not None and last.epoch >= 4 and last.progress.offset is not None
+    with pytest.raises(LeaseLost, match="was taken over"):
+        KafkaBatch(opts, dbs.name, "an old query", 10_000, epoch=last.epoch - 1).open()
+    claim(opts, dbs.name, last.epoch + 1)  # a claim re-states the last batch under the new term
+    claimed = committed_progress(opts, dbs.name)
+    assert claimed is not None and claimed.epoch == last.epoch + 1 and claimed.batch == last.batch
+    assert claimed.progress == BatchProgress.from_json(last.progress.__dict__)
+
+    # A feed with no batch yet is claimed too, again and again; an earlier term's claim changes nothing.
+    fresh = f"fresh{uuid.uuid4().hex[:6]}"
+    claim(opts, fresh, 1)
+    claim(opts, fresh, 2)
+    claim(opts, fresh, 1)
+    got = committed_progress(opts, fresh)
+    assert got is not None and (got.epoch, got.batch, got.progress.offset) == (2, -1, None)
