@@ -383,8 +383,8 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                      help="create the feed's slots as plain slots (default on PostgreSQL 17+: failover slots, which "
                           "a standby with sync_replication_slots keeps, so the feed survives its promotion)")
     cmd.add_argument("--lease", help="how long the runner's lease on the feed lasts unrenewed, by the source's "
-                     f"clock (renewed every third of it), e.g. 10s (default {DEFAULT_LEASE_S:g}s, at least "
-                     f"{MIN_LEASE_S:g}s); each run takes it in a new term, and the replica refuses batches of "
+                     f"clock (renewed every third of it), e.g. 5s (default {DEFAULT_LEASE_S:g}s, at least "
+                     f"{MIN_LEASE_S:g}s); each run takes it in a new term, and the replica and Kafka refuse batches of "
                      "earlier terms")
     cmd.add_argument("--format", choices=FORMATS,
                      help="message envelope of a Kafka or webhook sink: json (default), debezium, text")

@@ -88,6 +88,8 @@ def test_a_standby_takes_over_each_time_the_active_runner_is_killed(dbs: Dbs, tm
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
             listed = changefeed_cli("status", "--name", dbs.name, "--state", str(states[0]))
             assert "standby: pid " in listed.stdout and f"active: pid {runners[0].pid} " in listed.stdout, listed
+            listed = changefeed_cli("list", "--state", str(states[0]))
+            assert f"active pid {runners[0].pid} " in listed.stdout and "; standby pid " in listed.stdout, listed
             active = 0
             for kill in range(3):
                 standby = 1 - active

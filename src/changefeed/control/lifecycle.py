@@ -18,7 +18,7 @@ from psycopg import sql
 
 from changefeed.control.attach import add_source, prepare
 from changefeed.control.runner_lock import holder, run_state
-from changefeed.control.status import runners
+from changefeed.control.status import holding, runners
 from changefeed.core import snapshot
 from changefeed.core.requests import SnapshotRequests
 from changefeed.errors import ChangefeedError, ConfigError, FeedBusy
@@ -47,7 +47,7 @@ class Listed:
     tables: tuple[str, ...]
     source: str
     sink: str
-    active: str | None = None  # see status.FeedStatus: who holds the lease, on any host
+    active: str | None = None  # who holds the lease now, on any host (status.holding); None: nobody
     standbys: list[str] = field(default_factory=list)
 
 
@@ -61,7 +61,8 @@ def list_feeds(root: Path | str) -> list[Listed]:
             ", ".join(f"{n.name}={redact(n.uri)}" for n in spec.sources)
         listed = Listed(spec.name, run_state(state), spec.tables, source, redact(spec.sink))
         with suppress(ChangefeedError):  # a source that does not answer: the state folder's view only
-            listed.active, listed.standbys = runners(spec)
+            held, listed.standbys = runners(spec)
+            listed.active = holding(held) if held is not None and not held.free else None
         out.append(listed)
     return out
 

@@ -85,22 +85,26 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     found.verified = verified(feed_state)
     if spec.sources[0].name in readings:
         with suppress(ConnectionFailed):
-            found.active, found.standbys = runners(spec)
+            held, found.standbys = runners(spec)
+            found.active = holding(held)
     return found
 
 
-def runners(spec: FeedSpec) -> tuple[str, list[str]]:
-    """Who holds the feed's lease (and until when), and who stands by, as the first node has it."""
+def runners(spec: FeedSpec) -> tuple[lease.Lease | None, list[str]]:
+    """The feed's lease (who holds it, until when) and who stands by, as the first node has them."""
     role = spec.role(spec.sources[0].name)
     with connect(spec.sources[0].uri, role, connect_timeout=3) as conn, lost_connection(role):
-        held, waiting = lease.current(conn, spec.name), feed_record.standbys(conn, spec.name)
+        return lease.current(conn, spec.name), feed_record.standbys(conn, spec.name)
+
+
+def holding(held: lease.Lease | None) -> str:
+    """The lease in words, for status and list."""
     if held is None:
-        return "none", waiting
+        return "none"
     if held.free:
         how = "released" if held.released else "ended"
-        return f"none (term {held.epoch} of {held.holder} {how} {-held.remaining_s:.1f}s ago)", waiting
-    return f"{held.holder} (term {held.epoch}, lease renewed within {held.lease_s:g}s; {held.remaining_s:.1f}s left)", \
-        waiting
+        return f"none (term {held.epoch} of {held.holder} {how} {-held.remaining_s:.1f}s ago)"
+    return f"{held.holder} (term {held.epoch}, lease renewed within {held.lease_s:g}s; {held.remaining_s:.1f}s left)"
 
 
 def verified(feed_state: FeedState) -> dict[str, Any] | None:
