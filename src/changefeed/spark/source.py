@@ -137,13 +137,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             slots.check_slot_usable(state, node.slot, None, self.feed)
             assert state is not None and state.confirmed_flush is not None
             lsns[name] = state.confirmed_flush
-            if self.resume is not None and self.resume.lsns.get(name, 0) < state.confirmed_flush:
+            resumed = self.resume.lsns.get(name) if self.resume is not None else None
+            if resumed is not None and resumed < state.confirmed_flush:
                 raise SlotLost(f"replication slot {node.slot} is at {format_lsn(state.confirmed_flush)}, past the "
-                               f"sink's last batch of feed {self.feed} at {format_lsn(self.resume.lsns.get(name, 0))}: "
-                               "the changes between were released without reaching the sink (a sink restored from "
-                               "a backup?)", start_over_hint(self.feed))
-        if self.resume is not None:
-            return self.resume.to_json()
+                               f"sink's last batch of feed {self.feed} at {format_lsn(resumed)}: the changes between "
+                               "were released without reaching the sink (a sink restored from a backup?)",
+                               start_over_hint(self.feed))
+        if self.resume is not None:  # (a node the sink's last batch did not read yet: from its slot)
+            return replace(self.resume, lsns={**lsns, **self.resume.lsns}).to_json()
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
     def getDefaultReadLimit(self) -> ReadLimit:
