@@ -1,8 +1,9 @@
 """Takeover time: from the active runner's end to the first change a standby applies (see bench/README.md).
 
-Two runners of one feed (source -> replica), each with its own state folder, one active and one
-`run --standby`; a writer commits a row every few milliseconds. Each round ends the active
-runner in one of two ways, then waits for the replica to show a row committed after that moment:
+Two runners of one feed (source -> replica, or with `--sink kafka` -> Kafka exactly once, read by
+a read_committed consumer), each with its own state folder, one active and one `run --standby`; a
+writer commits a row every few milliseconds. Each round ends the active runner in one of two
+ways, then waits for the sink to show a row committed after that moment:
 * `kill`: SIGKILL of its whole process group (a crashed host whose connections the source's
   server sees close): the standby sees the feed's session lock free;
 * `freeze`: SIGSTOP of its process group (a host cut off, a long pause; the source keeps its
@@ -15,12 +16,14 @@ then per kind the median, min and max.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -56,6 +59,34 @@ def applied(uri: str) -> int:
         return int(c.execute("SELECT coalesce(max(id), 0) FROM t").fetchone()[0])  # type: ignore[index]
 
 
+class KafkaWatcher(threading.Thread):
+    """A read_committed consumer of the feed's topic (one partition): `last` is the highest id seen."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(daemon=True)
+        self.bootstrap, self.topic, self.last, self.stop = bootstrap, topic, 0, threading.Event()
+
+    def run(self) -> None:
+        import json
+
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "takeover-bench",
+                             "isolation.level": "read_committed", "enable.auto.commit": False,
+                             "fetch.wait.max.ms": 10, "log_level": 0})
+        while not self.stop.is_set():
+            try:
+                consumer.assign([TopicPartition(self.topic, 0, 0)])
+                break
+            except Exception:  # noqa: BLE001 - the topic is made with the feed's first batch
+                time.sleep(0.2)
+        while not self.stop.is_set():
+            msg = consumer.poll(0.05)
+            if msg is not None and msg.error() is None and msg.key() and msg.value():
+                self.last = max(self.last, int(json.loads(msg.key())[0]))
+        consumer.close()
+
+
 def start(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=open(log_path, "ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -74,6 +105,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="takeovers of each kind (default 5)")
     ap.add_argument("--kinds", default="kill,freeze", help="kill, freeze or both (default)")
     ap.add_argument("--lease", default="5s", help="the feed's --lease (default 5s)")
+    ap.add_argument("--sink", choices=("replica", "kafka"), default="replica",
+                    help="a replica (default), or Kafka exactly once (a local broker, read by a read_committed "
+                         "consumer)")
     ap.add_argument("--workdir")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
@@ -81,12 +115,22 @@ def main() -> int:
     src_uri, dst_uri = source.uri(), sink.uri()
     with psycopg.connect(src_uri, autocommit=True) as c:
         c.execute("CREATE TABLE t (id bigint PRIMARY KEY, at timestamptz)")
+    newest: Callable[[], int] = lambda: applied(dst_uri)  # noqa: E731 - swapped for Kafka below
+    if args.sink == "kafka":
+        from changefeed.local.kafka import LocalKafka
+
+        broker = LocalKafka.start(work / "kafka")
+        atexit.register(broker.stop)
+        dst_uri = f"kafka://{broker.bootstrap}?topic_partitions=1"
+        watcher = KafkaWatcher(broker.bootstrap, "public.t")
+        watcher.start()
+        newest = lambda: watcher.last  # noqa: E731
     writer = Writer(src_uri)
     writer.start()
     states, logs = [work / "host-a", work / "host-b"], [work / "logs" / "a.log", work / "logs" / "b.log"]
     runners = [start(["run", "--name", "tk", "--state", str(states[0]), "--source", src_uri, "--sink", dst_uri,
                       "--tables", "public.t", "--lease", args.lease], logs[0]), None]
-    wait("the first rows", lambda: applied(dst_uri) > 100, 120)
+    wait("the first rows", lambda: newest() > 100, 120)
     runners[1] = start(["run", "--standby", "--name", "tk", "--state", str(states[1]), "--source", src_uri], logs[1])
     results: dict[str, list[float]] = {}
     active, seen = 0, [0, 0]  # per log: "standing by" lines before its runner's latest start
@@ -102,10 +146,10 @@ def main() -> int:
         ended = time.monotonic()
         os.killpg(runners[active].pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)  # type: ignore[union-attr]
         mark = writer.last
-        wait("a row committed after the end on the replica", lambda: applied(dst_uri) > mark, 120)
+        wait("a row committed after the end in the sink", lambda: newest() > mark, 120)
         took = time.monotonic() - ended
         results.setdefault(kind, []).append(took)
-        log(f"round {i + 1} {kind}: {took:.2f}s from the end of the active runner to a new row on the replica")
+        log(f"round {i + 1} {kind}: {took:.2f}s from the end of the active runner to a new row in the {args.sink}")
         old = runners[active]
         assert old is not None
         if kind == "freeze":
@@ -122,7 +166,8 @@ def main() -> int:
     for kind, xs in results.items():
         s = spread(xs)
         assert s is not None
-        print(f"{kind:6} lease {args.lease}: median {s[0]:.2f}s  [{s[1]:.2f} - {s[2]:.2f}] over {len(xs)} takeovers")
+        print(f"{args.sink} {kind:6} lease {args.lease}: median {s[0]:.2f}s  [{s[1]:.2f} - {s[2]:.2f}] "
+              f"over {len(xs)} takeovers")
     for p in runners:
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
