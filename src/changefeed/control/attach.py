@@ -78,7 +78,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
         spec = follow_renames(spec, state, stack)
     checked = [_check_node(spec, node, stack, report) for node in spec.sources]
     _check_same_tables(spec, checked)
-    _check_same_feed(spec, state, checked[0].conn)
+    with about(spec, spec.sources[0]):  # (a lost connection is ConnectionFailed, as in every check here)
+        _check_same_feed(spec, state, checked[0].conn)
     with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report), lost_connection("sink"):
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
@@ -103,7 +104,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     for note in ledger.notes():
         report(f"feed {spec.name}: {note}")
     state.save(spec)
-    feed_record.store(checked[0].conn, spec.name, spec.to_json(), lease.me())  # what a standby runs
+    with about(spec, spec.sources[0]):
+        feed_record.store(checked[0].conn, spec.name, spec.to_json(), lease.me())  # what a standby runs
     return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger)
 
 
