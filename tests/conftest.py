@@ -208,6 +208,24 @@ def killed_by_fault(p: subprocess.Popen[bytes], log: Path, timeout: float = 300)
     assert code == -signal.SIGKILL, log.read_text()[-3000:]
 
 
+def moving_money(accounts: int, amount: int = 1) -> Callable[[str, threading.Event, list[int]], None]:
+    """A `writing` worker: transaction n appends row n to `ledger` and moves `amount` from account
+    n % accounts to account (7n + 1) % accounts; `written` = [n]."""
+    def mover(uri: str, stop: threading.Event, written: list[int]) -> None:
+        with psycopg.connect(uri, autocommit=True) as c:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                with c.transaction():
+                    c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (n, f"entry {n}"))
+                    c.execute("UPDATE accounts SET balance = balance - %s WHERE id = %s", (amount, n % accounts))
+                    c.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s",
+                              (amount, (n * 7 + 1) % accounts))
+                written[:] = [n]
+                time.sleep(0.003)
+    return mover
+
+
 @contextmanager
 def writing(writer: Callable[[str, threading.Event, list[int]], None], uri: str, written: list[int]) -> Iterator[None]:
     """Run `writer(uri, stop, written)` in a thread for the block; stop it and wait for it after."""

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -15,25 +14,21 @@ import psycopg
 import pytest
 
 from changefeed.postgres import lease
-from conftest import Dbs, assert_no_traceback, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    fingerprint,
+    moving_money,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
 ACCOUNTS, BALANCE = 40, 1000
 
-
-def mover(uri: str, stop: threading.Event, written: list[int]) -> None:
-    """Each transaction appends ledger row n and moves money between two accounts."""
-    with psycopg.connect(uri, autocommit=True) as c:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            with c.transaction():
-                c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (n, f"entry {n}"))
-                c.execute("UPDATE accounts SET balance = balance - 3 WHERE id = %s", (n % ACCOUNTS,))
-                c.execute("UPDATE accounts SET balance = balance + 3 WHERE id = %s", ((n * 7 + 1) % ACCOUNTS,))
-            written[:] = [n]
-            time.sleep(0.003)
 
 
 def _replicated(dbs: Dbs) -> int:
@@ -76,7 +71,7 @@ def test_a_standby_takes_over_each_time_the_active_runner_is_killed(dbs: Dbs, tm
     states = [tmp_path / "host-a", tmp_path / "host-b"]
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     written: list[int] = [0]
-    with writing(mover, dbs.source, written):
+    with writing(moving_money(ACCOUNTS, 3), dbs.source, written):
         runners = [start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), "--source", dbs.source,
                                     "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "4s",
                                     log=logs[0])]
@@ -148,7 +143,7 @@ def test_a_frozen_runner_is_taken_over_by_a_standby_and_lands_nothing_when_woken
     _setup(dbs)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     written: list[int] = [0]
-    with writing(mover, dbs.source, written):
+    with writing(moving_money(ACCOUNTS, 3), dbs.source, written):
         # frozen in the middle of a batch: its transaction on the replica open, holding the feed's lock there
         a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
                              "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "3s",

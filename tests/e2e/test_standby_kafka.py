@@ -7,12 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 import uuid
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from changefeed.core.change import BatchProgress
@@ -20,23 +18,11 @@ from changefeed.errors import LeaseLost
 from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.sinks.kafka.batch import KafkaBatch, claim, committed_progress
 from changefeed.sinks.kafka.options import KafkaOptions
-from conftest import Dbs, assert_no_traceback, changefeed_cli, start_changefeed, wait_for, writing
+from conftest import Dbs, assert_no_traceback, changefeed_cli, moving_money, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS = 20
 
-
-def mover(uri: str, stop: threading.Event, written: list[int]) -> None:
-    with psycopg.connect(uri, autocommit=True) as c:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            with c.transaction():
-                c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (n, f"entry {n}"))
-                c.execute("UPDATE accounts SET balance = balance - 1 WHERE id = %s", (n % ACCOUNTS,))
-                c.execute("UPDATE accounts SET balance = balance + 1 WHERE id = %s", ((n * 7 + 1) % ACCOUNTS,))
-            written[:] = [n]
-            time.sleep(0.003)
 
 
 def _ids(kafka: LocalKafka, topic: str) -> list[int]:
@@ -71,7 +57,7 @@ def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path
                            spark_server)  # the snapshot, before changes race it (messages of both would arrive)
     assert first.returncode == 0, first.stderr[-3000:]
     try:
-        with writing(mover, dbs.source, written):
+        with writing(moving_money(ACCOUNTS), dbs.source, written):
             runners.append(start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), log=logs[0]))
             wait_for("changes in Kafka", lambda: "changes in" in logs[0].read_text(), logs[0])
             runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),

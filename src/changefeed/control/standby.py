@@ -19,7 +19,8 @@ import psycopg
 
 from changefeed.errors import ConfigError
 from changefeed.postgres import feed_record, lease
-from changefeed.postgres.connect import connect, lost_connection, one_row
+from changefeed.postgres import source as src
+from changefeed.postgres.connect import connect, lost_connection
 from changefeed.sinks.registry import sink_of
 from changefeed.spec.definition import FeedSpec
 
@@ -61,7 +62,7 @@ def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], No
             while not stop.is_set():
                 feed_record.standing_by(conn, spec.name, me)
                 held = lease.current(conn, spec.name)
-                if _lock_free(conn, spec.name):
+                if src.feed_lock_free(conn, spec.name):
                     return True
                 if held is not None and held.free and (not held.released or -held.remaining_s > RELEASE_GRACE_S):
                     _end_sessions(conn, spec)  # (a released lease: its runner is closing its sessions itself)
@@ -77,34 +78,18 @@ def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], No
                 feed_record.left(conn, spec.name, me)
 
 
-def _lock_free(conn: psycopg.Connection[Any], feed: str) -> bool:
-    """Whether no session holds the feed's lock (postgres.source.lock_feed): let go again at once."""
-    key = f"changefeed:{feed}"
-    if not one_row(conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)))[0]:
-        return False
-    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
-    return True
-
-
 def _end_sessions(conn: psycopg.Connection[Any], spec: FeedSpec) -> None:
     """End the sessions of a runner whose lease ended (it holds the feed's lock and reads the slots
     on every node): the servers would keep them until their TCP connections time out."""
     try:
         for i, node in enumerate(spec.sources):
             if i == 0:
-                _terminate(conn, spec.name, node.slot, node.prepare_slot)
+                src.end_feed_sessions(conn, spec.name, [node.slot, node.prepare_slot])
                 continue
             with connect(node.uri, spec.role(node.name), autocommit=True) as other:
-                _terminate(other, spec.name, node.slot, node.prepare_slot)
+                src.end_feed_sessions(other, spec.name, [node.slot, node.prepare_slot])
     except psycopg.errors.InsufficientPrivilege:
         raise ConfigError(f"feed {spec.name}: the active runner's lease ended, but its sessions on the source "
                           "cannot be ended by this user", "GRANT pg_signal_backend TO the feed's source user "
                           "(or use the same user as the other runner)") from None
 
-
-def _terminate(conn: psycopg.Connection[Any], feed: str, *slot_names: str) -> None:
-    conn.execute(
-        "SELECT pg_terminate_backend(pid) FROM (SELECT l.pid FROM pg_locks l WHERE l.locktype = 'advisory' "
-        "AND l.granted AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid UNION SELECT active_pid "
-        "FROM pg_replication_slots WHERE slot_name = ANY(%s) AND active_pid IS NOT NULL) s "
-        "WHERE pid <> pg_backend_pid()", (f"changefeed:{feed}", list(slot_names)))

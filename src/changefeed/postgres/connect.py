@@ -83,6 +83,16 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
                                component=role) from None
 
 
+# pg_locks rows (as `l`) of a granted advisory lock taken with hashtext(KEY), KEY the parameter:
+# how changefeed finds the session holding one of its locks (a feed's runner, a replica batch)
+ADVISORY_HELD = "l.locktype = 'advisory' AND l.granted AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid"
+
+
+def missing(conn: psycopg.Connection[Any], table: str) -> bool:
+    """Whether `table` (schema.name) does not exist: readers of changefeed's own tables create nothing."""
+    return bool(one_row(conn.execute("SELECT to_regclass(%s) IS NULL", (table,)))[0])
+
+
 def one_row(cur: psycopg.Cursor[_Row]) -> _Row:
     """The row of a query that always gives one (SHOW, an aggregate, a function call)."""
     row = cur.fetchone()

@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import missing
 
 DDL = """
 CREATE SCHEMA IF NOT EXISTS changefeed;
@@ -43,12 +43,9 @@ class Stored:
     stored_at: str
 
 
-def _missing(conn: psycopg.Connection[Any]) -> bool:
-    return bool(one_row(conn.execute("SELECT to_regclass('changefeed.feeds') IS NULL"))[0])
-
 
 def ensure(conn: psycopg.Connection[Any]) -> None:
-    if _missing(conn):
+    if missing(conn, "changefeed.feeds"):
         conn.execute(DDL)
 
 
@@ -63,7 +60,7 @@ def store(conn: psycopg.Connection[Any], feed: str, definition: str, by: str) ->
 
 def load(conn: psycopg.Connection[Any], feed: str) -> Stored | None:
     """The feed's stored definition, None if it has none here (readers create nothing)."""
-    if _missing(conn):
+    if missing(conn, "changefeed.feeds"):
         return None
     row = conn.execute("SELECT definition, stored_by, stored_at::text FROM changefeed.feeds WHERE feed = %s",
                        (feed,)).fetchone()
@@ -79,13 +76,13 @@ def standing_by(conn: psycopg.Connection[Any], feed: str, holder: str) -> None:
 
 def left(conn: psycopg.Connection[Any], feed: str, holder: str) -> None:
     """`holder` stopped standing by (it took the feed over, or stopped)."""
-    if not _missing(conn):
+    if not missing(conn, "changefeed.feeds"):
         conn.execute("DELETE FROM changefeed.standbys WHERE feed = %s AND holder = %s", (feed, holder))
 
 
 def standbys(conn: psycopg.Connection[Any], feed: str) -> list[str]:
     """The standbys seen in the last SEEN_S seconds, longest waiting first."""
-    if _missing(conn):
+    if missing(conn, "changefeed.feeds"):
         return []
     return [str(r[0]) for r in conn.execute(
         "SELECT holder FROM changefeed.standbys WHERE feed = %s AND seen_at > clock_timestamp() - "
@@ -94,6 +91,6 @@ def standbys(conn: psycopg.Connection[Any], feed: str) -> list[str]:
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
     """The feed is removed: its definition and standbys go."""
-    if not _missing(conn):
+    if not missing(conn, "changefeed.feeds"):
         conn.execute("DELETE FROM changefeed.feeds WHERE feed = %s", (feed,))
         conn.execute("DELETE FROM changefeed.standbys WHERE feed = %s", (feed,))

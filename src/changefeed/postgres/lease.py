@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import missing
 
 DDL = """
 CREATE SCHEMA IF NOT EXISTS changefeed;
@@ -55,20 +55,16 @@ class Lease:
         return self.lease_s == 0
 
 
-def _missing(conn: psycopg.Connection[Any]) -> bool:
-    """Whether the source database has no lease table yet (readers create nothing)."""
-    return bool(one_row(conn.execute("SELECT to_regclass('changefeed.leases') IS NULL"))[0])
-
 
 def ensure(conn: psycopg.Connection[Any]) -> None:
     """The lease table, made once per source database."""
-    if _missing(conn):
+    if missing(conn, "changefeed.leases"):
         conn.execute(DDL)
 
 
 def current(conn: psycopg.Connection[Any], feed: str) -> Lease | None:
     """The feed's lease, None if it was never taken (or the table is not there)."""
-    if _missing(conn):
+    if missing(conn, "changefeed.leases"):
         return None
     row = conn.execute(
         "SELECT epoch, holder, extract(epoch FROM expires_at - clock_timestamp())::float8, lease_s "
@@ -113,5 +109,5 @@ def release(conn: psycopg.Connection[Any], feed: str, epoch: int) -> None:
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
     """Drop the feed's lease row (the feed is removed)."""
-    if not _missing(conn):
+    if not missing(conn, "changefeed.leases"):
         conn.execute("DELETE FROM changefeed.leases WHERE feed = %s", (feed,))

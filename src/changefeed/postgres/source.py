@@ -19,7 +19,7 @@ from psycopg import sql
 
 from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 from changefeed.errors import FeedBusy, SourceNotReady
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import ADVISORY_HELD, one_row
 from changefeed.postgres.decode.pgoutput import RelationInfo
 from changefeed.postgres.slots import slot_errors
 
@@ -275,7 +275,7 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str, *, by: str = "changefeed
     """Hold a session advisory lock for `feed` on the source: one runner per feed, anywhere. A lock
     still held is tried again for `patience_s`: a verify that held the stopped feed, or a runner
     just stopped, may have closed its session before the server ended it."""
-    key = f"changefeed:{feed}"
+    key = _feed_key(feed)
     conn.execute("SELECT set_config('application_name', %s, false)",
                  (f"{by}:{feed}@{socket.gethostname()}:{os.getpid()}"[:63],))
     deadline = time.monotonic() + patience_s
@@ -289,10 +289,31 @@ def lock_feed(conn: psycopg.Connection[Any], feed: str, *, by: str = "changefeed
 def _lock_holder(conn: psycopg.Connection[Any], key: str) -> str:
     holder = conn.execute(
         "SELECT a.pid, a.application_name, a.client_addr::text, a.backend_start::text FROM pg_locks l "
-        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
-        "AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid", (key,)).fetchone()
+        f"JOIN pg_stat_activity a ON a.pid = l.pid WHERE {ADVISORY_HELD}", (key,)).fetchone()
     return f"{holder[1] or 'unknown'} (backend pid {holder[0]}, from {holder[2] or 'local socket'}, since " \
         f"{holder[3]})" if holder else "another session"
+
+
+def _feed_key(feed: str) -> str:
+    return f"changefeed:{feed}"
+
+
+def feed_lock_free(conn: psycopg.Connection[Any], feed: str) -> bool:
+    """Whether no session holds `feed`'s lock (lock_feed): its runner is gone. Let go again at once."""
+    key = _feed_key(feed)
+    if not one_row(conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)))[0]:
+        return False
+    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
+    return True
+
+
+def end_feed_sessions(conn: psycopg.Connection[Any], feed: str, slot_names: list[str]) -> None:
+    """End the sessions of `feed`'s runner on this server: the one holding its lock, and those
+    reading its slots `slot_names` (a runner whose lease ended, frozen or cut off)."""
+    conn.execute(
+        f"SELECT pg_terminate_backend(pid) FROM (SELECT l.pid FROM pg_locks l WHERE {ADVISORY_HELD} "
+        "UNION SELECT active_pid FROM pg_replication_slots WHERE slot_name = ANY(%s) AND active_pid IS NOT NULL) s "
+        "WHERE pid <> pg_backend_pid()", (_feed_key(feed), slot_names))
 
 
 def heartbeat(conn: psycopg.Connection[Any], prefix: str, pad: int = 0) -> tuple[Lsn, int]:

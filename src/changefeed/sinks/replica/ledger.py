@@ -12,7 +12,7 @@ import psycopg
 
 from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.errors import LeaseLost
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import ADVISORY_HELD, missing, one_row
 from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
 from changefeed.sinks.replica.merge import ensure_tables
 
@@ -79,9 +79,8 @@ def raise_fence(conn: psycopg.Connection[Any], feed: str, epoch: int, holder: st
                              "raised_at = clock_timestamp() WHERE f.epoch < excluded.epoch", (feed, epoch, holder))
             return
         except psycopg.errors.LockNotAvailable:
-            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                         "AND objid = (hashtext(%s)::bigint & 4294967295)::oid AND pid <> pg_backend_pid()",
-                         (f"changefeed-sink:{feed}",))
+            conn.execute(f"SELECT pg_terminate_backend(l.pid) FROM pg_locks l WHERE {ADVISORY_HELD} "
+                         "AND l.pid <> pg_backend_pid()", (f"changefeed-sink:{feed}",))
 
 
 def check_fence(conn: psycopg.Connection[Any], feed: str, epoch: int) -> None:
@@ -108,7 +107,7 @@ def _ensure_column(conn: psycopg.Connection[Any], table: str, column: str, type_
 
 def has_meta(conn: psycopg.Connection[Any], table: str) -> bool:
     """Whether the bookkeeping table `changefeed.TABLE` exists (readers create nothing)."""
-    return one_row(conn.execute(f"SELECT to_regclass('{META_SCHEMA}.{table}')"))[0] is not None
+    return not missing(conn, f"{META_SCHEMA}.{table}")
 
 
 def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
