@@ -31,6 +31,9 @@ class DeltaSink(Sink):
             raise ConfigError(f"the Delta sink writes to local or mounted folders only so far, got {opts.root}",
                               "mount the store (e.g. s3fs) and use delta:///MOUNTED/PATH")
 
+    def resumable(self, uri: str) -> bool:
+        return True  # the ledger row holds the batch's end offset; the stamp fences earlier terms
+
     def check_feed(self, spec: "FeedSpec") -> None:
         if spec.multi_node:
             raise ConfigError("a feed of several source nodes cannot write to the Delta sink yet",
@@ -41,6 +44,20 @@ class DeltaSink(Sink):
         from changefeed.sinks.delta.options import DeltaOptions
 
         return DeltaLedger(DeltaOptions.parse(spec.sink), spec.name)
+
+    def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
+        """The feed's application transaction, and the furthest position a table of the feed holds
+        (a batch replayed, or planned anew from the ledger, may reach back before it)."""
+        from changefeed.postgres.source import split_table
+        from changefeed.sinks.delta.ledger import DeltaLedger
+        from changefeed.sinks.delta.options import DeltaOptions
+        from changefeed.sinks.delta.table import applied_upto, open_table
+
+        opts = DeltaOptions.parse(spec.sink)
+        app = DeltaLedger(opts, spec.name).app()
+        floor = max((applied_upto(open_table(opts.table_uri(*split_table(t)), opts.storage), app)
+                     for t in spec.tables), default=0)
+        return {"app": app, "floor": str(floor)}
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
         from changefeed.sinks.delta.writer import DeltaWriter

@@ -2,10 +2,16 @@
 
 A writer task writes Parquet files into the table's folder and describes them (`Files`: the
 files it added, those it replaces); it never commits. The driver commits each table's files of a
-batch in ONE Delta transaction (`commit`) carrying the application transaction (`app_id`,
-version = the batch id): a batch replayed after a crash finds its version there and commits
-nothing again. Files of a batch that never committed stay unreferenced; `vacuum` removes them.
-The commit info records the feed's batch, resolved ts and end position.
+batch in ONE Delta transaction (`commit`) stamped (`Stamp`) with the feed's application
+transaction, whose version is the batch's end position: a batch replayed after a crash, also
+one planned anew by another runner from the ledger, finds what the table holds already there
+(the writer tasks leave out rows before it, as a replica does) and commits nothing twice. The
+stamp also carries the runner's lease term (a second application transaction): a commit finds
+the term the table was last claimed or written in and is refused if it is later than its own,
+and as commits do not retry on a version another commit took, a claim landing between the
+check and the commit makes the commit fail, never land. Files of a batch that never committed
+stay unreferenced; `vacuum` removes them. The commit info records the feed's batch, resolved ts
+and end position.
 
 A table is created on its first commit, partitioned by `_bucket` in mirror and history mode. A
 column the source added is added to the Delta schema first (its own metadata commit; adding it
@@ -16,14 +22,19 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from changefeed.errors import TransientError, UnfollowableChange
+from changefeed import faults
+from changefeed.errors import LeaseLost, TransientError, UnfollowableChange
 from changefeed.sinks.delta.rows import BUCKET
+
+T = TypeVar("T")
+COMMIT_ATTEMPTS = 20  # a commit that met another one (compaction, a claim) is checked and tried again
 
 
 @dataclass
@@ -51,12 +62,65 @@ def open_table(uri: str, storage: dict[str, str]) -> Any:
         else None
 
 
-def committed(table: Any, app_id: str, batch_id: int) -> bool:
-    """Whether `table` holds batch `batch_id` (or a later one) of `app_id`."""
-    if table is None:
-        return False
-    done = table.transaction_version(app_id)
-    return done is not None and done >= batch_id
+def applied_upto(table: Any, app: str) -> int:
+    """The end position of the last batch of application transaction `app` in `table`, 0 if none."""
+    done = table.transaction_version(app) if table is not None else None
+    return int(done) if done is not None else 0
+
+
+def term_app(feed: str) -> str:
+    """The application transaction whose version is the lease term of the feed's runner that
+    last claimed or wrote the table (control.lease_keeper)."""
+    return f"changefeed-{feed}-term"
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What a commit of the feed carries: application transaction `app` at `version` (a batch's
+    end position; a claim's is 0 and sets none) and the runner's lease term `epoch` (None: a run
+    that holds no lease)."""
+
+    feed: str
+    app: str
+    version: int
+    epoch: int | None
+
+    def done(self, table: Any) -> bool:
+        """Whether `table` holds this batch, or a later one, already."""
+        return self.version > 0 and applied_upto(table, self.app) >= self.version
+
+    def check(self, table: Any) -> None:
+        """LeaseLost if a later term claimed or wrote `table`."""
+        held = table.transaction_version(term_app(self.feed)) if table is not None else None
+        if self.epoch is not None and held is not None and held > self.epoch:
+            raise LeaseLost(f"feed {self.feed}: this runner's lease (term {self.epoch}) was taken over by term "
+                            f"{held}, which claimed the Delta table {table.table_uri}; nothing of this batch "
+                            "was committed there", "another runner took the feed over; this one stops",
+                            component="sink")
+
+    def properties(self, info: dict[str, str]) -> Any:
+        """The commit's properties: no retry by the library on a version another commit took (the
+        caller checks the table again and tries once more, `attempts`)."""
+        from deltalake import CommitProperties, Transaction
+
+        txns = [Transaction(self.app, self.version)] if self.version > 0 else []
+        txns += [Transaction(term_app(self.feed), self.epoch)] if self.epoch is not None else []
+        term = {"changefeed.term": str(self.epoch)} if self.epoch is not None else {}
+        return CommitProperties(custom_metadata={**info, **term} or None, max_commit_retries=0, app_transactions=txns)
+
+
+def checked(uri: str, commit: Callable[[], T]) -> T:
+    """Run `commit` (which loads the table, checks it and commits once) until no other commit took
+    its version first; TransientError after COMMIT_ATTEMPTS."""
+    from deltalake.exceptions import CommitFailedError
+
+    for _ in range(COMMIT_ATTEMPTS):
+        try:
+            return commit()
+        except CommitFailedError:
+            continue  # checked again on the table as it is now
+    raise TransientError(f"the Delta table {uri} kept changing while the batch was committed (another writer?)",
+                         "nothing of the batch was committed there; it is committed again")
 
 
 def write_file(uri: str, rows: pa.Table, batch_id: int, bucket: int | None) -> dict[str, Any]:
@@ -101,7 +165,7 @@ def _conform(rows: pa.Table, schema: pa.Schema, fills: dict[str, Any]) -> pa.Tab
     return rows
 
 
-def commit(files: list[Files], app_id: str, batch_id: int, info: dict[str, str], storage: dict[str, str]) -> bool:
+def commit(files: list[Files], stamp: Stamp, info: dict[str, str], storage: dict[str, str]) -> bool:
     """Commit one table's files of a batch (from every task) in one transaction, then add the
     columns it brought to the table's schema; False if the table already held the batch.
 
@@ -109,41 +173,62 @@ def commit(files: list[Files], app_id: str, batch_id: int, info: dict[str, str],
     and a column added with a default (`fills`) must already be in every file when it appears,
     so files written before it are rewritten with it in the same commit (only while the schema
     lacks it: a crash between the two commits leaves a state that this completes)."""
-    from deltalake import CommitProperties, DeltaTable, Transaction
+    from deltalake import DeltaTable
     from deltalake.transaction import AddAction, RemoveAction
 
     uri, partitioned = files[0].uri, files[0].partitioned
     full = _merged([f.schema for f in files])
     full = pa.schema([*full, pa.field(BUCKET, pa.int32())]) if partitioned else full
-    table = open_table(uri, storage)
-    if table is None:
-        table = DeltaTable.create(uri, full, partition_by=[BUCKET] if partitioned else None, mode="ignore",
-                                  storage_options=storage or None)
-    elif committed(table, app_id, batch_id):
-        _evolve(table, full)
-        return False
-    read = {f.read_version for f in files if f.read_version is not None}
-    if read and read != {table.version()}:
-        raise TransientError(f"the Delta table {uri} changed while the batch was written (another writer?)",
-                             "nothing of the batch was committed; it is written again")
-    new = _new_columns(table, full)
-    fills = {c: v for f in files for c, v in f.fills.items() if c in new}
     fill_moved(files)
-    removes = [r for f in files for r in f.removes]
-    adds = [a for f in files for a in f.adds]
-    if fills:
-        more_removes, more_adds = _fill_older_files(table, full, fills, {r["path"] for r in removes},
-                                                     batch_id)
-        removes, adds = removes + more_removes, adds + more_adds
-    now = int(time.time() * 1000)
-    actions: list[Any] = [RemoveAction(r["path"], True, now, r["size"], r["partition_values"]) for r in removes]
-    actions += [AddAction(a["path"], a["size"], a["partition_values"], a["modification_time"], True,
-                          f'{{"numRecords":{a["rows"]}}}') for a in adds]
-    table.create_write_transaction(actions, "append", table.schema(), partition_by=[BUCKET] if partitioned else None,
-                                   commit_properties=CommitProperties(custom_metadata=info,
-                                                                      app_transactions=[Transaction(app_id, batch_id)]))
-    _evolve(open_table(uri, storage), full)
-    return True
+
+    def once() -> bool:
+        table = open_table(uri, storage)
+        if table is None:
+            table = DeltaTable.create(uri, full, partition_by=[BUCKET] if partitioned else None, mode="ignore",
+                                      storage_options=storage or None)
+        elif stamp.done(table):
+            _evolve(table, full)
+            return False
+        stamp.check(table)
+        faults.reach("delta_term_checked")
+        read = {f.read_version for f in files if f.read_version is not None}
+        if read and read != {table.version()}:
+            raise TransientError(f"the Delta table {uri} changed while the batch was written (another writer?)",
+                                 "nothing of the batch was committed; it is written again")
+        new = _new_columns(table, full)
+        fills = {c: v for f in files for c, v in f.fills.items() if c in new}
+        removes = [r for f in files for r in f.removes]
+        adds = [a for f in files for a in f.adds]
+        if fills:
+            more_removes, more_adds = _fill_older_files(table, full, fills, {r["path"] for r in removes},
+                                                         stamp.version)
+            removes, adds = removes + more_removes, adds + more_adds
+        now = int(time.time() * 1000)
+        actions: list[Any] = [RemoveAction(r["path"], True, now, r["size"], r["partition_values"]) for r in removes]
+        actions += [AddAction(a["path"], a["size"], a["partition_values"], a["modification_time"], True,
+                              f'{{"numRecords":{a["rows"]}}}') for a in adds]
+        table.create_write_transaction(actions, "append", table.schema(),
+                                       partition_by=[BUCKET] if partitioned else None,
+                                       commit_properties=stamp.properties(info))
+        _evolve(open_table(uri, storage), full)
+        return True
+
+    return checked(uri, once)
+
+
+def claim(uri: str, stamp: Stamp, info: dict[str, str], storage: dict[str, str]) -> None:
+    """Raise the table's lease term to the stamp's (a commit of no data): from then on a commit of
+    an earlier term is refused, and one it was about to make fails (LeaseLost if a later term
+    claimed it already)."""
+    def once() -> None:
+        table = open_table(uri, storage)
+        if table is None:
+            return
+        stamp.check(table)
+        if table.transaction_version(term_app(stamp.feed)) != stamp.epoch:
+            table.create_write_transaction([], "append", table.schema(), commit_properties=stamp.properties(info))
+
+    checked(uri, once)
 
 
 def fill_moved(files: list[Files]) -> None:

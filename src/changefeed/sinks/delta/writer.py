@@ -6,7 +6,9 @@ new files; in `mirror` mode it reads the bucket's current files, applies the cha
 and writes the bucket anew, replacing them. It returns what it wrote and the `P` rows it saw.
 The driver (`commit`) checks the batch is whole (every input partition's `P` row), then commits
 each table once (delta.table.commit), then the ledger row (delta.ledger). Nothing of a batch
-that fails before is visible; a replay skips every table the batch reached before.
+that fails before is visible; a replay skips every table the batch reached before, and rows
+before the position a table holds (a batch planned anew by a runner that took the feed over
+from the ledger may reach back before it) are left out by the tasks, as a replica does.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from changefeed import faults
 from changefeed.core import change as ch
@@ -29,32 +32,29 @@ from changefeed.sinks.delta.ledger import DeltaLedger
 from changefeed.sinks.delta.mirror import apply_mirror
 from changefeed.sinks.delta.options import DeltaOptions
 from changefeed.sinks.delta.shapes import follow
-from changefeed.sinks.delta.table import Files, bucket_rows, commit, committed, open_table, write_file
+from changefeed.sinks.delta.table import Files, Stamp, applied_upto, bucket_rows, commit, open_table, write_file
 
 
 @dataclass
 class Wrote:
     """One writer task's result."""
 
-    query_id: str
     task: dict[str, Any]  # who wrote, and when: {"partition", "attempt", "pid", "began", "ended"} (Unix s)
     files: list[Files] = field(default_factory=list)
     progress: list[ch.Progress] = field(default_factory=list)
 
 
-def app_id(feed: str, query_id: str) -> str:
-    """The Delta application transaction of a feed's query: the query id (kept in Spark's checkpoint)
-    tells a feed created anew under an old name from the one before it."""
-    return f"changefeed-{feed}-{query_id}"
-
-
 class DeltaWriter:
-    """Options: uri, feed."""
+    """Options: uri, feed, app (the feed's application transaction, delta.ledger), floor (no table
+    of the feed held a position past it when the query started: rows from there on are new to
+    all), epoch (the runner's lease term)."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.feed = options["feed"]
         self.opts = DeltaOptions.parse(options["uri"])
         self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
+        self.app, self.floor = options["app"], int(options.get("floor") or 0)
+        self.epoch = int(options["epoch"]) if options.get("epoch") else None
 
     def write(self, batch: BatchInput) -> Wrote:
         began = time.time()
@@ -67,23 +67,28 @@ class DeltaWriter:
             shape = ch.TableShape.from_meta(r["schema"], r["table"], r["meta"])
             groups[(shape.schema, shape.table)][int(r["xid"])].append((shape, rb.slice(1)))
             shapes[(shape.schema, shape.table)].add(((r["lsn"], r["seq"]), shape))
-        app = app_id(self.feed, batch.task.query_id)
-        out = Wrote(batch.task.query_id, {"partition": batch.task.partition, "attempt": batch.task.attempt,
-                                          "pid": os.getpid(), "began": began}, progress=batch.progress_rows)
+        out = Wrote({"partition": batch.task.partition, "attempt": batch.task.attempt, "pid": os.getpid(),
+                     "began": began}, progress=batch.progress_rows)
         for (schema, table), buckets in sorted(groups.items()):
             uri = self.opts.table_uri(schema, table)
+            existing = open_table(uri, self.opts.storage) if self.opts.mode != "changelog" or \
+                self._reaches_back(buckets) else None
+            buckets = _after(buckets, applied_upto(existing, self.app))
+            if not buckets:
+                continue  # all there already: the driver finds the batch in the table and skips it
             if self.opts.mode == "changelog":
                 files = self._changelog(uri, buckets, batch.task.batch_id)
             else:
-                existing = open_table(uri, self.opts.storage)
-                if committed(existing, app, batch.task.batch_id):
-                    continue  # a replay: the driver will find the batch there and skip the table
                 files = self._rewrite(uri, existing, buckets, batch.task.batch_id)
             files.shapes = sorted(shapes[(schema, table)], key=lambda p: p[0])
             out.files.append(files)
         out.task["ended"] = time.time()
         faults.reach("delta_files_written")
         return out
+
+    def _reaches_back(self, buckets: dict[int, list[Any]]) -> bool:
+        """Whether a row is from before `floor` (so the table may hold it already)."""
+        return any(_first(rows) < self.floor for parts in buckets.values() for _, rows in parts)
 
     def _changelog(self, uri: str, buckets: dict[int, list[Any]], batch_id: int) -> Files:
         parts = [p for b in sorted(buckets) for p in buckets[b]]
@@ -116,8 +121,7 @@ class DeltaWriter:
 
     def commit(self, results: list[Wrote], batch_id: int) -> None:
         progress = ch.BatchProgress.of([p for r in results for p in r.progress])  # IncompleteBatch if cut short
-        query = next((r.query_id for r in results if r.query_id), "")
-        app = app_id(self.feed, query)
+        stamp = Stamp(self.feed, self.app, progress.end_lsn, self.epoch)
         info = {"changefeed.feed": self.feed, "changefeed.batch": str(batch_id),
                 "changefeed.resolved_ts": str(progress.resolved_ts),
                 "changefeed.end": ",".join(f"{n}:{format_lsn(lsn)}" for n, lsn in sorted(progress.nodes.items()))}
@@ -130,11 +134,33 @@ class DeltaWriter:
             tasks = json.dumps([{**task, "files": len(f.adds)} for f, task in wrote])
             files = [f for f, _ in wrote]
             shape = follow(self.feed, uri, [s for f in files for s in f.shapes], self.opts, self.resync)
-            commit(files, app, batch_id, {**info, "changefeed.tasks": tasks,
+            commit(files, stamp, {**info, "changefeed.tasks": tasks,
                                           **({"changefeed.shape": shape} if shape else {})}, self.opts.storage)
+            faults.reach("delta_table_committed")
         began = min((r.task["began"] for r in results), default=time.time())
-        DeltaLedger(self.opts, self.feed).record_batch(app, batch_id, progress, began, time.time())
+        DeltaLedger(self.opts, self.feed).record_batch(stamp, batch_id, progress, began, time.time())
         faults.reach("after_sink_commit")
 
     def abort(self, results: list[Any], batch_id: int) -> None:
         """Nothing to undo: uncommitted files are unreferenced (vacuum removes them)."""
+
+
+def _after(buckets: dict[int, list[Any]], done: int) -> dict[int, list[Any]]:
+    """The buckets' (shape, rows) parts without the rows before position `done` (0: none), as a
+    replica skips them (sinks.replica.apply); a bucket whose rows all were is dropped (one that
+    had none, a shape alone, stays)."""
+    if not done:
+        return buckets
+    kept: dict[int, list[Any]] = {}
+    for bucket, parts in buckets.items():
+        rest = [(shape, rows.filter(pc.greater_equal(rows.column("lsn"), done)) if _first(rows) < done else rows)
+                for shape, rows in parts]
+        if any(len(rows) for _, rows in rest) or not any(len(rows) for _, rows in parts):
+            kept[bucket] = rest
+    return kept
+
+
+def _first(rows: Any) -> int:
+    """The lowest position among `rows` (none: past every position)."""
+    low = pc.min(rows.column("lsn")).as_py() if len(rows) else None
+    return int(low) if low is not None else 1 << 63
