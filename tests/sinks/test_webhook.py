@@ -278,13 +278,15 @@ def test_resolved_body_is_the_message_itself() -> None:
 
 
 def test_idempotency_keys_are_deterministic_and_distinct() -> None:
-    assert idempotency_key("orders", 12, 0, 999) == idempotency_key("orders", 12, 0, 999) == "orders-12-0-999"
-    keys = {idempotency_key("orders", b, first, last) for b in (1, 2) for first, last in ((0, 0), (0, 1), (1, 1))}
-    keys |= {idempotency_key("orders", 1, -1, -1), idempotency_key("other", 1, 0, 0)}
+    assert idempotency_key("orders", "1A.7.0", 0, 999) == idempotency_key("orders", "1A.7.0", 0, 999) \
+        == "orders-1A.7.0-0-999"
+    keys = {idempotency_key("orders", b, first, last) for b in ("1.2.0", "2.2.0")
+            for first, last in ((0, 0), (0, 1), (1, 1))}
+    keys |= {idempotency_key("orders", "1.2.0", -1, -1), idempotency_key("other", "1.2.0", 0, 0)}
     assert len(keys) == 8
-    assert idempotency_key("orders", 7, -1, -1) == "orders-7-resolved"
+    assert idempotency_key("orders", "7", -1, -1) == "orders-7-resolved"
     with pytest.raises(ValueError):
-        idempotency_key("orders", 7, 5, 4)
+        idempotency_key("orders", "7", 5, 4)
 
 
 def _opts(retry_max: int | None, backoff: float, cap: float) -> WebhookOptions:

@@ -65,6 +65,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     from changefeed.spark.job import spark_session
     from changefeed.spec.secrets import executor_env
 
+    faults.mark_feed_group()  # before Spark starts (a standby's starts while it waits): its workers inherit it
     with ExitStack() as stack:
         metrics = start_metrics(stack, spec.name, metrics_host, metrics_port, report)
         prepared: Prepared | None = None
@@ -121,7 +122,6 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         state.failed_file.unlink(missing_ok=True)
         _warn_if_readable(state, report)
         stack.callback(write_note, state.retrying_file, None)
-        faults.mark_feed_group()
         faults.reach("startup")
         try:
             with spark.reached():

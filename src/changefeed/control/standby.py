@@ -48,8 +48,8 @@ def check_standby(spec: FeedSpec) -> None:
     if not sink.resumable(spec.sink):
         raise ConfigError(f"feed {spec.name} writes to a {sink.name} sink: a standby cannot take it over yet (its "
                           "position is kept with the runner's checkpoint, not in the sink)",
-                          "run the feed without --standby; standbys take over feeds into a replica, or into "
-                          "Kafka with delivery=exactly_once (the default)")
+                          "run the feed without --standby; standbys take over feeds into a replica, Delta Lake, "
+                          "a webhook, or Kafka with delivery=exactly_once (the default)")
 
 
 def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], None]) -> bool:

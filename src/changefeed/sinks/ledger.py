@@ -95,7 +95,10 @@ class FileLedger:
         self._parsed: tuple[tuple[int, int], list[_Entry]] | None = None  # (size, mtime) -> entries
 
 
-    def record(self, batch_id: int, progress: BatchProgress, began: float, done: float) -> None:
+    def record(self, batch_id: int, progress: BatchProgress, began: float, done: float,
+               epoch: int | None = None) -> None:
+        """Append the batch's line (`epoch`, the runner's lease term, is not checked: the file is
+        the runner's own)."""
         line = json.dumps({"batch": batch_id, "progress": progress.__dict__, "began": began, "done": done})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a+b") as f:  # writes go to the end

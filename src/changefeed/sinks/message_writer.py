@@ -48,10 +48,15 @@ class MessageWriter:
         o = self.options
         return formatter(o["format"], o["feed"], o["diff"] == "true", o.get("database", ""))
 
+    def ledger(self) -> FileLedger:
+        """Where the driver records a delivered batch."""
+        return FileLedger(self.options["ledger"])
+
     def commit(self, results: list[Delivered], batch_id: int) -> None:
-        """The batch was delivered: record it in the ledger."""
+        """The batch was delivered: record it in the ledger (while the runner's lease term holds)."""
+        epoch = int(self.options["epoch"]) if self.options.get("epoch") else None
         for m in results:  # one writer task: one result
-            FileLedger(self.options["ledger"]).record(batch_id, m.progress, m.began, m.done)
+            self.ledger().record(batch_id, m.progress, m.began, m.done, epoch)
 
     def abort(self, results: list[Any], batch_id: int) -> None:
         """Nothing to undo here; see the sink's own notes on what a replay does."""

@@ -28,10 +28,13 @@ class WebhookSink(Sink):
         from changefeed.sinks.webhook.batch import WebhookLedger
         from changefeed.sinks.webhook.options import WebhookOptions
 
-        return WebhookLedger(ledger_path(state), WebhookOptions.parse(spec.sink))
+        return WebhookLedger(spec.sources[0].uri, spec.name, ledger_path(state), WebhookOptions.parse(spec.sink))
+
+    def resumable(self, uri: str) -> bool:
+        return True  # its ledger is on the source; each request checks the lease (webhook.cuts)
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
-        return message_options(spec, state)
+        return {**message_options(spec, state), "source": spec.sources[0].uri, "lease_s": str(spec.lease_s)}
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
         from changefeed.sinks.webhook.writer import WebhookWriter

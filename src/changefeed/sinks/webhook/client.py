@@ -52,16 +52,17 @@ def resolved_body(message: bytes) -> bytes:
     return message
 
 
-def idempotency_key(feed: str, batch_id: int, first: int, last: int) -> str:
-    """The key of one request: `{feed}-{batch_id}-{first}-{last}`, the (0-based, inclusive) positions
-    within Spark batch `batch_id` of the messages it carries; `{feed}-{batch_id}-resolved` for the
-    batch's resolved message (first = last = -1). The same request always gets the same key: on a
-    retry, and when a batch replayed after a crash is cut the same way. Feed names have no `-`."""
+def idempotency_key(feed: str, batch: str, first: int, last: int) -> str:
+    """The key of one request: `{feed}-{batch}-{first}-{last}`, the (0-based, inclusive) positions of
+    the messages it carries within the batch named `batch` (by its first change's position,
+    webhook.cuts.Batch); `{feed}-{ts}-resolved` for a resolved message (first = last = -1, `batch`
+    its resolved ts). The same request always gets the same key: on a retry, and when its batch is
+    sent again, cut as before (webhook.cuts). Feed names have no `-`."""
     if first == last == -1:
-        return f"{feed}-{batch_id}-resolved"
+        return f"{feed}-{batch}-resolved"
     if not 0 <= first <= last:
         raise ValueError(f"message positions must be 0 <= first <= last, got {first}-{last}")
-    return f"{feed}-{batch_id}-{first}-{last}"
+    return f"{feed}-{batch}-{first}-{last}"
 
 
 def backoff_delays(opts: WebhookOptions, rng: Callable[[], float] = random.random) -> Iterator[float]:

@@ -14,12 +14,20 @@ from changefeed.core.outbox import OutboxEvent
 from changefeed.sinks.batch_input import BatchInput
 from changefeed.sinks.message_writer import Delivered, MessageWriter
 from changefeed.sinks.messages import MessageStream, outbox_spec
+from changefeed.sinks.source_ledger import SourceLedger
 from changefeed.sinks.webhook.batch import WebhookBatch
 from changefeed.sinks.webhook.client import WebhookClient
+from changefeed.sinks.webhook.cuts import Batch, RequestLog
 from changefeed.sinks.webhook.options import WebhookOptions
 
 
 class WebhookWriter(MessageWriter):
+    """The options of message_options, and `source` (the feed's first source node, where its
+    ledger, lease and requests' cuts are), `epoch` (the runner's lease term), `lease_s`."""
+
+    def ledger(self) -> SourceLedger:
+        return SourceLedger(self.options["source"], self.options["feed"])
+
     def write(self, batch: BatchInput) -> Delivered:
         o = self.options
         began = time.time()
@@ -28,8 +36,13 @@ class WebhookWriter(MessageWriter):
         stream = MessageStream(self.formatter(), outbox=outbox_spec(o), event_record=OutboxEvent.json_record)
         client = WebhookClient(opts)
         try:
-            out = WebhookBatch(client, opts, o["feed"], batch.task.batch_id)
+            log = RequestLog(o["source"], o["feed"], int(o["epoch"]), float(o["lease_s"])) if o.get("epoch") else None
+            out = WebhookBatch(client, opts, o["feed"], log)
+            begun = False
             for rb in batch.in_order():
+                if not begun and (first := Batch.of(rb)) is not None:
+                    out.begin(first)
+                    begun = True
                 for message in stream.messages(rb):
                     if message.record.value is None:
                         continue  # a tombstone is for Kafka's log compaction
