@@ -231,3 +231,31 @@ def test_no_free_slot_means_no_read_ahead(dbs: Dbs) -> None:
             for name in fillers:
                 c.execute("SELECT pg_drop_replication_slot(%s)", (name,))
             c.execute("SELECT pg_drop_replication_slot('ra_full')")
+
+
+def test_no_read_ahead_past_what_the_synchronized_standbys_flushed(tmp_path: Path) -> None:
+    """A copy of a failover slot decodes without waiting for `synchronized_standby_slots`: a
+    window past what those standbys flushed is not read ahead (the feed's own slot waits)."""
+    from changefeed.core.lsn import parse_lsn
+    from changefeed.local.postgres import LocalPostgres
+
+    server = LocalPostgres.start(tmp_path / "pg", settings={"synchronized_standby_slots": "'phys_a, phys_b'"})
+    try:
+        with psycopg.connect(server.uri(), autocommit=True) as c:
+            here = parse_lsn(c.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])  # type: ignore[index]
+            assert not read_ahead.standbys_have(c, here)  # neither slot exists
+            c.execute("SELECT pg_create_physical_replication_slot('phys_a', true)")
+            assert not read_ahead.standbys_have(c, here)  # phys_b still missing
+            c.execute("SELECT pg_create_physical_replication_slot('phys_b', true)")
+            reserved = parse_lsn(c.execute("SELECT min(restart_lsn)::text FROM pg_replication_slots")
+                                 .fetchone()[0])  # type: ignore[index]
+            assert read_ahead.standbys_have(c, reserved)
+            assert not read_ahead.standbys_have(c, reserved + (1 << 20))  # WAL the standbys do not have yet
+            with pytest.raises(RuntimeError, match="not flushed"), open(os.devnull, "wb") as sink:
+                read_ahead._spool(c, NODE, reserved, reserved + (1 << 20), sink)
+            c.execute("ALTER SYSTEM SET synchronized_standby_slots = ''")
+            c.execute("SELECT pg_reload_conf()")
+            time.sleep(0.5)
+            assert read_ahead.standbys_have(c, reserved + (1 << 20))  # none to wait for
+    finally:
+        server.stop()

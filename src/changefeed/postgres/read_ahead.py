@@ -7,7 +7,10 @@ will end (`predict`: a backlog cut by the byte limit, or the fixed end of an Ava
 the task that reads a window starts, once the server has answered its own peek, a thread that
 decodes the next one into a spool file on the executor's host: a temporary copy of the slot
 (`pg_copy_logical_replication_slot`), advanced to the next window's start, peeked up to its
-predicted end. The feed's slot is neither read nor moved for it.
+predicted end. The feed's slot is neither read nor moved for it. A copy of a failover slot is not
+a failover slot, so its decoding would not wait for the standbys the primary waits for
+(`synchronized_standby_slots`): a window past what they have flushed is not read ahead, or a
+failover could leave the sink with changes the new primary lacks.
 
 The next window's task, wherever it runs on that host (any Python worker), takes the spool file
 whose name is exactly its node, slot, publication, start and end, waiting for a read-ahead still
@@ -31,7 +34,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import IO, Any
 
-from changefeed.core.lsn import Lsn
+from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect
@@ -159,7 +162,21 @@ def _read_ahead(node: SourceNode, role: str, start: Lsn, end: int, part: Path, o
         out.close()  # its lock goes with it: the file is in place, or gone, by then
 
 
+def standbys_have(conn: Any, end: int) -> bool:
+    """Whether every physical slot of `synchronized_standby_slots` (PostgreSQL 17+) exists and
+    its standby flushed the WAL up to `end` (a slot missing, or not reserving WAL: not)."""
+    setting = conn.execute("SELECT current_setting('synchronized_standby_slots', true)").fetchone()[0]
+    names = [n.strip() for n in (setting or "").split(",") if n.strip()]
+    if not names:
+        return True
+    caught_up = conn.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name = ANY(%s) AND "
+                             "restart_lsn >= %s::pg_lsn", (names, format_lsn(end))).fetchone()[0]
+    return int(caught_up) == len(set(names))
+
+
 def _spool(conn: Any, node: SourceNode, start: Lsn, end: int, out: IO[bytes]) -> None:
+    if not standbys_have(conn, end):
+        raise RuntimeError("the standbys have not flushed the window yet: the slot's own read waits for them")
     copy = f"changefeed_ahead_{os.getpid()}_{os.urandom(4).hex()}"  # dropped with the session
     slots.copy_temporary(conn, node.slot, copy)
     at = slots.slot_state(conn, copy)
