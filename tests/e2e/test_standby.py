@@ -4,6 +4,7 @@ old runner, once woken, lands nothing and stops with LeaseLost."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import subprocess
@@ -71,26 +72,38 @@ def test_a_standby_takes_over_each_time_the_active_runner_is_killed(dbs: Dbs, tm
     states = [tmp_path / "host-a", tmp_path / "host-b"]
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     written: list[int] = [0]
+    # Five kills: at random, and where the active runner reaches a fault point between the sink's
+    # commit and the slot's advance (it is started with that point set, and kills itself there).
+    kills = ["random", "after_sink_commit:40", "random", "before_sink_commit:40", "random"]
+
+    def kill_env(i: int) -> dict[str, str]:
+        if i >= len(kills) or kills[i] == "random":
+            return {}
+        (tmp_path / f"faults{i}").mkdir()
+        return {"CHANGEFEED_KILL_AT": kills[i], "CHANGEFEED_FAULT_DIR": str(tmp_path / f"faults{i}")}
+
     with writing(moving_money(ACCOUNTS, 3), dbs.source, written):
         runners = [start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), "--source", dbs.source,
                                     "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "4s",
-                                    log=logs[0])]
+                                    log=logs[0], env=kill_env(0))]
         try:
             wait_for("rows on the replica", lambda: _replicated(dbs) > 50, logs[0])
             # the standby needs only the name and the source: the definition is on the source
             runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),
-                                            "--source", dbs.source, log=logs[1]))
+                                            "--source", dbs.source, log=logs[1], env=kill_env(1)))
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
             listed = changefeed_cli("status", "--name", dbs.name, "--state", str(states[0]))
             assert "standby: pid " in listed.stdout and f"active: pid {runners[0].pid} " in listed.stdout, listed
             listed = changefeed_cli("list", "--state", str(states[0]))
             assert f"active pid {runners[0].pid} " in listed.stdout and "; standby pid " in listed.stdout, listed
             active = 0
-            for kill in range(3):
+            for kill, point in enumerate(kills):
                 standby = 1 - active
                 before_log = logs[standby].read_text().count("taking the feed over")
-                with_signal(runners[active], signal.SIGKILL)  # the whole runner: driver, JVM, workers
-                runners[active].wait()
+                if point == "random":
+                    time.sleep(random.uniform(0.5, 2.5))
+                    with_signal(runners[active], signal.SIGKILL)  # the whole runner: driver, JVM, workers
+                assert runners[active].wait(timeout=180) == -signal.SIGKILL, (point, logs[active].read_text()[-3000:])
                 at_kill = _replicated(dbs)
                 killed = time.monotonic()
                 wait_for("the standby to take over", lambda: logs[standby].read_text().count("taking the feed over")
@@ -100,10 +113,14 @@ def test_a_standby_takes_over_each_time_the_active_runner_is_killed(dbs: Dbs, tm
                 print(f"takeover {kill + 1}: {time.monotonic() - killed:.1f}s from the kill to new rows")
                 _money_whole(dbs)
                 # the killed host comes back as a standby (its own state folder, its stale checkpoint)
+                def turns(text: str) -> int:  # standing by, or taking over at once (the other one died meanwhile)
+                    return text.count("standing by; active") + text.count("taking the feed over")
+
+                stood = turns(logs[active].read_text())
                 runners[active] = start_changefeed("run", "--standby", "--name", dbs.name, "--state",
-                                                   str(states[active]), log=logs[active])
-                wait_for("the old runner to stand by", lambda: logs[active].read_text().count("standing by; active")
-                         > kill // 2, logs[active], timeout=120)
+                                                   str(states[active]), log=logs[active], env=kill_env(kill + 2))
+                wait_for("the old runner to stand by", lambda: turns(logs[active].read_text()) > stood,
+                         logs[active], timeout=120)
                 active = standby
         except BaseException:
             _stop_all(*runners)

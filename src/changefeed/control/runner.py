@@ -163,6 +163,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             except ChangefeedError as e:
                 state.record_failure(e)
                 raise
+        if prepared is not None and prepared.epoch is not None:  # (stopped before its query's keeper ran)
+            lease_keeper.release(spec, prepared.epoch)
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
