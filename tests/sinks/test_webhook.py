@@ -278,12 +278,12 @@ def test_resolved_body_is_the_message_itself() -> None:
 
 
 def test_idempotency_keys_are_deterministic_and_distinct() -> None:
-    assert idempotency_key("orders", "1A.7.0", 0, 999) == idempotency_key("orders", "1A.7.0", 0, 999) \
-        == "orders-1A.7.0-0-999"
-    keys = {idempotency_key("orders", b, first, last) for b in ("1.2.0", "2.2.0")
-            for first, last in ((0, 0), (0, 1), (1, 1))}
-    keys |= {idempotency_key("orders", "1.2.0", -1, -1), idempotency_key("other", "1.2.0", 0, 0)}
-    assert len(keys) == 8
+    key = idempotency_key("orders", "1A.7.0", 0, 999, b"body")
+    assert key == idempotency_key("orders", "1A.7.0", 0, 999, b"body") and key.startswith("orders-1A.7.0-0-999-")
+    keys = {idempotency_key("orders", b, first, last, body) for b in ("1.2.0", "2.2.0")
+            for first, last in ((0, 0), (0, 1), (1, 1)) for body in (b"x", b"y")}
+    keys |= {idempotency_key("orders", "1.2.0", -1, -1), idempotency_key("other", "1.2.0", 0, 0, b"x")}
+    assert len(keys) == 14  # another body (a chunk read again) is another key: a receiver never drops it
     assert idempotency_key("orders", "7", -1, -1) == "orders-7-resolved"
     with pytest.raises(ValueError):
         idempotency_key("orders", "7", 5, 4)

@@ -85,7 +85,8 @@ class WebhookBatch:
         faults.reach("webhook_request")
         if self.log is not None:
             self.log.admit(self.batch, self.requests, last)
-        self.client.post(request_body(self._pending), idempotency_key(self.feed, self.batch.key, first, last),
+        body = request_body(self._pending)
+        self.client.post(body, idempotency_key(self.feed, self.batch.key, first, last, body),
                          f"batch {self.batch.key}, messages {first}-{last}")
         self.sent, self._pending = last + 1, []
         self.requests += 1

@@ -52,17 +52,20 @@ def resolved_body(message: bytes) -> bytes:
     return message
 
 
-def idempotency_key(feed: str, batch: str, first: int, last: int) -> str:
-    """The key of one request: `{feed}-{batch}-{first}-{last}`, the (0-based, inclusive) positions of
-    the messages it carries within the batch named `batch` (by its first change's position,
-    webhook.cuts.Batch); `{feed}-{ts}-resolved` for a resolved message (first = last = -1, `batch`
-    its resolved ts). The same request always gets the same key: on a retry, and when its batch is
-    sent again, cut as before (webhook.cuts). Feed names have no `-`."""
+def idempotency_key(feed: str, batch: str, first: int, last: int, body: bytes = b"") -> str:
+    """The key of one request: `{feed}-{batch}-{first}-{last}-{hash}`, the (0-based, inclusive)
+    positions of the messages it carries within the batch named `batch` (by its first change's
+    position, webhook.cuts.Batch) and a hash of its body; `{feed}-{ts}-resolved` for a resolved
+    message (first = last = -1, `batch` its resolved ts). The same request always gets the same
+    key: on a retry, and when its batch is sent again, cut as before (webhook.cuts). A request
+    sent again with other content (a snapshot chunk read again, a batch that reaches further)
+    gets another key, so a receiver that drops repeated keys never drops a change it did not get.
+    Feed names have no `-`."""
     if first == last == -1:
         return f"{feed}-{batch}-resolved"
     if not 0 <= first <= last:
         raise ValueError(f"message positions must be 0 <= first <= last, got {first}-{last}")
-    return f"{feed}-{batch}-{first}-{last}"
+    return f"{feed}-{batch}-{first}-{last}-{hashlib.blake2b(body, digest_size=8).hexdigest()}"
 
 
 def backoff_delays(opts: WebhookOptions, rng: Callable[[], float] = random.random) -> Iterator[float]:
