@@ -1,8 +1,9 @@
-"""Snapshot requests as an older changefeed kept them: numbered JSON files (`000001.json`:
-{"tables": [...]}) in the feed's `requests` folder, written atomically. Requests are now on the
-feed's first source node (postgres.requests), which takes these in, numbers kept, and reads them
-while the source has none; the numbers are what a checkpoint counts as taken
-(core.snapshot.Cursor.requests).
+"""Snapshot requests: tables to (re-)read, handed from `changefeed alter/snapshot` to a feed.
+
+Each request is a numbered JSON file (`000001.json`: {"tables": [...]}) in the feed's
+`requests` folder, written atomically. The running feed takes in those numbered above what its
+checkpoint says it has taken (see core.snapshot.Cursor.requests), so a request is acted on once,
+also across restarts, and one made while the feed is stopped waits for its next run.
 """
 from __future__ import annotations
 
