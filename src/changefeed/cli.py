@@ -173,21 +173,17 @@ def cmd_pause(args: argparse.Namespace) -> int:
     from changefeed.control.lifecycle import pause
 
     spec, state = _stored(args)
-    everywhere = pause(spec, state)
-    print(f"feed {spec.name} paused: a runner stops at its next report, standbys do not take it over; the slot "
-          "keeps the WAL from the checkpoint on (watch the source's disk); changefeed resume catches up")
-    if not everywhere:
-        print("note: the source was out of reach: only a runner on this host sees the pause (run pause again "
-              "once the source answers)", file=sys.stderr)
+    pause(state)
+    print(f"feed {spec.name} paused: a runner stops at its next report; the slot keeps the WAL from the "
+          "checkpoint on (watch the source's disk); changefeed resume catches up")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from changefeed.control.lifecycle import unpause
     from changefeed.control.runner import run
 
     spec, state = _stored(args)
-    unpause(spec, state)
+    state.paused_file.unlink(missing_ok=True)
     run(spec, state, **_running(args))
     return 0
 

@@ -79,6 +79,7 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
             wait_for("rows in the lake", lambda: _top(lake) > 0, logs[0])
             runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),
                                             "--source", dbs.source, log=logs[1]))
+            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
             assert runners[0].wait(timeout=300) == -signal.SIGKILL, logs[0].read_text()[-3000:]
             wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
                      timeout=120)

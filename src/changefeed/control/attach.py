@@ -43,7 +43,6 @@ class Prepared:
     sources: dict[str, Any]  # per source node, a connection that holds the feed's advisory lock there
     ledger: Ledger
     epoch: int | None = None  # the runner's lease term, once it took the lease (control.lease_keeper)
-    keeper: Any = None  # what renews that lease from then on (control.lease_keeper.Keeper)
     resume: Offset | None = None  # where a query without a checkpoint starts (spark.checkpoint.resume)
 
     @property

@@ -9,6 +9,7 @@ the lease (a renewal finds another term) ends this run with LeaseLost.
 from __future__ import annotations
 
 import threading
+from contextlib import suppress
 from typing import Any
 
 import psycopg
@@ -42,6 +43,13 @@ def check_still_held(spec: FeedSpec, epoch: int) -> None:
         held = lease.current(conn, spec.name)
     if held is None or held.epoch != epoch:
         raise lost(spec, epoch, held)
+
+
+def release(spec: FeedSpec, epoch: int) -> None:
+    """End term `epoch`'s lease now (a clean stop before the keeper ran, e.g. right after a
+    takeover), so that a standby need not wait it out; a source out of reach: it ends by itself."""
+    with suppress(ChangefeedError, psycopg.Error), connect(spec.sources[0].uri, "source") as conn:
+        lease.release(conn, spec.name, epoch)
 
 
 class Keeper:
@@ -81,9 +89,7 @@ class Keeper:
             raise self.error
 
     def close(self, release: bool) -> None:
-        """Stop renewing; with `release` (a clean stop) end the lease now. Once: later calls do nothing."""
-        if self._stop.is_set():
-            return
+        """Stop renewing; with `release` (a clean stop) end the lease now."""
         self._stop.set()
         self._thread.join()
         try:

@@ -68,25 +68,8 @@ def list_feeds(root: Path | str) -> list[Listed]:
     return out
 
 
-def pause(spec: FeedSpec, state: FeedState) -> bool:
-    """Pause the feed here and on its first source node, where the runner that is active and its
-    standbys, on any host, see it; False if the source was out of reach (paused here only)."""
+def pause(state: FeedState) -> None:
     state.paused_file.touch()
-    try:
-        with connect(spec.sources[0].uri, spec.role(spec.sources[0].name), connect_timeout=5) as conn, \
-                lost_connection(spec.role(spec.sources[0].name)):
-            feed_record.pause(conn, spec.name, lease.me())
-    except ChangefeedError:
-        return False
-    return True
-
-
-def unpause(spec: FeedSpec, state: FeedState) -> None:
-    """Take the pause back, here and on the source (a source out of reach: the run that follows waits for it)."""
-    state.paused_file.unlink(missing_ok=True)
-    with suppress(ChangefeedError), connect(spec.sources[0].uri, spec.role(spec.sources[0].name),
-                                            connect_timeout=5) as conn, lost_connection("source"):
-        feed_record.unpause(conn, spec.name)
 
 
 def remove(spec: FeedSpec, state: FeedState) -> list[str]:

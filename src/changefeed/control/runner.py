@@ -164,8 +164,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             except ChangefeedError as e:
                 state.record_failure(e)
                 raise
-        if prepared is not None and prepared.keeper is not None:  # (stopped before its query ran: else done)
-            prepared.keeper.close(release=True)
+        if prepared is not None and prepared.epoch is not None:  # (stopped before its query's keeper ran)
+            lease_keeper.release(spec, prepared.epoch)
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
@@ -182,9 +182,6 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
     prepared = attach(spec, state, attempt, report)
     with lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
-        # renewed from now on: Spark's start (a cold JVM) may take longer than the lease
-        prepared.keeper = lease_keeper.Keeper(prepared.spec, prepared.epoch)
-        attempt.callback(prepared.keeper.close, False)
         prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
     return prepared
 
@@ -271,12 +268,9 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
     parallel, resync = _parallel_reads(spec, state, spark), resyncing(spec, state)
     assert prepared.epoch is not None, "taken by _attach"
-    if (who := _paused(prepared)) is not None:  # on another host: no batch runs
-        report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
-        return
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch, resume=prepared.resume)
-    keeper: lease_keeper.Keeper = prepared.keeper
+    keeper = lease_keeper.Keeper(spec, prepared.epoch)
     batches_at_start, clean, published = meter.batches, False, spec
     try:
         with lost_connections(prepared):
@@ -294,8 +288,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
                     break
                 retention_check.check(prepared, report)
-                if (who := _paused(prepared)) is not None:
-                    report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
+                if state.paused:
+                    report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
                     break
                 stored = state.load()
                 if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
@@ -330,13 +324,6 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
         keeper.close(release=clean)  # a clean stop ends the lease: a standby need not wait it out
         with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
             meter.update(query)
-
-
-def _paused(prepared: Prepared) -> str | None:
-    """Who paused the feed: this host (its state folder), or any host (on the source); None if none."""
-    if prepared.state.paused:
-        return "this host"
-    return feed_record.paused_by(prepared.source_conn, prepared.spec.name)
 
 
 def _stop(query: Any, state: FeedState) -> None:
