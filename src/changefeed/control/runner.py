@@ -32,7 +32,6 @@ from changefeed.postgres.outbox import OutboxCleanup
 from changefeed.sinks.base import task_slots
 from changefeed.sinks.registry import sink_of, validated
 from changefeed.spark.checkpoint import chunks_to_read, resume, resyncing
-from changefeed.spark.job import warm_workers
 from changefeed.spec.definition import PARALLEL_READ_SLOTS, FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -190,7 +189,7 @@ def _take_turn(spec: FeedSpec, spark: Any, stop: threading.Event, report: Callab
     """A standby: start Spark, wait for the active runner to go, then the definition it ran (stored
     on the source), None if stopped meanwhile."""
     with spark.reached():
-        warm_workers(spark.get(), spec)  # Spark and its workers ready before the takeover: most of a start
+        spark.get()  # ready before the takeover: its start is most of a runner's
     if not standby_mode.await_turn(spec, stop, report):
         return None
     ran = standby_mode.stored_definition(spec.sources[0].uri, spec.name)
