@@ -9,7 +9,6 @@ replica's tables stay.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
 from contextlib import ExitStack, closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +20,11 @@ from changefeed.control.attach import add_source, prepare
 from changefeed.control.runner_lock import holder, run_state
 from changefeed.control.status import holding, runners
 from changefeed.core import snapshot
+from changefeed.core.requests import SnapshotRequests
 from changefeed.errors import ChangefeedError, ConfigError, FeedBusy
 from changefeed.postgres import ddl_capture, feed_record, lease, slots
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection, redact
-from changefeed.postgres.requests import SourceRequests
+from changefeed.postgres.connect import connect, redact
 from changefeed.postgres.source import split_table
 from changefeed.sinks.registry import open_ledger, sink_of
 from changefeed.spec.definition import FeedSpec, SourceNode
@@ -114,7 +113,7 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
                 ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)
     if snapshot:
-        _request(spec, state, new)
+        SnapshotRequests(state.requests).add(new)
     return grown
 
 
@@ -140,7 +139,7 @@ def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
         raise
     state.save(grown)
     if spec.snapshot != "never":
-        _request(spec, state, [snapshot.on_node(name, t) for t in spec.tables])
+        SnapshotRequests(state.requests).add([snapshot.on_node(name, t) for t in spec.tables])
     return grown
 
 
@@ -244,11 +243,4 @@ def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) 
     if unknown:
         raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
                           "add them first with changefeed alter --add-tables")
-    return _request(spec, state, tables)
-
-
-def _request(spec: FeedSpec, state: FeedState, tables: Sequence[str]) -> int:
-    """Queue a snapshot request of `tables` on the feed's first source node (postgres.requests)."""
-    first = spec.sources[0]
-    with connect(first.uri, spec.role(first.name)) as conn, lost_connection(spec.role(first.name)):
-        return SourceRequests(lambda: conn, spec.name, state.requests).add(tables)
+    return SnapshotRequests(state.requests).add(tables)

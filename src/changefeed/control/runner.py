@@ -265,7 +265,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     meter.gauges = Gauges(metrics, prepared) if metrics else None
     cleanup = _outbox_cleanup(prepared, attempt)
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
-    parallel, resync = _parallel_reads(spec, state, spark), resyncing(spec, state)
+    parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
     assert prepared.epoch is not None, "taken by _attach"
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch, resume=prepared.resume)
@@ -298,7 +298,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     published = stored
                 if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
                     follow_renames(stored or spec, state, conns=prepared.sources)
-                wanted = (_parallel_reads(spec, state, spark), resyncing(spec, state))  # (a snapshot request taken in:
+                wanted = (_parallel_reads(spec, state, spark), resyncing(state))  # (a snapshot request taken in:
                 if query.isActive and (parallel, resync) != wanted:       # its tables follow only what they can)
                     if parallel != wanted[0]:
                         report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read "

@@ -11,9 +11,8 @@ from collections.abc import Callable
 
 from changefeed.core import snapshot
 from changefeed.core.offsets import Offset
+from changefeed.core.requests import SnapshotRequests
 from changefeed.errors import CheckpointLost
-from changefeed.postgres.connect import connect, lost_connection
-from changefeed.postgres.requests import SourceRequests
 from changefeed.sinks.ledger import Ledger
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
@@ -39,22 +38,15 @@ def chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
     tables = () if spec.snapshot == "never" else spec.tables
     cursor = end.cursor if end else snapshot.Cursor(pending=snapshot.entries(tables, [n.name for n in spec.sources]))
     running_chunks = end is not None and bool(end.chunks) and not committed
-    return running_chunks or bool(cursor.pending or requested(spec, state, cursor.requests))
+    return running_chunks or bool(cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
 
 
-def resyncing(spec: FeedSpec, state: FeedState) -> tuple[str, ...]:
+def resyncing(state: FeedState) -> tuple[str, ...]:
     """Tables of snapshot requests the feed has not taken in yet: until then a replica table
     follows any schema change, as its rows are read again next (see core.schema_change)."""
     end, _ = logged_end(state)
     taken = end.cursor.requests if end else 0
-    return tuple(sorted({t for _, tables in requested(spec, state, taken) for t in tables}))
-
-
-def requested(spec: FeedSpec, state: FeedState, taken: int) -> list[tuple[int, list[str]]]:
-    """The feed's snapshot requests numbered above `taken` (postgres.requests, on its first node)."""
-    with connect(spec.sources[0].uri, spec.role(spec.sources[0].name)) as conn, \
-            lost_connection(spec.role(spec.sources[0].name)):
-        return SourceRequests(lambda: conn, spec.name, state.requests).after(taken)
+    return tuple(sorted({t for _, tables in SnapshotRequests(state.requests).after(taken) for t in tables}))
 
 
 def _key(offset: Offset) -> int:

@@ -35,6 +35,7 @@ from changefeed.core.hlc import window_end_ts
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.offsets import Offset
+from changefeed.core.requests import SnapshotRequests
 from changefeed.core.resolved import Frontier, resolved_ts
 from changefeed.errors import SlotLost, carried, start_over_hint
 from changefeed.postgres import cut as nodes_cut
@@ -42,7 +43,6 @@ from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
-from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
@@ -96,8 +96,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
-        first = next(iter(self.nodes))  # the feed's snapshot requests are on its first node
-        self.requests = SourceRequests(lambda: self.conn(first), self.feed, options.get("requests_dir") or None)
+        self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
         self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
         self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
@@ -183,10 +182,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
-        for no, tables in self.requests.after(cursor.requests):
-            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables):
-                break  # a node added since this query started: its next query takes the request in
-            cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
+        if self.requests is not None:
+            for no, tables in self.requests.after(cursor.requests):
+                if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables):
+                    break  # a node added since this query started: its next query takes the request in
+                cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
     @carried("source")
