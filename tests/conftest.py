@@ -361,3 +361,17 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield rec, f"webhook-http://127.0.0.1:{server.server_address[1]}/changes"
     server.shutdown()
+
+
+def kill_group(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a runner started by start_changefeed, its whole process group (JVM, workers), and reap it."""
+    with suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def kill_running(procs: list[subprocess.Popen[bytes]]) -> None:
+    """kill_group each of `procs` still running (a test's clean-up)."""
+    for p in procs:
+        if p.poll() is None:
+            kill_group(p)

@@ -20,6 +20,7 @@ from conftest import (
     assert_no_traceback,
     changefeed_cli,
     fingerprint,
+    kill_running,
     moving_money,
     start_changefeed,
     wait_for,
@@ -54,10 +55,7 @@ def _setup(dbs: Dbs) -> None:
 
 
 def _stop_all(*procs: subprocess.Popen[bytes]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with_signal(p, signal.SIGKILL)
-            p.wait()
+    kill_running(list(procs))
 
 
 def with_signal(p: subprocess.Popen[bytes], sig: int) -> None:

@@ -17,7 +17,17 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, moving_money, start_changefeed, wait_for, writing
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    kill_group,
+    kill_running,
+    moving_money,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 20, 1000
@@ -42,13 +52,6 @@ def _rows(lake: Path, table: str) -> list[dict[str, Any]]:
 def _top(lake: Path) -> int:
     return max((r["id"] for r in _rows(lake, "public.ledger")), default=0)
 
-
-def _kill(p: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 def _feed_ledger(lake: Path, feed: str) -> list[dict[str, Any]]:
@@ -92,7 +95,7 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
                                           log=logs[0])
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[0].read_text(), logs[0])
             time.sleep(1.5)  # in the middle of its batches
-            _kill(runners[1])
+            kill_group(runners[1])
             at_kill = written[0]
             wait_for("the first host to take over", lambda: "taking the feed over" in logs[0].read_text(), logs[0],
                      timeout=120)
@@ -101,9 +104,7 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
         runners[0].send_signal(signal.SIGTERM)
         assert runners[0].wait(timeout=120) == 0, logs[0].read_text()[-3000:]
     finally:
-        for p in runners:
-            if p.poll() is None:
-                _kill(p)
+        kill_running(runners)
     text = logs[0].read_text()
     assert "older than the sink" in text, text[-3000:]
     n = written[0]
@@ -153,9 +154,7 @@ def test_a_frozen_delta_runner_lands_nothing_when_woken(dbs: Dbs, tmp_path: Path
             code = a.wait(timeout=120)
             assert code == 2, f"the woken runner exited {code}:\n{logs[0].read_text()[-3000:]}"
         except BaseException:
-            for p in (a, *([b] if b else [])):
-                if p.poll() is None:
-                    _kill(p)
+            kill_running([a, *([b] if b else [])])
             raise
     assert b is not None
     try:
@@ -163,9 +162,7 @@ def test_a_frozen_delta_runner_lands_nothing_when_woken(dbs: Dbs, tmp_path: Path
         b.send_signal(signal.SIGTERM)
         assert b.wait(timeout=120) == 0, logs[1].read_text()[-3000:]
     finally:
-        for p in (a, b):
-            if p.poll() is None:
-                _kill(p)
+        kill_running([a, b])
     text = logs[0].read_text()
     assert re.search(r"lease \(term 1\)[^\n]*(held by|taken over by)", text), text[-3000:]
     assert_no_traceback(text)

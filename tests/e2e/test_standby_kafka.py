@@ -4,7 +4,6 @@ read_committed reader gets every change once; a runner of an earlier term is ref
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -18,7 +17,17 @@ from changefeed.errors import LeaseLost
 from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.sinks.kafka.batch import KafkaBatch, claim, committed_progress
 from changefeed.sinks.kafka.options import KafkaOptions
-from conftest import Dbs, assert_no_traceback, changefeed_cli, moving_money, start_changefeed, wait_for, writing
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    kill_group,
+    kill_running,
+    moving_money,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS = 20
@@ -30,13 +39,6 @@ def _ids(kafka: LocalKafka, topic: str) -> list[int]:
     return [json.loads(r.key)[0] for r in committed(read_partition(kafka.bootstrap, topic, 0, timeout=60))
             if r.key is not None and r.value is not None]
 
-
-def _kill(p: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path, kafka: LocalKafka,
@@ -68,7 +70,7 @@ def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path
                 wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[standby].read_text(),
                          logs[standby])
                 time.sleep(1.5)  # in the middle of its batches
-                _kill(runners[active])
+                kill_group(runners[active])
                 at_kill = written[0]
                 wait_for("the standby to take over", lambda: "taking the feed over" in logs[standby].read_text(),
                          logs[standby], timeout=120)
@@ -83,9 +85,7 @@ def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path
             runners[i].send_signal(signal.SIGTERM)
             assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
     finally:
-        for p in runners:
-            if p.poll() is None:
-                _kill(p)
+        kill_running(runners)
     ids = sorted(_ids(kafka, topic))  # (snapshot rows arrive after the window they were read in)
     progress = [json.loads(r.value or b"") for r in committed(read_partition(kafka.bootstrap, progress_topic, 0))]
     trail = [(p["query"][:8], p["batch"], p.get("epoch"), p.get("claimed"), p["progress"]["end_lsn"]) for p in progress]

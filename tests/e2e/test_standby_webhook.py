@@ -19,6 +19,8 @@ from conftest import (
     Receiver,
     assert_no_traceback,
     changefeed_cli,
+    kill_group,
+    kill_running,
     moving_money,
     start_changefeed,
     wait_for,
@@ -34,13 +36,6 @@ def _ids(rec: Receiver) -> list[int]:
     """The ledger ids the receiver got (repeated keys dropped), in arrival order."""
     return [m["key"][0] for _, m in rec.messages() if m.get("table") == "public.ledger" and m.get("op") == "c"]
 
-
-def _kill(p: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    p.wait()
 
 
 def test_a_standby_takes_over_a_webhook_feed_and_the_receiver_sees_each_change_once(
@@ -69,7 +64,7 @@ def test_a_standby_takes_over_a_webhook_feed_and_the_receiver_sees_each_change_o
                                                  "CHANGEFEED_FAULT_DIR": str(tmp_path)}))
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
             time.sleep(1.0)  # in the middle of its batches
-            _kill(runners[0])
+            kill_group(runners[0])
             at_kill = max(_ids(rec), default=0)
             wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
                      timeout=120)
@@ -92,9 +87,7 @@ def test_a_standby_takes_over_a_webhook_feed_and_the_receiver_sees_each_change_o
         runners[0].send_signal(signal.SIGTERM)
         assert runners[0].wait(timeout=120) == 0, logs[0].read_text()[-3000:]
     finally:
-        for p in runners:
-            if p.poll() is None:
-                _kill(p)
+        kill_running(runners)
     woken = logs[1].read_text()
     assert re.search(r"lease \(term \d+\)[^\n]*(held by|taken over by)", woken), woken[-3000:]
     assert_no_traceback(woken + logs[0].read_text())

@@ -81,6 +81,11 @@ class _Entry:
     began: float  # Unix s
     done: float
 
+    def line(self) -> str:
+        """The entry as every ledger keeps it (one JSON line), read back by FileLedger._parse."""
+        return json.dumps({"batch": self.batch_id, "progress": self.progress.__dict__, "began": self.began,
+                           "done": self.done})
+
 
 class FileLedger:
     """The ledger of a sink without a place of its own: `delivered.jsonl` in the feed's state folder.
@@ -99,7 +104,7 @@ class FileLedger:
                epoch: int | None = None) -> None:
         """Append the batch's line (`epoch`, the runner's lease term, is not checked: the file is
         the runner's own)."""
-        line = json.dumps({"batch": batch_id, "progress": progress.__dict__, "began": began, "done": done})
+        line = _Entry(batch_id, progress, began, done).line()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a+b") as f:  # writes go to the end
             end = f.seek(0, os.SEEK_END)

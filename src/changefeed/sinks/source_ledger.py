@@ -52,12 +52,12 @@ class SourceLedger(FileLedger):
                 with conn.cursor() as cur:
                     cur.executemany("INSERT INTO changefeed.delivered (feed, end_lsn, batch_id, entry) VALUES "
                                     "(%s, %s, %s, %s) ON CONFLICT DO NOTHING",
-                                    [(self.feed, e.progress.end_lsn, e.batch_id, _line(e)) for e in old])
+                                    [(self.feed, e.progress.end_lsn, e.batch_id, e.line()) for e in old])
 
     def record(self, batch_id: int, progress: BatchProgress, began: float, done: float,
                epoch: int | None = None) -> None:
         """Record the batch (again: nothing changes) if term `epoch` still holds the feed's lease."""
-        entry = _line(_Entry(batch_id, progress, began, done))
+        entry = _Entry(batch_id, progress, began, done).line()
         with connect(self.uri, "source") as conn, lost_connection("source"):
             with conn.transaction():
                 if epoch is not None:
@@ -113,8 +113,3 @@ class SourceLedger(FileLedger):
         """The lease itself is the fence: requests and records check it (sinks.webhook.cuts, record)."""
         return True
 
-
-def _line(e: _Entry) -> str:
-    import json
-
-    return json.dumps({"batch": e.batch_id, "progress": e.progress.__dict__, "began": e.began, "done": e.done})

@@ -13,7 +13,6 @@ batches of the one before it in the data tables.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from typing import Any
 
@@ -82,7 +81,7 @@ class DeltaLedger(FileLedger):
 
         from changefeed.sinks.delta.table import write_file
 
-        line = json.dumps({"batch": batch_id, "progress": progress.__dict__, "began": began, "done": done})
+        line = _Entry(batch_id, progress, began, done).line()
         rows = pa.table({"batch": pa.array([batch_id], pa.int64()), "entry": pa.array([line], pa.string())})
 
         def once() -> None:
