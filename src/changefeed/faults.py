@@ -13,7 +13,8 @@ there instead (SIGSTOP; the process groups stopped are written to `.stopped-grou
 folder, for the test to SIGCONT). `CHANGEFEED_FAIL_AT=point[:n]` instead raises
 an unexpected error there, once (the n-th time): a task failing for a reason changefeed has no type
 for. Counting uses a file next to the feed state (`CHANGEFEED_FAULT_DIR`), because the points run in
-different processes. Unset: no cost.
+different processes. With `CHANGEFEED_FAULT_ARMED=FILE`, hits count only once FILE exists (a test
+arms the fault when the scene is set, e.g. a standby waiting). Unset: no cost.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def _due(variable: str, point: str, kind: str) -> bool:
         return False
     name, _, nth = spec.partition(":")
     if name != point:
+        return False
+    armed = os.environ.get("CHANGEFEED_FAULT_ARMED")
+    if armed and not os.path.exists(armed):
         return False
     counter = os.path.join(os.environ.get("CHANGEFEED_FAULT_DIR", "."), f".{kind}-{point}")
     fd = os.open(counter, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -32,3 +32,16 @@ def test_a_fault_raises_at_its_nth_arrival_only(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(faults.InjectedFault, match="fault injected at read"):
         faults.reach("read")
     faults.reach("read")
+
+
+def test_an_armed_fault_counts_only_once_its_file_exists(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    armed = tmp_path / "armed"
+    monkeypatch.setenv("CHANGEFEED_FAIL_AT", "read:2")
+    monkeypatch.setenv("CHANGEFEED_FAULT_DIR", str(tmp_path))
+    monkeypatch.setenv("CHANGEFEED_FAULT_ARMED", str(armed))
+    for _ in range(5):
+        faults.reach("read")  # not armed yet: none of these count
+    armed.touch()
+    faults.reach("read")
+    with pytest.raises(faults.InjectedFault):
+        faults.reach("read")

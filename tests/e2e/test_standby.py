@@ -162,14 +162,16 @@ def test_a_frozen_runner_is_taken_over_by_a_standby_and_lands_nothing_when_woken
         # frozen in the middle of a batch: its transaction on the replica open, holding the feed's lock there
         a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
                              "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "3s",
-                             log=logs[0], env={"CHANGEFEED_STOP_AT": "before_sink_commit:12",
-                                               "CHANGEFEED_FAULT_DIR": str(tmp_path)})
+                             log=logs[0], env={"CHANGEFEED_STOP_AT": "before_sink_commit:3",
+                                               "CHANGEFEED_FAULT_DIR": str(tmp_path),
+                                               "CHANGEFEED_FAULT_ARMED": str(tmp_path / "armed")})
         b: subprocess.Popen[bytes] | None = None
         try:
             wait_for("rows on the replica", lambda: _replicated(dbs) > 50, logs[0])
             b = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"), "--source",
                                  dbs.source, "--master", spark_server, log=logs[1])
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            (tmp_path / "armed").touch()  # it freezes from now on, a standby waiting
             wait_for("the runner to freeze", lambda: (tmp_path / ".stopped-groups").exists(), logs[0])
             frozen_at = _replicated(dbs)  # its sessions stay open, it renews nothing
             wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],

@@ -78,11 +78,13 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
             # lake's ledger, reaches back over rows the accounts table holds already.
             runners.append(start_changefeed(
                 "run", "--name", dbs.name, "--state", str(states[0]), log=logs[0],
-                env={"CHANGEFEED_KILL_AT": "delta_table_committed:15", "CHANGEFEED_FAULT_DIR": str(tmp_path)}))
-            wait_for("rows in the lake", lambda: _top(lake) > 0, logs[0])
+                env={"CHANGEFEED_KILL_AT": "delta_table_committed:15", "CHANGEFEED_FAULT_DIR": str(tmp_path),
+                     "CHANGEFEED_FAULT_ARMED": str(tmp_path / "armed")}))
+            wait_for("the first runner's batches", lambda: "batches since start" in logs[0].read_text(), logs[0])
             runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),
                                             "--source", dbs.source, log=logs[1]))
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            (tmp_path / "armed").touch()  # the kill counts from now on, a standby waiting
             assert runners[0].wait(timeout=300) == -signal.SIGKILL, logs[0].read_text()[-3000:]
             wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
                      timeout=120)
@@ -138,12 +140,14 @@ def test_a_frozen_delta_runner_lands_nothing_when_woken(dbs: Dbs, tmp_path: Path
         a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
                              "--sink", f"delta://{lake}?mode=mirror&buckets=4", "--tables",
                              "public.ledger,public.accounts", "--lease", "3s", log=logs[0],
-                             env={"CHANGEFEED_STOP_AT": "delta_term_checked:12", "CHANGEFEED_FAULT_DIR": str(tmp_path)})
+                             env={"CHANGEFEED_STOP_AT": "delta_term_checked:3", "CHANGEFEED_FAULT_DIR": str(tmp_path),
+                                  "CHANGEFEED_FAULT_ARMED": str(tmp_path / "armed")})
         try:
             wait_for("rows in the lake", lambda: _top(lake) > 0, logs[0])
             b = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"), "--source",
                                  dbs.source, "--master", spark_server, log=logs[1])
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            (tmp_path / "armed").touch()  # it freezes from now on, a standby waiting
             wait_for("the runner to freeze", lambda: (tmp_path / ".stopped-groups").exists(), logs[0])
             frozen_at = _top(lake)
             wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],

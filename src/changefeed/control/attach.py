@@ -16,6 +16,7 @@ import psycopg
 from psycopg import sql
 
 from changefeed import faults
+from changefeed.control.lease_keeper import Keeper
 from changefeed.control.runner_lock import state_lock
 from changefeed.core.offsets import Offset
 from changefeed.errors import (
@@ -43,6 +44,7 @@ class Prepared:
     sources: dict[str, Any]  # per source node, a connection that holds the feed's advisory lock there
     ledger: Ledger
     epoch: int | None = None  # the runner's lease term, once it took the lease (control.lease_keeper)
+    keeper: Keeper | None = None  # renews that term's lease
     resume: Offset | None = None  # where a query without a checkpoint starts (spark.checkpoint.resume)
 
     @property

@@ -9,7 +9,6 @@ the lease (a renewal finds another term) ends this run with LeaseLost.
 from __future__ import annotations
 
 import threading
-from contextlib import suppress
 from typing import Any
 
 import psycopg
@@ -45,21 +44,18 @@ def check_still_held(spec: FeedSpec, epoch: int) -> None:
         raise lost(spec, epoch, held)
 
 
-def release(spec: FeedSpec, epoch: int) -> None:
-    """End term `epoch`'s lease now (a clean stop before the keeper ran, e.g. right after a
-    takeover), so that a standby need not wait it out; a source out of reach: it ends by itself."""
-    with suppress(ChangefeedError, psycopg.Error), connect(spec.sources[0].uri, "source") as conn:
-        lease.release(conn, spec.name, epoch)
-
-
 class Keeper:
     """Renews the lease of term `epoch` in a thread until `close`; `error` is set once another
     term holds it. A renewal that fails on the connection is tried again on a new one when the
-    next is due (the runner's own checks meet an unreachable source)."""
+    next is due (the runner's own checks meet an unreachable source).
+
+    It starts as soon as the term is taken: Spark's start may outlast a short lease, and a standby
+    must not take a live runner's feed meanwhile."""
 
     def __init__(self, spec: FeedSpec, epoch: int) -> None:
         self.spec, self.epoch = spec, epoch
         self.error: LeaseLost | None = None
+        self.closed = False
         self._stop = threading.Event()
         self._conn: psycopg.Connection[Any] | None = None
         self._thread = threading.Thread(target=self._run, name="changefeed-lease", daemon=True)
@@ -89,7 +85,11 @@ class Keeper:
             raise self.error
 
     def close(self, release: bool) -> None:
-        """Stop renewing; with `release` (a clean stop) end the lease now."""
+        """Stop renewing; with `release` (a clean stop) end the lease now. Once only: later calls
+        (the attempt's own close after a clean stop) do nothing."""
+        if self.closed:
+            return
+        self.closed = True
         self._stop.set()
         self._thread.join()
         try:

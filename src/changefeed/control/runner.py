@@ -163,8 +163,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
             except ChangefeedError as e:
                 state.record_failure(e)
                 raise
-        if prepared is not None and prepared.epoch is not None:  # (stopped before its query's keeper ran)
-            lease_keeper.release(spec, prepared.epoch)
+        if prepared is not None and prepared.keeper is not None:  # (stopped before its query ran)
+            prepared.keeper.close(release=True)
         changes, batches = (meter.changes, meter.batches) if meter else (0, 0)
         report(f"feed {spec.name}: stopped cleanly after {counted(changes, 'change')} in "
                f"{counted(batches, 'batch')}")
@@ -181,6 +181,8 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
     prepared = attach(spec, state, attempt, report)
     with lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
+        prepared.keeper = lease_keeper.Keeper(prepared.spec, prepared.epoch)
+        attempt.callback(prepared.keeper.close, False)
         prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
     return prepared
 
@@ -266,10 +268,11 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     cleanup = _outbox_cleanup(prepared, attempt)
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
     parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
-    assert prepared.epoch is not None, "taken by _attach"
+    keeper = prepared.keeper
+    assert prepared.epoch is not None and keeper is not None, "taken by _attach"
+    keeper.check()  # lost while Spark started
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch, resume=prepared.resume)
-    keeper = lease_keeper.Keeper(spec, prepared.epoch)
     batches_at_start, clean, published = meter.batches, False, spec
     try:
         with lost_connections(prepared):
