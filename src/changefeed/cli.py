@@ -173,9 +173,13 @@ def cmd_pause(args: argparse.Namespace) -> int:
     from changefeed.control.lifecycle import pause
 
     spec, state = _stored(args)
-    pause(state)
-    print(f"feed {spec.name} paused: a runner stops at its next report; the slot keeps the WAL from the "
-          "checkpoint on (watch the source's disk); changefeed resume catches up")
+    everywhere = pause(spec, state)
+    print(f"feed {spec.name} paused: its runner stops at its next report, on any host, and standbys do not take "
+          "it over; the slot keeps the WAL from the checkpoint on (watch the source's disk); changefeed resume "
+          "catches up")
+    if not everywhere:
+        print("note: the source was out of reach: only a runner on this host sees the pause (run pause again "
+              "once the source answers)", file=sys.stderr)
     return 0
 
 
@@ -184,7 +188,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     spec, state = _stored(args)
     state.paused_file.unlink(missing_ok=True)
-    run(spec, state, **_running(args))
+    run(spec, state, resuming=True, **_running(args))  # (the pause on the source: taken back once it runs)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -210,6 +211,62 @@ def test_a_frozen_runner_is_taken_over_by_a_standby_and_lands_nothing_when_woken
     assert terms is not None and terms[0][0] == 1 and terms[0][-1] == claimed[0], terms
     assert fingerprint(dbs.source, "public.accounts") == fingerprint(dbs.sink, "public.accounts")
     _money_whole(dbs)
+
+
+def test_a_request_or_pause_from_any_host_reaches_the_active_runner(dbs: Dbs, tmp_path: Path,
+                                                                     spark_server: str) -> None:
+    """A third host (the feed's definition, no runner): its `snapshot` request is taken in by the
+    active runner; its `pause` stops the active runner and holds the standby; its `resume` runs the
+    feed there while the standby keeps waiting."""
+    _setup(dbs)
+    logs = [tmp_path / "a.log", tmp_path / "b.log", tmp_path / "c.log"]
+    written: list[int] = [0]
+    with writing(moving_money(ACCOUNTS, 3), dbs.source, written):
+        a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
+                             "--sink", dbs.sink, "--tables", "public.accounts,public.ledger", "--lease", "3s",
+                             "--master", spark_server, log=logs[0])
+        runners = [a]
+        try:
+            wait_for("rows on the replica", lambda: _replicated(dbs) > 50, logs[0])
+            runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"),
+                                            "--source", dbs.source, log=logs[1]))
+            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            (tmp_path / "c" / dbs.name).mkdir(parents=True)
+            shutil.copy(tmp_path / "a" / dbs.name / "feed.json", tmp_path / "c" / dbs.name / "feed.json")
+            done = logs[0].read_text().count("snapshot public.accounts: done")
+            asked = changefeed_cli("snapshot", "--name", dbs.name, "--state", str(tmp_path / "c"), "--tables",
+                                   "public.accounts")
+            assert asked.returncode == 0, asked.stderr
+            wait_for("the active runner to read the table again",
+                     lambda: logs[0].read_text().count("snapshot public.accounts: done") > done, logs[0])
+            paused = changefeed_cli("pause", "--name", dbs.name, "--state", str(tmp_path / "c"))
+            assert paused.returncode == 0 and "paused" in paused.stdout and "note:" not in paused.stderr, paused
+            assert a.wait(timeout=120) == 0, logs[0].read_text()[-3000:]
+            assert re.search(r"paused \(by pid \d+", logs[0].read_text()), logs[0].read_text()[-3000:]
+            wait_for("the standby to see the pause", lambda: "the feed is paused" in logs[1].read_text(), logs[1])
+            shown = changefeed_cli("status", "--name", dbs.name, "--state", str(tmp_path / "a"))
+            assert re.search(r"paused \(by pid \d+", shown.stdout), shown.stdout  # (a's own folder: stopped)
+            at_pause = _replicated(dbs)
+            time.sleep(6)  # twice the lease: a standby that ignored the pause would have taken over by now
+            assert "taking the feed over" not in logs[1].read_text() and _replicated(dbs) == at_pause
+            runners.append(start_changefeed("resume", "--name", dbs.name, "--state", str(tmp_path / "c"),
+                                            "--master", spark_server, log=logs[2]))
+            wait_for("rows after the resume", lambda: _replicated(dbs) > at_pause + 20, logs[2])
+        except BaseException:
+            _stop_all(*runners)
+            raise
+    try:
+        wait_for("the replica to catch up", lambda: _replicated(dbs) >= written[0], logs[2], timeout=180)
+        for p in runners[1:]:  # the standby first: else it takes over from the clean stop
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=120) == 0
+    finally:
+        _stop_all(*runners)
+    assert "taking the feed over" not in logs[1].read_text()
+    assert fingerprint(dbs.source, "public.accounts") == fingerprint(dbs.sink, "public.accounts")
+    _money_whole(dbs)
+    for log in logs:
+        assert_no_traceback(log.read_text())
 
 
 def test_standby_bad_input(dbs: Dbs, tmp_path: Path) -> None:

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 from changefeed.core import snapshot
+from changefeed.core.requests import SnapshotRequests
 from changefeed.spark import checkpoint
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
+NONE = SnapshotRequests("/nonexistent")  # no requests
 SPEC = FeedSpec(name="f", source="postgresql://s/db", sink="postgresql://r/db", tables=["public.t"])
 
 
@@ -31,8 +33,8 @@ def _end(pending: tuple[str, ...], chunks: bool) -> dict[str, object]:
 
 def test_fresh_checkpoint_has_its_snapshot_ahead(tmp_path: Path) -> None:
     state = FeedState(tmp_path, "f")
-    assert checkpoint.chunks_to_read(SPEC, state)
-    assert not checkpoint.chunks_to_read(FeedSpec(**{**SPEC.__dict__, "snapshot": "never"}), state)
+    assert checkpoint.chunks_to_read(SPEC, state, NONE)
+    assert not checkpoint.chunks_to_read(FeedSpec(**{**SPEC.__dict__, "snapshot": "never"}), state, NONE)
 
 
 def test_a_batch_of_chunks_counts_until_it_is_committed(tmp_path: Path) -> None:
@@ -40,10 +42,20 @@ def test_a_batch_of_chunks_counts_until_it_is_committed(tmp_path: Path) -> None:
     committed, a restarted feed (or the running one) drops the shuffle instead of restarting for nothing."""
     state = FeedState(tmp_path, "f")
     _log(state, 0, _end((), chunks=True), committed=False)
-    assert checkpoint.chunks_to_read(SPEC, state)
+    assert checkpoint.chunks_to_read(SPEC, state, NONE)
     _log(state, 0, _end((), chunks=True), committed=True)
-    assert not checkpoint.chunks_to_read(SPEC, state)
+    assert not checkpoint.chunks_to_read(SPEC, state, NONE)
     _log(state, 1, _end(("public.t",), chunks=True), committed=True)  # more tables pending after it
-    assert checkpoint.chunks_to_read(SPEC, state)
+    assert checkpoint.chunks_to_read(SPEC, state, NONE)
     _log(state, 2, _end((), chunks=False), committed=False)
-    assert not checkpoint.chunks_to_read(SPEC, state)
+    assert not checkpoint.chunks_to_read(SPEC, state, NONE)
+
+
+def test_a_request_not_taken_in_has_chunks_ahead(tmp_path: Path) -> None:
+    state = FeedState(tmp_path, "f")
+    requests = SnapshotRequests(tmp_path / "requests")
+    _log(state, 0, _end((), chunks=False), committed=True)
+    assert not checkpoint.chunks_to_read(SPEC, state, requests) and checkpoint.resyncing(state, requests) == ()
+    requests.add(["public.t"])
+    assert checkpoint.chunks_to_read(SPEC, state, requests)
+    assert checkpoint.resyncing(state, requests) == ("public.t",)

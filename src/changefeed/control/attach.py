@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,10 +27,11 @@ from changefeed.errors import (
     SourceNotReady,
     start_over_hint,
 )
-from changefeed.postgres import ddl_capture, feed_record, lease, slots, twophase
+from changefeed.postgres import ddl_capture, feed_record, lease, requests, slots, twophase
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import check_outbox_table
+from changefeed.postgres.requests import SourceRequests
 from changefeed.sinks.ledger import Ledger
 from changefeed.sinks.registry import open_ledger, validated
 from changefeed.spec.definition import FeedSpec, SourceNode
@@ -51,6 +53,11 @@ class Prepared:
     def source_conn(self) -> Any:
         """The first node's connection (a one-node feed's only one)."""
         return self.sources[self.spec.sources[0].name]
+
+    @cached_property
+    def requests(self) -> SourceRequests:
+        """The feed's snapshot requests, read on that connection (postgres.requests)."""
+        return SourceRequests(lambda: self.source_conn, self.spec.name, self.state.requests)
 
 
 def prepare(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
@@ -98,6 +105,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     created: list[tuple[_Checked, bool, list[str]]] = []  # (node, publication created, slots created)
     try:
         _create(spec, checked, created)
+        if created[0][2] and not checkpoint and not state.has_checkpoint():  # a feed new under its name
+            requests.forget(checked[0].conn, spec.name)
         with lost_connection("sink"):
             ledger.prepare(checked[0].tables)
     except Exception:

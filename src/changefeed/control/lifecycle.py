@@ -9,6 +9,7 @@ replica's tables stay.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from contextlib import ExitStack, closing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,13 +19,12 @@ from psycopg import sql
 
 from changefeed.control.attach import add_source, prepare
 from changefeed.control.runner_lock import holder, run_state
-from changefeed.control.status import holding, runners
+from changefeed.control.status import holding, paused_elsewhere, runners
 from changefeed.core import snapshot
-from changefeed.core.requests import SnapshotRequests
 from changefeed.errors import ChangefeedError, ConfigError, FeedBusy
-from changefeed.postgres import ddl_capture, feed_record, lease, slots
+from changefeed.postgres import ddl_capture, feed_record, lease, requests, slots
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, redact
+from changefeed.postgres.connect import connect, lost_connection, redact
 from changefeed.postgres.source import split_table
 from changefeed.sinks.registry import open_ledger, sink_of
 from changefeed.spec.definition import FeedSpec, SourceNode
@@ -61,14 +61,25 @@ def list_feeds(root: Path | str) -> list[Listed]:
             ", ".join(f"{n.name}={redact(n.uri)}" for n in spec.sources)
         listed = Listed(spec.name, run_state(state), spec.tables, source, redact(spec.sink))
         with suppress(ChangefeedError):  # a source that does not answer: the state folder's view only
-            held, listed.standbys = runners(spec)
+            held, listed.standbys, by = runners(spec)
             listed.active = holding(held) if held is not None and not held.free else None
+            listed.state = paused_elsewhere(listed.state, by)
         out.append(listed)
     return out
 
 
-def pause(state: FeedState) -> None:
+def pause(spec: FeedSpec, state: FeedState) -> bool:
+    """Pause the feed here and on its first source node, where the runner that is active and its
+    standbys, on any host, see it; False if the source was out of reach (paused here only)."""
     state.paused_file.touch()
+    first = spec.sources[0]
+    try:
+        with connect(first.uri, spec.role(first.name), connect_timeout=5) as conn, \
+                lost_connection(spec.role(first.name)):
+            feed_record.pause(conn, spec.name, lease.me())
+    except ChangefeedError:
+        return False
+    return True
 
 
 def remove(spec: FeedSpec, state: FeedState) -> list[str]:
@@ -84,6 +95,7 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
             gone += _drop(conn, spec.name, node, slot, f" on source node {node.name}" if spec.multi_node else "")
         lease.forget(held[0][1][0], spec.name)  # its lease and terms: a feed made again starts at term 1
         feed_record.forget(held[0][1][0], spec.name)
+        requests.forget(held[0][1][0], spec.name)
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
@@ -113,7 +125,7 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
                 ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)
     if snapshot:
-        SnapshotRequests(state.requests).add(new)
+        _request(spec, state, new)
     return grown
 
 
@@ -139,7 +151,7 @@ def add_node(spec: FeedSpec, state: FeedState, name: str, uri: str) -> FeedSpec:
         raise
     state.save(grown)
     if spec.snapshot != "never":
-        SnapshotRequests(state.requests).add([snapshot.on_node(name, t) for t in spec.tables])
+        _request(spec, state, [snapshot.on_node(name, t) for t in spec.tables])
     return grown
 
 
@@ -243,4 +255,11 @@ def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) 
     if unknown:
         raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
                           "add them first with changefeed alter --add-tables")
-    return SnapshotRequests(state.requests).add(tables)
+    return _request(spec, state, tables)
+
+
+def _request(spec: FeedSpec, state: FeedState, tables: Sequence[str]) -> int:
+    """Queue a snapshot request of `tables` where every runner of the feed reads it: on its first
+    source node (postgres.requests)."""
+    with requests.on_source(spec, state) as queued:
+        return queued.add(tables)

@@ -42,7 +42,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         metrics_port: int | None = None, metrics_host: str = "127.0.0.1", verbose: bool = False,
         retry_max_backoff_s: float = 30.0, give_up_after_s: float | None = None,
         alongside: Callable[[threading.Event], None] | None = None, locked: bool = False,
-        standby: bool = False) -> None:
+        standby: bool = False, resuming: bool = False) -> None:
     """Run the feed until SIGINT/SIGTERM (or `stop_event`), or until caught up with `available_now`;
     with `metrics_port`, serve Prometheus metrics on http://METRICS_HOST:METRICS_PORT/metrics meanwhile.
     Spark's own output goes to the state folder's spark.log, or with `verbose` to the console.
@@ -54,7 +54,10 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     typed error. `locked`: the caller holds the feed's state folder lock already (verify running a
     stopped feed up to its point). `alongside(stop)` starts work that lasts as long as the run
     (`run --every`'s verification), once Spark is up. `standby`: wait, with Spark started, until
-    the feed's active runner is gone, then take the feed over (control.standby)."""
+    the feed's active runner is gone, then take the feed over (control.standby). `resuming`
+    (`changefeed resume`): a pause made on any host is taken back once this runner holds the
+    lease, so no standby takes the feed meanwhile; without it, a feed paused on the source stops
+    before its first batch, as the active runner does at its next report."""
     stop = stop_event or threading.Event()
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
@@ -102,7 +105,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                         return
                     spec = taken
                 try:
-                    prepared = _attach(spec, state, attempt, report)
+                    prepared = _attach(spec, state, attempt, report, unpause=resuming)
                     retention_check.check(prepared, report)
                 except FeedBusy:
                     if not standby:
@@ -171,11 +174,12 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
 
 
 def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callable[[str], None],
-            term: int | None = None) -> Prepared:
+            term: int | None = None, unpause: bool = False) -> Prepared:
     """attach, then take the feed's lease in a new term and claim the sink for it: from here on a
     runner of an earlier term (frozen, cut off) lands nothing in a sink that has a fence. A run
     that held term `term` before a fault stops with LeaseLost if another runner took the feed
-    over meanwhile (a standby): it must not take the feed back."""
+    over meanwhile (a standby): it must not take the feed back. `unpause`: then take back a pause
+    on the source."""
     if term is not None:
         lease_keeper.check_still_held(spec, term)
     prepared = attach(spec, state, attempt, report)
@@ -183,6 +187,8 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
         prepared.keeper = lease_keeper.Keeper(prepared.spec, prepared.epoch)
         attempt.callback(prepared.keeper.close, False)
+        if unpause:
+            feed_record.unpause(prepared.source_conn, spec.name)
         prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
     return prepared
 
@@ -267,10 +273,15 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     meter.gauges = Gauges(metrics, prepared) if metrics else None
     cleanup = _outbox_cleanup(prepared, attempt)
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
-    parallel, resync = _parallel_reads(spec, state, spark), resyncing(state)
+    with lost_connections(prepared):  # (requests and pause are read on the source's connection)
+        parallel, resync = _parallel_reads(prepared, spark), resyncing(state, prepared.requests)
+        who = _paused(prepared)
     keeper = prepared.keeper
     assert prepared.epoch is not None and keeper is not None, "taken by _attach"
     keeper.check()  # lost while Spark started
+    if who is not None:  # on another host: no batch runs
+        report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
+        return
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch, resume=prepared.resume)
     batches_at_start, clean, published = meter.batches, False, spec
@@ -290,8 +301,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
                     break
                 retention_check.check(prepared, report)
-                if state.paused:
-                    report(f"feed {spec.name}: paused; its slot keeps the WAL until changefeed resume")
+                if (who := _paused(prepared)) is not None:
+                    report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
                     break
                 stored = state.load()
                 if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
@@ -301,8 +312,9 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     published = stored
                 if spec.capture_ddl:  # tables renamed meanwhile: status, verify, snapshot use the new names
                     follow_renames(stored or spec, state, conns=prepared.sources)
-                wanted = (_parallel_reads(spec, state, spark), resyncing(state))  # (a snapshot request taken in:
-                if query.isActive and (parallel, resync) != wanted:       # its tables follow only what they can)
+                # a snapshot request taken in: its tables follow only what they can
+                wanted = (_parallel_reads(prepared, spark), resyncing(state, prepared.requests))
+                if query.isActive and (parallel, resync) != wanted:
                     if parallel != wanted[0]:
                         report(f"feed {spec.name}: " + ("snapshot chunks to read: restarting the query to read "
                                                         "them in parallel tasks" if wanted[0] else
@@ -326,6 +338,13 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
         keeper.close(release=clean)  # a clean stop ends the lease: a standby need not wait it out
         with suppress(ChangefeedError, psycopg.Error):  # counts only: a server gone must not mask the error
             meter.update(query)
+
+
+def _paused(prepared: Prepared) -> str | None:
+    """Who paused the feed: this host (its state folder), or any host (on the source); None if none."""
+    if prepared.state.paused:
+        return "this host"
+    return feed_record.paused_by(prepared.source_conn, prepared.spec.name)
 
 
 def _stop(query: Any, state: FeedState) -> None:
@@ -355,7 +374,7 @@ def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Cal
     """Delete delivered outbox rows past their TTL; not while a snapshot is read (its rows are not
     delivered yet, whatever the checkpoint says). A failed cleanup is reported, not fatal: the
     rows stay, the feed goes on, the next tick tries again."""
-    if cleanup is None or chunks_to_read(prepared.spec, prepared.state):
+    if cleanup is None or chunks_to_read(prepared.spec, prepared.state, prepared.requests):
         return
     try:
         checkpoint = prepared.ledger.checkpoint()
@@ -373,14 +392,16 @@ def _snapshot_done(query: Any) -> bool:
     return end is not None and not end.cursor.pending
 
 
-def _parallel_reads(spec: FeedSpec, state: FeedState, spark: Any) -> bool:
+def _parallel_reads(prepared: Prepared, spark: Any) -> bool:
     """Whether the query should read a batch's partitions in parallel tasks: always on a feed of
     several nodes (see spark.job.start_query); else while there are snapshot chunks to read, if
     the sink allows it (see sinks.registry) and `--snapshot-reads` asks for it (auto: Spark has
     PARALLEL_READ_SLOTS task slots, asked each time, as a cluster's executors may come later)."""
+    spec = prepared.spec
     if spec.multi_node:
         return True
-    if spec.snapshot_reads == "sequential" or not (sink_of(spec.sink).parallel_reads and chunks_to_read(spec, state)):
+    if spec.snapshot_reads == "sequential" or not (sink_of(spec.sink).parallel_reads
+                                                   and chunks_to_read(spec, prepared.state, prepared.requests)):
         return False
     return spec.snapshot_reads == "parallel" or task_slots(spark) >= PARALLEL_READ_SLOTS
 

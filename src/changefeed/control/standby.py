@@ -62,6 +62,14 @@ def await_turn(spec: FeedSpec, stop: threading.Event, report: Callable[[str], No
             while not stop.is_set():
                 feed_record.standing_by(conn, spec.name, me)
                 held = lease.current(conn, spec.name)
+                paused = feed_record.paused_by(conn, spec.name)
+                if paused is not None:  # (its active runner stopped, or stops at its next report)
+                    if told != "paused":
+                        report(f"feed {spec.name}: standing by; the feed is paused (by {paused}) until changefeed "
+                               "resume")
+                        told = "paused"
+                    stop.wait(POLL_S)
+                    continue
                 if src.feed_lock_free(conn, spec.name):
                     return True
                 if held is not None and held.free and (not held.released or -held.remaining_s > RELEASE_GRACE_S):

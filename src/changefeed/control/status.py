@@ -85,16 +85,24 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
     found.verified = verified(feed_state)
     if spec.sources[0].name in readings:
         with suppress(ConnectionFailed):
-            held, found.standbys = runners(spec)
+            held, found.standbys, by = runners(spec)
             found.active = holding(held)
+            found.state = paused_elsewhere(found.state, by)
     return found
 
 
-def runners(spec: FeedSpec) -> tuple[lease.Lease | None, list[str]]:
-    """The feed's lease (who holds it, until when) and who stands by, as the first node has them."""
+def runners(spec: FeedSpec) -> tuple[lease.Lease | None, list[str], str | None]:
+    """The feed's lease (who holds it, until when), who stands by and who paused it (None: nobody),
+    as the first node has them."""
     role = spec.role(spec.sources[0].name)
     with connect(spec.sources[0].uri, role, connect_timeout=3) as conn, lost_connection(role):
-        return lease.current(conn, spec.name), feed_record.standbys(conn, spec.name)
+        return lease.current(conn, spec.name), feed_record.standbys(conn, spec.name), \
+            feed_record.paused_by(conn, spec.name)
+
+
+def paused_elsewhere(state: str, by: str | None) -> str:
+    """The feed's state in words, with a pause made on another host (on the source)."""
+    return f"paused (by {by})" if by and not state.startswith(("running", "paused")) else state
 
 
 def holding(held: lease.Lease | None) -> str:

@@ -28,6 +28,7 @@ from changefeed.core import verify as cv
 from changefeed.errors import ChangefeedError, ConfigError, TransientError
 from changefeed.postgres import checksum as cs
 from changefeed.postgres.connect import connect, lost_connection, one_row
+from changefeed.postgres.requests import on_source
 from changefeed.postgres.source import describe_tables
 from changefeed.sinks.registry import sink_of
 from changefeed.sinks.replica import ledger as replica_ledger
@@ -93,15 +94,19 @@ def _wait_for_snapshot(feed: Held, wait_s: float) -> None:
     from changefeed.spark.checkpoint import chunks_to_read
 
     spec, state = feed.spec, feed.state
-    if feed.stopped or not chunks_to_read(spec, state):
+    if feed.stopped:
         return
-    feed.report(f"verify: feed {spec.name} is reading existing rows (a snapshot): waiting for it to finish")
-    deadline = time.monotonic() + wait_s
-    while chunks_to_read(spec, state):
-        if time.monotonic() > deadline:
-            raise VerifyError(f"feed {spec.name} is still reading existing rows (a snapshot) after {wait_s:.0f}s",
-                              "verify once status shows the snapshot done, or give a longer --wait")
-        time.sleep(0.5)
+    with on_source(spec, state) as requests:
+        if not chunks_to_read(spec, state, requests):
+            return
+        feed.report(f"verify: feed {spec.name} is reading existing rows (a snapshot): waiting for it to finish")
+        deadline = time.monotonic() + wait_s
+        while chunks_to_read(spec, state, requests):
+            if time.monotonic() > deadline:
+                raise VerifyError(f"feed {spec.name} is still reading existing rows (a snapshot) after "
+                                  f"{wait_s:.0f}s", "verify once status shows the snapshot done, or give a longer "
+                                  "--wait")
+            time.sleep(0.5)
 
 
 @dataclass(frozen=True)

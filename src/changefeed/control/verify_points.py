@@ -34,6 +34,7 @@ from changefeed.postgres import checksum as cs
 from changefeed.postgres import consistent_point
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection, one_row
+from changefeed.postgres.requests import on_source
 from changefeed.sinks.base import ledger_path
 from changefeed.sinks.ledger import FileLedger
 from changefeed.sinks.registry import open_ledger, sink_of
@@ -133,7 +134,9 @@ def _meet_stopped(held: Held, wait_s: float, tables: Sequence[str]) -> Point:
 
     spec, state = held.spec, held.state
     for attempt in range(ATTEMPTS):
-        if chunks_to_read(spec, state) or _behind(spec, state):
+        with on_source(spec, state) as requests:
+            reading = chunks_to_read(spec, state, requests)
+        if reading or _behind(spec, state):
             _catch_up(held, "catching up first (as --available-now would)")
         with ExitStack() as undo:
             locks = [_advisory_lock(spec, node, undo) for node in spec.sources]

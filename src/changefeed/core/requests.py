@@ -1,6 +1,9 @@
 """Snapshot requests: tables to (re-)read, handed from `changefeed alter/snapshot` to a feed.
 
-Each request is a numbered JSON file (`000001.json`: {"tables": [...]}) in the feed's
+`Requests` is what a feed reads them through: the feed's table on its first source node
+(postgres.requests, where every runner of the feed reaches them), or a folder of files.
+
+In a folder, each request is a numbered JSON file (`000001.json`: {"tables": [...]}) in the feed's
 `requests` folder, written atomically. The running feed takes in those numbered above what its
 checkpoint says it has taken (see core.snapshot.Cursor.requests), so a request is acted on once,
 also across restarts, and one made while the feed is stopped waits for its next run.
@@ -11,9 +14,23 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
+
+
+class Requests(Protocol):
+    def add(self, tables: Sequence[str]) -> int:
+        """Queue a request of `tables`; its number (one above the last)."""
+        ...
+
+    def after(self, taken: int) -> list[tuple[int, list[str]]]:
+        """Requests numbered above `taken`, in order: (number, tables)."""
+        ...
 
 
 class SnapshotRequests:
+    """Requests as files in a folder: a feed of an older changefeed, and tests without a source."""
+
+
     def __init__(self, folder: Path | str) -> None:
         self.folder = Path(folder)
 

@@ -6,7 +6,8 @@ A runner stores the definition it runs (`changefeed.feeds`) when it attaches and
 source: it runs the definition the last active runner ran. Secrets in it are references or
 encrypted (spec.secrets), as in `feed.json`: a standby's host needs the same environment or key.
 Standbys note themselves in `changefeed.standbys` while they wait (`status` lists those seen in
-the last few seconds).
+the last few seconds). `pause` on any host marks the feed in `changefeed.paused`: the active
+runner stops, and standbys wait instead of taking it over, until `resume`.
 """
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ CREATE TABLE IF NOT EXISTS changefeed.standbys (
     holder text NOT NULL,
     seen_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (feed, holder)
+);
+CREATE TABLE IF NOT EXISTS changefeed.paused (
+    feed text PRIMARY KEY,
+    paused_by text NOT NULL,
+    paused_at timestamptz NOT NULL DEFAULT clock_timestamp()
 )"""
 
 SEEN_S = 5.0  # a standby not seen for this long is not listed any more (it polls several times a second)
@@ -45,7 +51,7 @@ class Stored:
 
 
 def ensure(conn: psycopg.Connection[Any]) -> None:
-    if missing(conn, "changefeed.feeds"):
+    if missing(conn, "changefeed.feeds") or missing(conn, "changefeed.paused"):
         conn.execute(DDL)
 
 
@@ -89,8 +95,29 @@ def standbys(conn: psycopg.Connection[Any], feed: str) -> list[str]:
         "make_interval(secs => %s) ORDER BY holder", (feed, SEEN_S))]
 
 
+def pause(conn: psycopg.Connection[Any], feed: str, by: str) -> None:
+    """Mark the feed paused for every runner: the active one stops, standbys do not take it over."""
+    ensure(conn)
+    conn.execute("INSERT INTO changefeed.paused (feed, paused_by) VALUES (%s, %s) ON CONFLICT (feed) DO NOTHING",
+                 (feed, by))
+
+
+def unpause(conn: psycopg.Connection[Any], feed: str) -> None:
+    if not missing(conn, "changefeed.paused"):
+        conn.execute("DELETE FROM changefeed.paused WHERE feed = %s", (feed,))
+
+
+def paused_by(conn: psycopg.Connection[Any], feed: str) -> str | None:
+    """Who paused the feed (`pause` on some host), None if it is not paused."""
+    if missing(conn, "changefeed.paused"):
+        return None
+    row = conn.execute("SELECT paused_by FROM changefeed.paused WHERE feed = %s", (feed,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
-    """The feed is removed: its definition and standbys go."""
+    """The feed is removed: its definition, standbys and pause go."""
     if not missing(conn, "changefeed.feeds"):
         conn.execute("DELETE FROM changefeed.feeds WHERE feed = %s", (feed,))
         conn.execute("DELETE FROM changefeed.standbys WHERE feed = %s", (feed,))
+    unpause(conn, feed)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from changefeed.core import snapshot
 from changefeed.core.offsets import Offset
-from changefeed.core.requests import SnapshotRequests
+from changefeed.core.requests import Requests
 from changefeed.errors import CheckpointLost
 from changefeed.sinks.ledger import Ledger
 from changefeed.spec.definition import FeedSpec
@@ -30,23 +30,23 @@ def logged_end(state: FeedState) -> tuple[Offset | None, bool]:
     return end, (state.checkpoint / "commits" / path.name).exists()
 
 
-def chunks_to_read(spec: FeedSpec, state: FeedState) -> bool:
+def chunks_to_read(spec: FeedSpec, state: FeedState, requests: Requests) -> bool:
     """Whether the last batch Spark planned carries snapshot chunks and may still run (it is not
-    logged as committed), or chunks are pending after it, or requested; a fresh checkpoint has its
-    initial snapshot ahead."""
+    logged as committed), or chunks are pending after it, or requested (`requests`, the feed's);
+    a fresh checkpoint has its initial snapshot ahead."""
     end, committed = logged_end(state)
     tables = () if spec.snapshot == "never" else spec.tables
     cursor = end.cursor if end else snapshot.Cursor(pending=snapshot.entries(tables, [n.name for n in spec.sources]))
     running_chunks = end is not None and bool(end.chunks) and not committed
-    return running_chunks or bool(cursor.pending or SnapshotRequests(state.requests).after(cursor.requests))
+    return running_chunks or bool(cursor.pending or requests.after(cursor.requests))
 
 
-def resyncing(state: FeedState) -> tuple[str, ...]:
+def resyncing(state: FeedState, requests: Requests) -> tuple[str, ...]:
     """Tables of snapshot requests the feed has not taken in yet: until then a replica table
     follows any schema change, as its rows are read again next (see core.schema_change)."""
     end, _ = logged_end(state)
     taken = end.cursor.requests if end else 0
-    return tuple(sorted({t for _, tables in SnapshotRequests(state.requests).after(taken) for t in tables}))
+    return tuple(sorted({t for _, tables in requests.after(taken) for t in tables}))
 
 
 def _key(offset: Offset) -> int:

@@ -35,7 +35,6 @@ from changefeed.core.hlc import window_end_ts
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.offsets import Offset
-from changefeed.core.requests import SnapshotRequests
 from changefeed.core.resolved import Frontier, resolved_ts
 from changefeed.errors import SlotLost, carried, start_over_hint
 from changefeed.postgres import cut as nodes_cut
@@ -43,6 +42,7 @@ from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
@@ -63,9 +63,9 @@ except ImportError:  # pragma: no cover
 class ChangefeedSource(DataSource):
     """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
-    snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (snapshot requests, see
-    core.requests), barrier_file (see core.barrier), joining_file (nodes being added, see
-    postgres/cut.py), wal_reader (peek or stream, see postgres/wal_reader.py), parallel_reads
+    snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (an older changefeed's snapshot
+    request files, taken in by postgres.requests), barrier_file (see core.barrier), joining_file
+    (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see postgres/wal_reader.py), parallel_reads
     ("false": a batch's partitions are read by one task, as one GroupPartition), max_clock_skew_us
     (see core.distributed), resume_offset (where a query without a checkpoint starts, see
     initialOffset)."""
@@ -96,7 +96,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
-        self.requests = SnapshotRequests(options["requests_dir"]) if options.get("requests_dir") else None
+        first = next(iter(self.nodes))  # the feed's snapshot requests are on its first node
+        self.requests = SourceRequests(lambda: self.conn(first), self.feed, options.get("requests_dir") or None)
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
         self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
         self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
@@ -182,11 +183,10 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
-        if self.requests is not None:
-            for no, tables in self.requests.after(cursor.requests):
-                if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables):
-                    break  # a node added since this query started: its next query takes the request in
-                cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
+        for no, tables in self.requests.after(cursor.requests):
+            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables):
+                break  # a node added since this query started: its next query takes the request in
+            cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
     @carried("source")

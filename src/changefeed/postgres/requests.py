@@ -1,0 +1,105 @@
+"""Snapshot requests on the feed's first source node, where every runner of the feed reads them.
+
+A request (`alter --add-tables`, `alter --add-node`, `snapshot`) made on any host reaches the
+runner that is active, wherever it runs: a row of `changefeed.snapshot_requests`, numbered per
+feed. The running feed takes in those numbered above what its checkpoint says it has taken
+(core.snapshot.Cursor.requests), so a request is acted on once, also across restarts and
+takeovers, and one made while the feed is stopped waits for its next run. A feed whose requests
+were files in its state folder (core.requests.SnapshotRequests) has them taken in, numbers kept,
+when it next reads or adds one.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from changefeed.core.requests import SnapshotRequests
+from changefeed.postgres.connect import connect, lost_connection, missing
+from changefeed.spec.definition import FeedSpec
+from changefeed.spec.state import FeedState
+
+DDL = """
+CREATE SCHEMA IF NOT EXISTS changefeed;
+CREATE TABLE IF NOT EXISTS changefeed.snapshot_requests (
+    feed text NOT NULL,
+    no int NOT NULL,
+    tables jsonb NOT NULL,
+    made_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (feed, no)
+)"""
+
+
+def forget(conn: psycopg.Connection[Any], feed: str) -> None:
+    """The feed is removed, or made anew under its name: its requests go (a new feed's checkpoint
+    counts from 0 and would take in an old one's)."""
+    if not missing(conn, "changefeed.snapshot_requests"):
+        conn.execute("DELETE FROM changefeed.snapshot_requests WHERE feed = %s", (feed,))
+
+
+@contextmanager
+def on_source(spec: FeedSpec, state: FeedState) -> Iterator[SourceRequests]:
+    """The feed's requests on a connection of their own to its first node (a command, not a runner)."""
+    first = spec.sources[0]
+    role = spec.role(first.name)
+    with connect(first.uri, role) as conn, lost_connection(role):
+        yield SourceRequests(lambda: conn, spec.name, state.requests)
+
+
+class SourceRequests:
+    """The feed's snapshot requests, through `conn` (a connection to its first source node, in
+    autocommit mode); `legacy`: the state folder's requests folder of an older changefeed."""
+
+    def __init__(self, conn: Callable[[], psycopg.Connection[Any]], feed: str, legacy: Path | str | None = None
+                 ) -> None:
+        self.conn, self.feed, self.legacy = conn, feed, legacy
+        self._adopted = False
+
+    def add(self, tables: Sequence[str]) -> int:
+        """Queue a request; its number."""
+        conn = self.conn()
+        if missing(conn, "changefeed.snapshot_requests"):
+            conn.execute(DDL)
+        self._adopt(conn)
+        while True:
+            try:
+                row = conn.execute(
+                    "INSERT INTO changefeed.snapshot_requests (feed, no, tables) SELECT %(feed)s, "
+                    "coalesce(max(no), 0) + 1, %(tables)s FROM changefeed.snapshot_requests WHERE feed = %(feed)s "
+                    "RETURNING no", {"feed": self.feed, "tables": Jsonb(list(tables))}).fetchone()
+                assert row is not None, "an INSERT ... RETURNING of one row"
+                return int(row[0])
+            except psycopg.errors.UniqueViolation:
+                continue  # another request took that number at the same time
+
+    def after(self, taken: int) -> list[tuple[int, list[str]]]:
+        """Requests numbered above `taken`, in order: (number, tables)."""
+        conn = self.conn()
+        if missing(conn, "changefeed.snapshot_requests"):
+            return self._old().after(taken) if self.legacy else []
+        self._adopt(conn)
+        return [(int(no), list(tables)) for no, tables in conn.execute(
+            "SELECT no, tables FROM changefeed.snapshot_requests WHERE feed = %s AND no > %s ORDER BY no",
+            (self.feed, taken))]
+
+    def _old(self) -> SnapshotRequests:
+        assert self.legacy is not None
+        return SnapshotRequests(self.legacy)
+
+    def _adopt(self, conn: psycopg.Connection[Any]) -> None:
+        """Take in the state folder's request files once (a feed of an older changefeed)."""
+        if self._adopted or not self.legacy:
+            return
+        old = self._old().after(0)
+        if old:
+            with conn.cursor() as cur:
+                cur.executemany("INSERT INTO changefeed.snapshot_requests (feed, no, tables) VALUES (%s, %s, %s) "
+                                "ON CONFLICT DO NOTHING", [(self.feed, no, json.dumps(t)) for no, t in old])
+            shutil.rmtree(self.legacy, ignore_errors=True)  # taken in once: the source holds them now
+        self._adopted = True
