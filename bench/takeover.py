@@ -1,7 +1,8 @@
 """Takeover time: from the active runner's end to the first change a standby applies (see bench/README.md).
 
-Two runners of one feed (source -> replica, or with `--sink kafka` -> Kafka exactly once, read by
-a read_committed consumer), each with its own state folder, one active and one `run --standby`; a
+Two runners of one feed (source -> replica; with `--sink kafka` -> Kafka exactly once, read by a
+read_committed consumer; `--sink delta` -> a Delta change log, read by the deltalake library;
+`--sink webhook` -> a local HTTP endpoint), each with its own state folder, one active and one `run --standby`; a
 writer commits a row every few milliseconds. Each round ends the active runner in one of two
 ways, then waits for the sink to show a row committed after that moment:
 * `kill`: SIGKILL of its whole process group (a crashed host whose connections the source's
@@ -87,6 +88,63 @@ class KafkaWatcher(threading.Thread):
         consumer.close()
 
 
+class DeltaWatcher(threading.Thread):
+    """Follows the Delta table every 20 ms, reading only the files added since the last look (a
+    whole read of a growing change log would lag, and take the CPU the runners need): `last` is
+    the highest id in it."""
+
+    def __init__(self, table: Path) -> None:
+        super().__init__(daemon=True)
+        self.table, self.last, self.stop = table, 0, threading.Event()
+
+    def run(self) -> None:
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+        from deltalake import DeltaTable
+
+        dt, seen = None, set()
+        while not self.stop.wait(0.02):
+            try:
+                if dt is None:
+                    dt = DeltaTable(str(self.table))
+                else:
+                    dt.update_incremental()
+                for path in dt.get_add_actions(flatten=True).column("path").to_pylist():
+                    if path not in seen:
+                        seen.add(path)
+                        ids = pq.read_table(self.table / path, columns=["id"]).column("id")
+                        self.last = max(self.last, int(pc.max(ids).as_py() or 0))
+            except Exception:  # noqa: BLE001 - no table yet, or a commit being written
+                continue
+
+
+class WebhookWatcher:
+    """A local HTTP endpoint that acknowledges every request: `last` is the highest id received."""
+
+    def __init__(self) -> None:
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        watcher = self
+        self.last = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                ids = [m["key"][0] for m in body.get("payload", []) if m.get("key")]
+                watcher.last = max([watcher.last, *ids])
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.uri = f"webhook-http://127.0.0.1:{self.server.server_address[1]}/changes?flush_messages=200"
+
+
 def start(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "changefeed", *args], stdout=open(log_path, "ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -105,9 +163,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="takeovers of each kind (default 5)")
     ap.add_argument("--kinds", default="kill,freeze", help="kill, freeze or both (default)")
     ap.add_argument("--lease", default="5s", help="the feed's --lease (default 5s)")
-    ap.add_argument("--sink", choices=("replica", "kafka"), default="replica",
-                    help="a replica (default), or Kafka exactly once (a local broker, read by a read_committed "
-                         "consumer)")
+    ap.add_argument("--sink", choices=("replica", "kafka", "delta", "webhook"), default="replica",
+                    help="a replica (default), Kafka exactly once (a local broker, read by a read_committed "
+                         "consumer), a Delta change log, or a local webhook endpoint")
     ap.add_argument("--workdir")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
@@ -125,6 +183,15 @@ def main() -> int:
         watcher = KafkaWatcher(broker.bootstrap, "public.t")
         watcher.start()
         newest = lambda: watcher.last  # noqa: E731
+    elif args.sink == "delta":
+        dst_uri = f"delta://{work / 'lake'}?mode=changelog"
+        lake = DeltaWatcher(work / "lake" / "public.t")
+        lake.start()
+        newest = lambda: lake.last  # noqa: E731
+    elif args.sink == "webhook":
+        hook = WebhookWatcher()
+        dst_uri = hook.uri
+        newest = lambda: hook.last  # noqa: E731
     writer = Writer(src_uri)
     writer.start()
     states, logs = [work / "host-a", work / "host-b"], [work / "logs" / "a.log", work / "logs" / "b.log"]

@@ -196,8 +196,13 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
 def _take_turn(spec: FeedSpec, spark: Any, stop: threading.Event, report: Callable[[str], None]) -> FeedSpec | None:
     """A standby: start Spark, wait for the active runner to go, then the definition it ran (stored
     on the source), None if stopped meanwhile."""
+    from changefeed.spark.connect import is_remote
+    from changefeed.spark.job import warm_workers
+
     with spark.reached():
-        spark.get()  # ready before the takeover: its start is most of a runner's
+        session = spark.get()  # ready before the takeover: its start is most of a runner's
+    if not is_remote(spark.master):  # (a Spark Connect server's workers are shared, and not this host's)
+        warm_workers(session, spec)
     if not standby_mode.await_turn(spec, stop, report):
         return None
     ran = standby_mode.stored_definition(spec.sources[0].uri, spec.name)
