@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -375,3 +376,47 @@ def kill_running(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
             kill_group(p)
+
+
+def turn_env(kills: list[str], turn: int, faults: Path) -> dict[str, str]:
+    """The fault environment of the runner that is active in round `turn` of kill_turns: a
+    "POINT:N" kills it there, armed once its round begins (a standby waiting); "random": none."""
+    if turn >= len(kills) or kills[turn] == "random":
+        return {}
+    folder = faults / f"turn{turn}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"CHANGEFEED_KILL_AT": kills[turn], "CHANGEFEED_FAULT_DIR": str(folder),
+            "CHANGEFEED_FAULT_ARMED": str(folder / "armed")}
+
+
+def kill_turns(kills: list[str], runners: list[subprocess.Popen[bytes]], logs: list[Path], faults: Path,
+               restart: Callable[[int, dict[str, str]], subprocess.Popen[bytes]], landed: Callable[[], int],
+               written: list[int], took_over: Callable[[int, str], None] | None = None) -> int:
+    """Two runners of a feed, runners[0] active (started with turn_env(kills, 0, faults)) and
+    runners[1] standing by (turn_env(kills, 1, faults)): end the active one once per round, at
+    random (SIGKILL of its group) or at its round's fault point; each time the standby must take
+    over and a row written after the end must land (landed() past written[0] at the end), then
+    the ended host comes back as a standby (restart(host, env), its log emptied); took_over(turn,
+    log text of the runner that took over) checks more. The index of the runner active at the end."""
+    active = 0
+    for turn, point in enumerate(kills):
+        standby = 1 - active
+        wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[standby].read_text(),
+                 logs[standby])
+        if point == "random":
+            time.sleep(random.uniform(0.5, 2.5))  # somewhere in its batches
+            kill_group(runners[active])
+        else:
+            (faults / f"turn{turn}" / "armed").touch()
+        assert runners[active].wait(timeout=180) == -signal.SIGKILL, (point, logs[active].read_text()[-3000:])
+        at_end = written[0]
+        wait_for("the standby to take over", lambda: "taking the feed over" in logs[standby].read_text(),
+                 logs[standby], timeout=120)
+        wait_for(f"rows written after end {turn + 1} ({point}) to land", lambda: landed() > at_end, logs[standby],
+                 timeout=180)
+        if took_over is not None:
+            took_over(turn, logs[standby].read_text())
+        logs[active].write_text("")  # the next standby's lines only
+        runners[active] = restart(active, turn_env(kills, turn + 2, faults))
+        active = standby
+    return active

@@ -71,3 +71,21 @@ def test_a_ledger_without_offsets_refuses_a_missing_or_stale_checkpoint(tmp_path
     with pytest.raises(CheckpointLost, match="older than the sink"):
         resume(state, ledger, print)
     assert (state.checkpoint / "offsets" / "0").exists()  # nothing changed
+
+
+def test_a_batch_in_flight_is_planned_anew_for_a_sink_that_shows_batches_in_parts(tmp_path: Path) -> None:
+    """A webhook's batch in flight may have been sent further by a runner that took over (its plan
+    reaching further): the checkpoint's smaller plan is not replayed; a sink whose batches show
+    whole or not at all replays it."""
+    state, said = FeedState(tmp_path, "f"), []
+    ledger = Recorded(tmp_path / "ledger.jsonl")
+    _record(ledger, 0, _offset(100))
+    _plan(state, 4, _offset(100))
+    assert resume(state, ledger, said.append, in_parts=True) is None  # nothing in flight: Spark goes on
+    _plan(state, 5, _offset(150), committed=False)
+    assert resume(state, ledger, said.append) is None  # whole or nothing: Spark replays batch 5
+    assert resume(state, ledger, said.append, in_parts=True) == _offset(100)
+    assert not state.checkpoint.exists() and (state.dir / "checkpoint.replaced" / "offsets" / "5").exists()
+    assert "in flight" in said[-1]
+    _plan(state, 0, _offset(100), committed=False)  # recorded by the sink, not committed by Spark: replayed
+    assert resume(state, ledger, said.append, in_parts=True) is None

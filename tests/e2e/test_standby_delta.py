@@ -1,7 +1,8 @@
-"""A standby takes over a feed into Delta Lake: it carries on from the lake's own ledger (no Spark
-checkpoint of the feed on its host), also when the active runner died between two tables' commits
-of a batch, and every change lands once; a runner frozen past its lease, about to commit, lands
-nothing once woken (the lease term in each table's commits proves it) and stops with LeaseLost."""
+"""A standby takes over a feed into Delta Lake, five times: it carries on from the lake's own ledger
+(no Spark checkpoint of the feed on its host, or a stale one), also when the active runner died
+between two tables' commits of a batch, and every change lands once; a runner frozen past its
+lease, about to commit, lands nothing once woken (the lease term in each table's commits proves
+it) and stops with LeaseLost."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +21,21 @@ from conftest import (
     Dbs,
     assert_no_traceback,
     changefeed_cli,
-    kill_group,
     kill_running,
+    kill_turns,
     moving_money,
     start_changefeed,
+    turn_env,
     wait_for,
     writing,
 )
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 20, 1000
+# The active runner ends five times: first between two of a batch's commits (a table's and the next,
+# or the feed's ledger row), so the standby's first batch, planned anew from the lake's ledger, reaches
+# back over rows a table holds already; then at random and between the batch's commit and the slot's advance.
+KILLS = ["delta_table_committed:7", "random", "after_sink_commit:4", "before_sink_commit:4", "random"]
 
 
 def _setup(dbs: Dbs) -> None:
@@ -64,6 +69,7 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
     lake = tmp_path / "lake"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     states = [tmp_path / "a", tmp_path / "b"]
+    faults, takeovers = tmp_path / "faults", []
     written = [0]
     runners: list[subprocess.Popen[bytes]] = []
     first = changefeed_cli("run", "--name", dbs.name, "--state", str(states[0]), "--source", dbs.source, "--sink",
@@ -73,42 +79,26 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
     assert first.returncode == 0, first.stderr[-3000:]
     try:
         with writing(moving_money(ACCOUNTS), dbs.source, written):
-            # The first runner kills itself between two tables' commits of a batch (accounts committed,
-            # ledger and the feed's ledger row not): the standby's first batch, planned anew from the
-            # lake's ledger, reaches back over rows the accounts table holds already.
-            runners.append(start_changefeed(
-                "run", "--name", dbs.name, "--state", str(states[0]), log=logs[0],
-                env={"CHANGEFEED_KILL_AT": "delta_table_committed:15", "CHANGEFEED_FAULT_DIR": str(tmp_path),
-                     "CHANGEFEED_FAULT_ARMED": str(tmp_path / "armed")}))
+            runners.append(start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), log=logs[0],
+                                            env=turn_env(KILLS, 0, faults)))
             wait_for("the first runner's batches", lambda: "batches since start" in logs[0].read_text(), logs[0])
-            runners.append(start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[1]),
-                                            "--source", dbs.source, log=logs[1]))
-            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
-            (tmp_path / "armed").touch()  # the kill counts from now on, a standby waiting
-            assert runners[0].wait(timeout=300) == -signal.SIGKILL, logs[0].read_text()[-3000:]
-            wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
-                     timeout=120)
-            at_kill = written[0]
-            wait_for("rows written after the kill in the lake", lambda: _top(lake) > at_kill, logs[1], timeout=180)
-            assert "no checkpoint" in logs[1].read_text()
-            # The first host comes back as a standby (its checkpoint now stale); the active one is killed at random.
-            logs[0].write_text("")
-            runners[0] = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[0]),
-                                          log=logs[0])
-            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[0].read_text(), logs[0])
-            time.sleep(1.5)  # in the middle of its batches
-            kill_group(runners[1])
-            at_kill = written[0]
-            wait_for("the first host to take over", lambda: "taking the feed over" in logs[0].read_text(), logs[0],
-                     timeout=120)
-            wait_for("rows written after the second kill", lambda: _top(lake) > at_kill, logs[0], timeout=180)
-        wait_for("every row in the lake", lambda: _top(lake) >= written[0], logs[0], timeout=180)
-        runners[0].send_signal(signal.SIGTERM)
-        assert runners[0].wait(timeout=120) == 0, logs[0].read_text()[-3000:]
+
+            def standby(host: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+                return start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[host]),
+                                        "--source", dbs.source, log=logs[host], env=env)
+
+            runners.append(standby(1, turn_env(KILLS, 1, faults)))
+            active = kill_turns(KILLS, runners, logs, faults, standby, lambda: _top(lake), written,
+                                lambda turn, text: takeovers.append(text))
+        wait_for("every row in the lake", lambda: _top(lake) >= written[0], logs[active], timeout=180)
+        for i in (1 - active, active):  # the standby first: else it takes over from the clean stop
+            runners[i].send_signal(signal.SIGTERM)
+            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
     finally:
         kill_running(runners)
-    text = logs[0].read_text()
-    assert "older than the sink" in text, text[-3000:]
+    # the first takeover on a host without a checkpoint, later ones on a host whose checkpoint is stale
+    assert "no checkpoint" in takeovers[0], takeovers[0][-3000:]
+    assert any("older than the sink" in text for text in takeovers[1:]), takeovers[-1][-3000:]
     n = written[0]
     ledger = [r for r in _rows(lake, "public.ledger") if r["_op"] == "c"]
     assert sorted(r["id"] for r in ledger) == list(range(1, n + 1)), f"{len(ledger)} ledger rows for {n}"

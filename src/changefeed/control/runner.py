@@ -189,7 +189,8 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
         attempt.callback(prepared.keeper.close, False)
         if unpause:
             feed_record.unpause(prepared.source_conn, spec.name)
-        prepared.resume = resume(state, prepared.ledger, report)  # after the claim: no batch lands meanwhile
+        prepared.resume = resume(state, prepared.ledger, report,  # after the claim: no batch lands meanwhile
+                                 in_parts=sink_of(spec.sink).in_parts)
     return prepared
 
 

@@ -38,6 +38,7 @@ class Sink:
     name = ""
     messages = False  # delivers formatted messages (--format), not rows
     parallel_reads = False  # the arrival order of a batch's input partitions at its writer does not matter
+    in_parts = False  # a batch shows at its destination in parts before it is recorded (spark.checkpoint.resume)
 
     def validate(self, uri: str) -> None:
         """Check the URI and its options without connecting (ConfigError)."""

@@ -55,18 +55,25 @@ def _key(offset: Offset) -> int:
     return offset.lsn if len(offset.lsns) == 1 else offset.ts
 
 
-def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None]) -> Offset | None:
+def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None], *, in_parts: bool = False
+           ) -> Offset | None:
     """Where a new query of the feed starts when this state folder's Spark checkpoint is missing
     (a new host, a standby, a deleted or damaged folder) or older than the sink (another runner
     of the feed moved it on since): the end offset of the last batch the sink recorded, None when
     the checkpoint is current (Spark carries on from it) or the sink has no batch yet (a new feed
     starts from its slot and its snapshot).
 
+    `in_parts`: the sink shows a batch in parts before it records it (webhook requests). A batch
+    the checkpoint planned and did not finish is then planned anew from the sink, not replayed as
+    planned: a runner that took the feed over meanwhile may have sent more of it than this plan
+    holds (its plan was made later, over more WAL), and a smaller replay would cut that part into
+    other requests, under other idempotency keys. Planned anew, the batch holds at least as much.
+
     A stale checkpoint is moved aside to `checkpoint.replaced` (a copy for inspection; the one
     before it is dropped). A sink that does not record its batches' offsets with the batch itself
     cannot say where the feed stands: CheckpointLost, nothing changed."""
     recorded = ledger.resume_offset()
-    end, _ = logged_end(state)
+    end, committed = logged_end(state)
     if recorded is None:
         delivered = ledger.checkpoint()
         if delivered is not None and (end is None or any(lsn > end.lsns.get(node, 0) for node, lsn in
@@ -79,14 +86,17 @@ def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None]) -> O
                 "to start the feed over, changefeed remove --name NAME and create it again")
         return None
     offset = Offset.from_json(recorded)
-    if end is not None and _key(offset) <= _key(end):
+    in_flight = in_parts and end is not None and not committed and _key(offset) < _key(end)
+    if end is not None and _key(offset) <= _key(end) and not in_flight:
         return None
     if end is not None:
         aside = state.checkpoint.with_name("checkpoint.replaced")
         shutil.rmtree(aside, ignore_errors=True)
         state.checkpoint.rename(aside)
-        report(f"feed {state.dir.name}: the checkpoint in {state.checkpoint} is older than the sink (another "
-               f"runner moved the feed on); moved aside to {aside}, resuming from the sink's last batch")
+        why = ("its last batch was in flight (parts of it may have been sent by another runner since)" if in_flight
+               else "older than the sink (another runner moved the feed on)")
+        report(f"feed {state.dir.name}: the checkpoint in {state.checkpoint}: {why}; moved aside to {aside}, "
+               "resuming from the sink's last batch")
     else:
         report(f"feed {state.dir.name}: no checkpoint in {state.checkpoint}; resuming from the sink's last batch")
     return offset

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class WebhookSink(Sink):
     name = "webhook"
     messages = True  # delivers in arrival order: snapshot chunk rows must come after their window's changes
+    in_parts = True  # request by request, each acknowledged before the batch is recorded
 
     def validate(self, uri: str) -> None:
         from changefeed.sinks.webhook.options import WebhookOptions
