@@ -113,7 +113,8 @@ def test_every_change_arrives_in_key_order_through_faults_and_a_kill(dbs: Dbs, t
             assert int(m["updated"]) > last or m["op"] == "r", (m, last)
 
     status = json.loads(changefeed_cli("status", "--name", dbs.name, "--state", state, "--json").stdout)
-    assert status["batches"] >= 2 and status["checkpoint_lsn"] and status["snapshot"]["public.t"]["rows"] == 200
+    # (the batch the kill left in flight is planned anew after it: one batch may hold all that came after)
+    assert status["batches"] >= 1 and status["checkpoint_lsn"] and status["snapshot"]["public.t"]["rows"] == 200
 
 
 @pytest.mark.usefixtures("warm_spark")
