@@ -349,6 +349,8 @@ def test_a_node_down_for_20_s_stalls_the_feed_which_then_catches_up(dbs: Dbs, no
         writer.join()
         expected = union(nodes)
         wait_for("the replica to catch up", lambda: balances(dbs.sink) == expected, log, timeout=240)
+        # (said at the runner's next look after a batch landed: the catch-up may have been that batch)
+        wait_for("the runner to say n2 is back", lambda: "carrying on" in log.read_text(), log, timeout=60)
     finally:
         stop.set()
         if writer.is_alive():

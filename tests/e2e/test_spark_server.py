@@ -135,6 +135,8 @@ def test_a_server_gone_mid_run_is_waited_out(dbs: Dbs, tmp_path: Path) -> None:
         assert feed.poll() is None, log.read_text()[-3000:]
         servers.append(Server(port, tmp_path / "server2.log"))
         wait_for("the changes made while it was away", lambda: _sink_sum(dbs) == 100, log)
+        # (said at the runner's next look after a batch landed: the catch-up may have been that batch)
+        wait_for("the feed to say it carries on", lambda: "carrying on" in log.read_text(), log, timeout=60)
         feed.send_signal(signal.SIGTERM)
         assert feed.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
