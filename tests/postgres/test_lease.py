@@ -83,3 +83,24 @@ def test_racing_takers_get_a_term_each_and_never_the_same(dbs: Dbs) -> None:
         t.join()
     assert not errors, errors
     assert len(got) == len(set(got)) and sorted(got) == list(range(1, len(got) + 1)), sorted(got)
+
+
+def test_a_runner_back_from_a_fault_keeps_the_feed_unless_another_took_it(dbs: Dbs) -> None:
+    """check_still_held: a later term of this runner's own (an attempt that took it, then failed)
+    is no takeover; another runner's is."""
+    import pytest
+
+    from changefeed.control.lease_keeper import check_still_held
+    from changefeed.errors import LeaseLost
+    from changefeed.spec.definition import FeedSpec
+
+    spec = FeedSpec(name=dbs.name, source=dbs.source, sink=dbs.sink, tables=["public.t"])
+    with dbs.src() as c:
+        first = lease.take(c, dbs.name, 30.0, force=True)
+        assert first is not None
+        check_still_held(spec, first)
+        assert lease.take(c, dbs.name, 30.0, force=True) == first + 1  # this runner again: a failed attempt's
+        check_still_held(spec, first)
+        assert lease.take(c, dbs.name, 30.0, "another runner", force=True) == first + 2
+        with pytest.raises(LeaseLost, match="held by another runner"):
+            check_still_held(spec, first)

@@ -37,10 +37,12 @@ def lost(spec: FeedSpec, epoch: int, held: lease.Lease | None) -> LeaseLost:
 
 
 def check_still_held(spec: FeedSpec, epoch: int) -> None:
-    """LeaseLost if a term after `epoch` took the feed (a runner back from a fault)."""
+    """LeaseLost if another runner took the feed after term `epoch` (a runner back from a fault).
+    A later term of this runner's own is no other's: an attempt that took it and then failed on
+    the next step (each take checked this first, so no other term came in between)."""
     with connect(spec.sources[0].uri, "source") as conn, lost_connection("source"):
         held = lease.current(conn, spec.name)
-    if held is None or held.epoch != epoch:
+    if held is None or (held.epoch != epoch and held.holder != lease.me()):
         raise lost(spec, epoch, held)
 
 
