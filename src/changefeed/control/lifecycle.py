@@ -24,7 +24,7 @@ from changefeed.core import snapshot
 from changefeed.errors import ChangefeedError, ConfigError, FeedBusy
 from changefeed.postgres import ddl_capture, feed_record, lease, requests, slots
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection, redact
+from changefeed.postgres.connect import connect, first_node, redact
 from changefeed.postgres.source import split_table
 from changefeed.sinks.registry import open_ledger, sink_of
 from changefeed.spec.definition import FeedSpec, SourceNode
@@ -72,10 +72,8 @@ def pause(spec: FeedSpec, state: FeedState) -> bool:
     """Pause the feed here and on its first source node, where the runner that is active and its
     standbys, on any host, see it; False if the source was out of reach (paused here only)."""
     state.paused_file.touch()
-    first = spec.sources[0]
     try:
-        with connect(first.uri, spec.role(first.name), connect_timeout=5) as conn, \
-                lost_connection(spec.role(first.name)):
+        with first_node(spec, connect_timeout=5) as conn:
             feed_record.pause(conn, spec.name, lease.me())
     except ChangefeedError:
         return False

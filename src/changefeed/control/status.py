@@ -15,7 +15,7 @@ from changefeed.core.lsn import format_lsn
 from changefeed.errors import ConnectionFailed
 from changefeed.postgres import feed_record, lease, slots, twophase
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.connect import connect, first_node, lost_connection
 from changefeed.sinks.registry import open_ledger
 from changefeed.spec.definition import FeedSpec, SourceNode
 from changefeed.spec.state import FeedState
@@ -94,8 +94,7 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
 def runners(spec: FeedSpec) -> tuple[lease.Lease | None, list[str], str | None]:
     """The feed's lease (who holds it, until when), who stands by and who paused it (None: nobody),
     as the first node has them."""
-    role = spec.role(spec.sources[0].name)
-    with connect(spec.sources[0].uri, role, connect_timeout=3) as conn, lost_connection(role):
+    with first_node(spec, connect_timeout=3) as conn:
         return lease.current(conn, spec.name), feed_record.standbys(conn, spec.name), \
             feed_record.paused_by(conn, spec.name)
 

@@ -30,7 +30,6 @@ class Requests(Protocol):
 class SnapshotRequests:
     """Requests as files in a folder: a feed of an older changefeed, and tests without a source."""
 
-
     def __init__(self, folder: Path | str) -> None:
         self.folder = Path(folder)
 

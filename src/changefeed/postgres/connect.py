@@ -15,6 +15,7 @@ import psycopg
 
 from changefeed.errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
 from changefeed.postgres.watchdog import WATCHDOG, WatchedConnection
+from changefeed.spec.definition import FeedSpec
 from changefeed.spec.secrets import resolve
 
 _Row = TypeVar("_Row")
@@ -86,6 +87,16 @@ def connect(uri: str, role: str, *, autocommit: bool = True, **kwargs: Any) -> p
 # pg_locks rows (as `l`) of a granted advisory lock taken with hashtext(KEY), KEY the parameter:
 # how changefeed finds the session holding one of its locks (a feed's runner, a replica batch)
 ADVISORY_HELD = "l.locktype = 'advisory' AND l.granted AND l.objid = (hashtext(%s)::bigint & 4294967295)::oid"
+
+
+@contextmanager
+def first_node(spec: FeedSpec, **kwargs: Any) -> Iterator[psycopg.Connection[Any]]:
+    """A connection of its own to the feed's first source node, where every runner of the feed
+    finds its lease, definition, snapshot requests and pause; losing it is ConnectionFailed."""
+    node = spec.sources[0]
+    role = spec.role(node.name)
+    with connect(node.uri, role, **kwargs) as conn, lost_connection(role):
+        yield conn
 
 
 def missing(conn: psycopg.Connection[Any], table: str) -> bool:

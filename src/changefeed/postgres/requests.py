@@ -21,7 +21,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from changefeed.core.requests import SnapshotRequests
-from changefeed.postgres.connect import connect, lost_connection, missing
+from changefeed.postgres.connect import first_node, missing
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -46,9 +46,7 @@ def forget(conn: psycopg.Connection[Any], feed: str) -> None:
 @contextmanager
 def on_source(spec: FeedSpec, state: FeedState) -> Iterator[SourceRequests]:
     """The feed's requests on a connection of their own to its first node (a command, not a runner)."""
-    first = spec.sources[0]
-    role = spec.role(first.name)
-    with connect(first.uri, role) as conn, lost_connection(role):
+    with first_node(spec) as conn:
         yield SourceRequests(lambda: conn, spec.name, state.requests)
 
 
@@ -59,13 +57,14 @@ class SourceRequests:
     def __init__(self, conn: Callable[[], psycopg.Connection[Any]], feed: str, legacy: Path | str | None = None
                  ) -> None:
         self.conn, self.feed, self.legacy = conn, feed, legacy
-        self._adopted = False
+        self._adopted = self._made = False
 
     def add(self, tables: Sequence[str]) -> int:
         """Queue a request; its number."""
         conn = self.conn()
-        if missing(conn, "changefeed.snapshot_requests"):
+        if not self._exists(conn):
             conn.execute(DDL)
+            self._made = True
         self._adopt(conn)
         while True:
             try:
@@ -81,12 +80,18 @@ class SourceRequests:
     def after(self, taken: int) -> list[tuple[int, list[str]]]:
         """Requests numbered above `taken`, in order: (number, tables)."""
         conn = self.conn()
-        if missing(conn, "changefeed.snapshot_requests"):
+        if not self._exists(conn):
             return self._old().after(taken) if self.legacy else []
         self._adopt(conn)
         return [(int(no), list(tables)) for no, tables in conn.execute(
             "SELECT no, tables FROM changefeed.snapshot_requests WHERE feed = %s AND no > %s ORDER BY no",
             (self.feed, taken))]
+
+    def _exists(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the table exists; asked until it does (it is read at every batch's planning)."""
+        if not self._made:
+            self._made = not missing(conn, "changefeed.snapshot_requests")
+        return self._made
 
     def _old(self) -> SnapshotRequests:
         assert self.legacy is not None

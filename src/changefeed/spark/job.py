@@ -101,8 +101,12 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
 def warm_workers(spark: Any, spec: FeedSpec) -> None:
     """Run one small job whose tasks import what the feed's tasks will (its reader and its sink's
     writer), so that the Python workers Spark keeps for later tasks have it loaded: a standby
-    does this while it waits, and its first batch after a takeover does not pay the imports."""
+    does this while it waits, and its first batch after a takeover does not pay the imports.
+    Once per session (a standby that waits on after another took the turn has them loaded)."""
     from changefeed.sinks.base import task_slots
+
+    if getattr(spark, "_changefeed_warm", False):
+        return
 
     sink = sink_of(spec.sink).name
     modules = ["changefeed.spark.reads", "changefeed.spark.writer", f"changefeed.sinks.{sink}.writer"]
@@ -119,3 +123,4 @@ def warm_workers(spark: Any, spec: FeedSpec) -> None:
         spark.range(slots, numPartitions=slots).mapInArrow(load, "id long").collect()
     except Exception:  # noqa: BLE001 (only a speed-up: the feed's own tasks import, and report, what fails)
         return
+    spark._changefeed_warm = True

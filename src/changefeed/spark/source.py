@@ -65,8 +65,9 @@ class ChangefeedSource(DataSource):
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
     snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (an older changefeed's snapshot
     request files, taken in by postgres.requests), barrier_file (see core.barrier), joining_file
-    (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see postgres/wal_reader.py), parallel_reads
-    ("false": a batch's partitions are read by one task, as one GroupPartition), max_clock_skew_us
+    (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see
+    postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
+    as one GroupPartition), max_clock_skew_us
     (see core.distributed), resume_offset (where a query without a checkpoint starts, see
     initialOffset)."""
 
