@@ -31,6 +31,7 @@ from changefeed.spec.definition import (
     parse_sources,
 )
 from changefeed.spec.secrets import same
+from changefeed.spec.sinks import parse_sinks
 from changefeed.spec.state import FeedState
 from changefeed.spec.units import parse_duration, parse_size, parse_tables
 
@@ -57,8 +58,9 @@ def _option(option: str, parse: Callable[[str], Any], text: str | None) -> Any:
 def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     stored = state.load()
     source, nodes = parse_sources(args.source) if args.source else (None, None)
+    sink, sinks = parse_sinks(args.sink) if args.sink else (None, None)
     given = {k: v for k, v in {
-        "source": source, "nodes": nodes, "sink": args.sink,
+        "source": source, "nodes": nodes, "sink": sink, "sinks": sinks,
         "tables": parse_tables(args.tables) if args.tables else None,
         "max_bytes_per_batch": _option("max-bytes-per-batch", parse_size, args.max_bytes_per_batch),
         "max_changes_per_batch": args.max_changes_per_batch, "wal_reader": args.wal_reader,
@@ -83,21 +85,21 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
         return validated(FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given})).protected()
-    for key in ("source", "nodes", "sink", "tables"):
+    for key in ("source", "nodes", "sink", "sinks", "tables"):
         if key in given and not _same(key, given[key], getattr(stored, key)):
-            option = "source" if key == "nodes" else key
+            option = {"nodes": "source", "sinks": "sink"}.get(key, key)
             raise ConfigError(f"feed {args.name} was created with a different --{option} ({state.spec_file})",
                               "omit the option to reuse the stored one, or choose another --name")
     return validated(FeedSpec(**{**stored.__dict__,
-                                 **{k: v for k, v in given.items() if k not in ("source", "nodes", "sink")}}))
+                                 **{k: v for k, v in given.items() if k not in ("source", "nodes", "sink", "sinks")}}))
 
 
 def _same(key: str, given: Any, stored: Any) -> bool:
     """Whether a --source/--sink given again names the stored one (its secrets may be stored encrypted)."""
     if key == "tables":
         return bool(given == stored)
-    if key == "nodes":
-        return len(given) == len(stored) and all(a[0] == b[0] and same(a[1], b[1], f"--source {a[0]}")
+    if key in ("nodes", "sinks"):
+        return len(given) == len(stored) and all(a[0] == b[0] and same(a[1], b[1], f"--{key[:-1]} {a[0]}")
                                                  for a, b in zip(given, stored))
     return same(given, stored, f"--{key}")
 
@@ -270,7 +272,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         found = verify(spec, state, tables=parse_tables(args.tables) if args.tables else (), repair=args.repair,
                        workers=args.workers, chunk_rows=args.chunk_rows,
                        wait_s=_option("wait", parse_duration, args.wait), master=args.master,
-                       report=lambda line: print(line, file=sys.stderr))
+                       report=lambda line: print(line, file=sys.stderr), sink=args.sink)
     except ChangefeedError as e:
         print(f"changefeed: error: {e}", file=sys.stderr)
         return 2
@@ -279,19 +281,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    from changefeed.sinks.registry import sink_of
+    from changefeed.sinks.registry import sinks_of
 
     spec, _ = _stored(args)
-    if sink_of(spec.sink).name != "delta":
-        raise ConfigError(f"feed {spec.name} writes to a {sink_of(spec.sink).name} sink; compact is for Delta sinks",
+    lakes = [view for _, view, sink in sinks_of(spec) if sink.name == "delta"]
+    if not lakes:
+        raise ConfigError(f"feed {spec.name} writes to no Delta sink; compact is for Delta sinks",
                           "nothing to do for this feed")
     from changefeed.sinks.delta.options import DeltaOptions
     from changefeed.sinks.delta.upkeep import compact
 
     tables = [(schema, name) for schema, _, name in (t.partition(".") for t in spec.tables)]
-    compact(DeltaOptions.parse(spec.sink), spec.name, tables,
-            target_size=_option("target-size", _size, args.target_size),
-            vacuum_retain_h=_option("vacuum", parse_duration, args.vacuum) / 3600 if args.vacuum else None)
+    for lake in lakes:
+        compact(DeltaOptions.parse(lake.sink), lake.key, tables,
+                target_size=_option("target-size", _size, args.target_size),
+                vacuum_retain_h=_option("vacuum", parse_duration, args.vacuum) / 3600 if args.vacuum else None)
     return 0
 
 
@@ -347,9 +351,12 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                           "(or superuser) and rights to create a publication (required on the first run, then "
                           "stored). Repeat it as --source NAME=URI for a feed over several nodes (servers "
                           "that together hold the tables; unnamed ones are n1, n2, ... in order)")
-    cmd.add_argument("--sink", help="sink URI: postgresql://... for a replica, kafka://HOST:PORT[,...]?options for "
-                                    "Kafka, webhook-https://... (or webhook-http://) for a webhook (required on "
-                                    "the first run, then stored)")
+    cmd.add_argument("--sink", action="append",
+                     help="sink URI: postgresql://... for a replica, kafka://HOST:PORT[,...]?options for Kafka, "
+                          "webhook-https://... (or webhook-http://) for a webhook, delta:///PATH for Delta Lake "
+                          "(required on the first run, then stored). Repeat it as --sink NAME=URI to feed several "
+                          "sinks from one read of the slot, each exactly once on its own; a message sink's URI may "
+                          "carry its own format=... and diff=true")
     cmd.add_argument("--tables", help="comma-separated schema.table list, each once (a bare name means public.NAME); "
                                       "each needs a primary key or replica identity index (required on the first "
                                       "run, then stored)")
@@ -502,6 +509,7 @@ def parser() -> argparse.ArgumentParser:
     ver.add_argument("--name", required=True)
     ver.add_argument("--state", default=DEFAULT_STATE)
     ver.add_argument("--tables", help="comma-separated schema.table list (default: all the feed's tables)")
+    ver.add_argument("--sink", help="of a feed with several sinks, the NAME of the one to compare (required there)")
     ver.add_argument("--repair", action="store_true",
                      help="then write the source's rows of the keys that differ into the replica, at a new "
                           "consistent point while the feed waits there")

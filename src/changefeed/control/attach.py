@@ -48,6 +48,7 @@ class Prepared:
     epoch: int | None = None  # the runner's lease term, once it took the lease (control.lease_keeper)
     keeper: Keeper | None = None  # renews that term's lease
     resume: Offset | None = None  # where a query without a checkpoint starts (spark.checkpoint.resume)
+    until: Offset | None = None  # where its first batch then ends (several sinks: spark.checkpoint.resume_until)
 
     @property
     def source_conn(self) -> Any:
@@ -89,7 +90,8 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     _check_same_tables(spec, checked)
     with about(spec, spec.sources[0]):  # (a lost connection is ConnectionFailed, as in every check here)
         _check_same_feed(spec, state, checked[0].conn)
-    with told_if_slow(f"the sink {_endpoint(spec.sink)} to answer", report), lost_connection("sink"):
+    sinks = " and ".join(_endpoint(t.uri) for t in spec.sink_targets)
+    with told_if_slow(f"the sink {sinks} to answer", report), lost_connection("sink"):
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
         checkpoint = ledger.checkpoint() or {}
@@ -130,8 +132,10 @@ def _check_same_feed(spec: FeedSpec, state: FeedState, conn: Any) -> None:
     if stored is None:
         return
     other = FeedSpec.from_json(stored.definition, "the definition stored on the source")
+    same_sinks = [t.name for t in other.sink_targets] == [t.name for t in spec.sink_targets] and all(
+        same_secret(a.uri, b.uri, a.option) for a, b in zip(spec.sink_targets, other.sink_targets))
     differs = [option for option, same in (("--tables", set(other.tables) == set(spec.tables)),
-                                           ("--sink", same_secret(spec.sink, other.sink, "--sink"))) if not same]
+                                           ("--sink", same_sinks)) if not same]
     if differs:
         raise ConfigError(f"feed {spec.name} exists on this source with a different {' and '.join(differs)} "
                           f"(stored by {stored.stored_by} at {stored.stored_at})",

@@ -26,7 +26,7 @@ from changefeed.postgres import ddl_capture, feed_record, lease, requests, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, first_node, redact
 from changefeed.postgres.source import split_table
-from changefeed.sinks.registry import open_ledger, sink_of
+from changefeed.sinks.registry import open_ledger, sinks_of
 from changefeed.spec.definition import FeedSpec, SourceNode
 from changefeed.spec.state import FeedState
 
@@ -59,7 +59,8 @@ def list_feeds(root: Path | str) -> list[Listed]:
         assert spec is not None
         source = redact(spec.source) if not spec.nodes else \
             ", ".join(f"{n.name}={redact(n.uri)}" for n in spec.sources)
-        listed = Listed(spec.name, run_state(state), spec.tables, source, redact(spec.sink))
+        sinks = ", ".join(redact(t.uri) if t.bare else f"{t.name}={redact(t.uri)}" for t in spec.sink_targets)
+        listed = Listed(spec.name, run_state(state), spec.tables, source, sinks)
         with suppress(ChangefeedError):  # a source that does not answer: the state folder's view only
             held, listed.standbys, by = runners(spec)
             listed.active = holding(held) if held is not None and not held.free else None
@@ -96,8 +97,10 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
         requests.forget(held[0][1][0], spec.name)
     with closing(open_ledger(spec, state)) as ledger:
         if ledger.forget():
+            kinds = {sink.name for _, _, sink in sinks_of(spec)}
             gone.append("its bookkeeping in the sink (changefeed.progress and changefeed.snapshot_chunks)"
-                        if sink_of(spec.sink).name == "replica" else "its delivery ledger")
+                        if kinds == {"replica"} and not spec.several_sinks else
+                        "its delivery ledger" + ("s" if spec.several_sinks else ""))
     shutil.rmtree(state.dir)
     gone.append(f"state folder {state.dir}")
     return gone
@@ -180,8 +183,9 @@ def rename_table(spec: FeedSpec, state: FeedState, old: str, new: str) -> FeedSp
     with ExitStack() as stack:
         for node in spec.sources:
             src.describe_tables(stack.enter_context(connect(node.uri, spec.role(node.name))), [new])
-        if sink_of(spec.sink).name == "replica":
-            _rename_on_replica(stack.enter_context(connect(spec.sink, "sink")), old, new)
+        for target, one, sink in sinks_of(spec):
+            if sink.name == "replica":
+                _rename_on_replica(stack.enter_context(connect(one.sink, target.option[2:])), old, new)
     state.save(renamed)
     return renamed
 

@@ -30,8 +30,8 @@ from changefeed.errors import (
 from changefeed.postgres import feed_record, lease, slots
 from changefeed.postgres.outbox import OutboxCleanup
 from changefeed.sinks.base import task_slots
-from changefeed.sinks.registry import sink_of, validated
-from changefeed.spark.checkpoint import chunks_to_read, resume, resyncing
+from changefeed.sinks.registry import sinks_of, validated
+from changefeed.spark.checkpoint import chunks_to_read, resume, resume_until, resyncing
 from changefeed.spec.definition import PARALLEL_READ_SLOTS, FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -75,7 +75,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
         fault: TransientError | None = None
         spark = Held(master, lambda: spark_session(
             master, log=None if verbose else state.spark_log,
-            executor_env=executor_env([n.uri for n in spec.sources] + [spec.sink])))
+            executor_env=executor_env([n.uri for n in spec.sources] + [t.uri for t in spec.sink_targets])))
         stack.callback(spark.close)
         try:
             validated(spec)
@@ -190,7 +190,8 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
         if unpause:
             feed_record.unpause(prepared.source_conn, spec.name)
         prepared.resume = resume(state, prepared.ledger, report,  # after the claim: no batch lands meanwhile
-                                 in_parts=sink_of(spec.sink).in_parts)
+                                 in_parts=any(sink.in_parts for _, _, sink in sinks_of(spec)))
+        prepared.until = resume_until(state, prepared.ledger, report) if prepared.resume is not None else None
     return prepared
 
 
@@ -289,7 +290,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
         report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
         return
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
-                        epoch=prepared.epoch, resume=prepared.resume)
+                        epoch=prepared.epoch, resume=prepared.resume, until=prepared.until)
     batches_at_start, clean, published = meter.batches, False, spec
     try:
         with lost_connections(prepared):
@@ -330,7 +331,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     if query.exception() is not None:  # it failed before it stopped: a failure like any other
                         break
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
-                                        resync=resync, epoch=prepared.epoch, resume=prepared.resume)
+                                        resync=resync, epoch=prepared.epoch, resume=prepared.resume,
+                                        until=prepared.until)
             if query.exception() is not None:
                 retention_check.check(prepared, report)  # a lost slot fails the reads: name it properly
                 raise _query_error(query.exception(), state)
@@ -406,7 +408,7 @@ def _parallel_reads(prepared: Prepared, spark: Any) -> bool:
     spec = prepared.spec
     if spec.multi_node:
         return True
-    if spec.snapshot_reads == "sequential" or not (sink_of(spec.sink).parallel_reads
+    if spec.snapshot_reads == "sequential" or not (all(sink.parallel_reads for _, _, sink in sinks_of(spec))
                                                    and chunks_to_read(spec, prepared.state, prepared.requests)):
         return False
     return spec.snapshot_reads == "parallel" or task_slots(spark) >= PARALLEL_READ_SLOTS

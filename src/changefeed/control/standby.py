@@ -21,7 +21,7 @@ from changefeed.errors import ConfigError
 from changefeed.postgres import feed_record, lease
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
-from changefeed.sinks.registry import sink_of
+from changefeed.sinks.registry import sinks_of
 from changefeed.spec.definition import FeedSpec
 
 POLL_S = 0.2  # how often a standby looks at the lease: the takeover's share of its time
@@ -44,9 +44,11 @@ def stored_definition(source: str, name: str) -> FeedSpec:
 
 def check_standby(spec: FeedSpec) -> None:
     """ConfigError unless a runner of the feed can take it over without its checkpoint."""
-    sink = sink_of(spec.sink)
-    if not sink.resumable(spec.sink):
-        raise ConfigError(f"feed {spec.name} writes to a {sink.name} sink: a standby cannot take it over yet (its "
+    for target, one, sink in sinks_of(spec):
+        if sink.resumable(one.sink):
+            continue
+        which = f"a {sink.name} sink" if target.bare else f"its sink {target.name} ({sink.name})"
+        raise ConfigError(f"feed {spec.name} writes to {which}: a standby cannot take it over yet (its "
                           "position is kept with the runner's checkpoint, not in the sink)",
                           "run the feed without --standby; standbys take over feeds into a replica, Delta Lake, "
                           "a webhook, or Kafka with delivery=exactly_once (the default)")

@@ -9,6 +9,7 @@ from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from changefeed.control.retry import Retrying, read_note
 from changefeed.control.runner_lock import run_state
 from changefeed.core.hlc import physical_ms
 from changefeed.core.lsn import format_lsn
@@ -16,6 +17,8 @@ from changefeed.errors import ConnectionFailed
 from changefeed.postgres import feed_record, lease, slots, twophase
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, first_node, lost_connection
+from changefeed.sinks.fan_out import named
+from changefeed.sinks.ledgers import SinkLedgers
 from changefeed.sinks.registry import open_ledger
 from changefeed.spec.definition import FeedSpec, SourceNode
 from changefeed.spec.state import FeedState
@@ -45,10 +48,13 @@ class FeedStatus:
     #                                                           NAME]) and why: the fields it would give are unknown
     active: str | None = None  # the runner holding the feed's lease, on any host (postgres.lease), and its term
     standbys: list[str] = field(default_factory=list)  # runners waiting to take the feed over (run --standby)
+    sinks: dict[str, dict[str, object]] = field(default_factory=dict)  # a feed of several sinks: per sink,
+    # checkpoint_lsn, checkpoint_commit_time, lag_bytes, resolved_lag_seconds, batches,
+    # changes_per_second_last_minute, last_batch_apply_seconds, retrying (the top level is the least far sink's)
 
     def lines(self) -> list[str]:
         out = [f"{k.replace('_', ' ')}: {'-' if v is None else v}" for k, v in self.__dict__.items()
-               if k not in ("snapshot", "nodes", "verified", "unreachable", "standbys")]
+               if k not in ("snapshot", "nodes", "verified", "unreachable", "standbys", "sinks")]
         out += [f"standby: {who}" for who in self.standbys]
         out += [f"unknown: the {what} cannot be reached now ({why}); what it would tell is shown as -"
                 for what, why in self.unreachable.items()]
@@ -56,8 +62,9 @@ class FeedStatus:
             v = self.verified
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(v["at"])))
             out.append(f"verified: {when}, " + ("equal" if v["equal"] else f"{v['mismatched_rows']} rows differ"))
-        out += [f"node {n}: " + ", ".join(f"{k.replace('_', ' ')} {'-' if v is None else v}" for k, v in d.items())
-                for n, d in self.nodes.items()]
+        for what, parts in (("node", self.nodes), ("sink", self.sinks)):
+            out += [f"{what} {n}: " + ", ".join(f"{k.replace('_', ' ')} {'-' if v is None else v}"
+                                                for k, v in d.items()) for n, d in parts.items()]
         return out + [f"snapshot {t}: {counted(s['rows'], 'row')} in {counted(s['chunks'], 'chunk')}"
                       for t, s in self.snapshot.items()]
 
@@ -82,6 +89,9 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
         except ConnectionFailed as e:
             unreachable[spec.role(node.name)] = e.message.splitlines()[0]
     found = _measured(spec, state, sink, readings, unreachable)
+    if sink is not None and sink.each:
+        found.sinks = {name: _sink_fields(spec, last, rate, readings, read_note(feed_state.retrying_file), name)
+                       for name, (last, rate) in sink.each.items()}
     found.verified = verified(feed_state)
     if spec.sources[0].name in readings:
         with suppress(ConnectionFailed):
@@ -143,13 +153,36 @@ class _SinkReading:
     checkpoint: dict[str, int]
     rate: float | None
     snapshot: dict[str, dict[str, int]]
+    each: dict[str, tuple[Any, float | None]] = field(default_factory=dict)  # several sinks: (last, rate) of each
 
 
 def _read_sink(spec: FeedSpec, feed_state: FeedState) -> _SinkReading:
     with closing(open_ledger(spec, feed_state)) as ledger:
         last = ledger.last_batch()
+        each = {}
+        if isinstance(ledger, SinkLedgers):
+            for name, one in ledger.each:
+                with named(name):
+                    mine = one.last_batch()
+                    each[name] = (mine, one.recent_rate() if mine else None)
         return _SinkReading(last, ledger.checkpoint() or {}, ledger.recent_rate() if last else None,
-                            {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()})
+                            {t: {"chunks": c, "rows": r} for t, (c, r) in ledger.snapshot_totals().items()}, each)
+
+
+def _sink_fields(spec: FeedSpec, last: Any, rate: float | None, readings: dict[str, _NodeReading],
+                 retrying: Retrying | None, name: str) -> dict[str, object]:
+    """A sink's line of a feed of several sinks: how far it is (its lag in bytes on a one-node feed)."""
+    now_ms = max((r.now_ms for r in readings.values()), default=int(time.time() * 1000))
+    one = readings.get(spec.sources[0].name)
+    lag = None
+    if last is not None and one is not None and not spec.multi_node:
+        lag = 0 if one.caught_up and one.position == last.end_lsn else max(0, one.current - last.end_lsn)
+    return {"checkpoint_lsn": format_lsn(last.end_lsn) if last and not spec.multi_node else None,
+            "checkpoint_commit_time": last.commit_time if last else None, "lag_bytes": lag,
+            "resolved_lag_seconds": resolved_lag_s(now_ms, last.resolved_ts) if last else None,
+            "batches": last.batches if last else 0, "changes_per_second_last_minute": rate,
+            "last_batch_apply_seconds": last.seconds if last else None,
+            "retrying": retrying.reason if retrying and retrying.component == f"sink {name}" else "no"}
 
 
 def _measured(spec: FeedSpec, state: str, sink: _SinkReading | None, readings: dict[str, _NodeReading],

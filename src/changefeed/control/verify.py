@@ -30,7 +30,7 @@ from changefeed.postgres import checksum as cs
 from changefeed.postgres.connect import connect, lost_connection, one_row
 from changefeed.postgres.requests import on_source
 from changefeed.postgres.source import describe_tables
-from changefeed.sinks.registry import sink_of
+from changefeed.sinks.registry import sink_of, sinks_of
 from changefeed.sinks.replica import ledger as replica_ledger
 from changefeed.spec.definition import FeedSpec, node_role
 from changefeed.spec.state import FeedState
@@ -42,12 +42,13 @@ __all__ = ["VerifyError", "verify", "verify_every"]
 
 def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repair: bool = False,
            workers: int = DEFAULT_WORKERS, chunk_rows: int = DEFAULT_CHUNK_ROWS, wait_s: float = 120,
-           report: Callable[[str], None] = print, master: str = "local[*]") -> cv.Report:
-    """Compare the feed's tables (or `tables`) on source and sink; with `repair`, fix what differs.
-    A feed that is not running is held meanwhile (and run, on `master`, if it is behind: see
-    verify_points)."""
+           report: Callable[[str], None] = print, master: str = "local[*]", sink: str | None = None) -> cv.Report:
+    """Compare the feed's tables (or `tables`) on source and sink (`sink`, by name, where the feed
+    has several); with `repair`, fix what differs. A feed that is not running is held meanwhile (and
+    run, on `master`, if it is behind: see verify_points)."""
+    whole, spec = spec, _sink_seen(spec, sink)
     chosen = _check(spec, state, tables, repair)
-    with held(spec, state, master, report) as feed:
+    with held(whole, state, master, report, spec) as feed:
         _wait_for_snapshot(feed, wait_s)
         began = time.monotonic()
         point = feed.meet(wait_s, tables=chosen)
@@ -71,9 +72,23 @@ def verify(spec: FeedSpec, state: FeedState, *, tables: Sequence[str] = (), repa
     return out
 
 
+def _sink_seen(spec: FeedSpec, sink: str | None) -> FeedSpec:
+    """The feed as the sink to verify sees it (FeedSpec.for_sink)."""
+    if sink is None and spec.several_sinks:
+        raise ConfigError(f"feed {spec.name} has several sinks: verify compares one at a time",
+                          f"name it with --sink NAME (its sinks: {', '.join(t.name for t in spec.sink_targets)})")
+    return spec.for_sink(spec.sink_named(sink) if sink is not None else spec.sink_targets[0])
+
+
+def verifiable(spec: FeedSpec) -> bool:
+    """Whether verify compares the feed's (only) sink: a replica, or Kafka in a JSON format."""
+    kind = sink_of(spec.sink).name
+    return kind == "replica" or kind == "kafka" and spec.format in ("json", "debezium")
+
+
 def _check(spec: FeedSpec, state: FeedState, tables: Sequence[str], repair: bool) -> list[str]:
     kind = sink_of(spec.sink).name
-    if kind != "replica" and (kind != "kafka" or spec.format not in ("json", "debezium")):
+    if not verifiable(spec):
         shown = f"{kind} sink" + (f" in format {spec.format}" if kind == "kafka" else "")
         raise ConfigError(f"feed {spec.name} writes to a {shown}: "
                           "verify compares a PostgreSQL replica, or Kafka topics of the json or debezium format, "
@@ -211,7 +226,7 @@ def _describe(result: cv.TableResult, differing: list[tuple[str, str]], nodes: l
 
 def _repair(feed: Held, todo: dict[str, list[str]], wait_s: float) -> dict[str, int]:
     """Write the source's rows of these keys into the replica at a new point (see the module doc)."""
-    spec, state = feed.spec, feed.state
+    spec, state = feed.view, feed.state
     point = feed.meet(wait_s, hold=True)
     try:
         nodes, _ = _sides(spec, point)
@@ -219,8 +234,8 @@ def _repair(feed: Held, todo: dict[str, list[str]], wait_s: float) -> dict[str, 
         with connect(spec.sink, "sink") as conn, lost_connection("sink"):
             cs.session(conn)
             conn.execute("BEGIN")
-            replica_ledger.lock_feed(conn, spec.name)
-            if (position(conn, spec.name) or {}) != point.sink_at:
+            replica_ledger.lock_feed(conn, spec.key)
+            if (position(conn, spec.key) or {}) != point.sink_at:
                 raise TransientError("the feed moved on before the repair could start", "verify --repair again")
             for table, keys in todo.items():
                 _rewrite(conn, table, keys, nodes, sessions)
@@ -254,21 +269,30 @@ def _rewrite(conn: psycopg.Connection[Any], table: str, keys: list[str], nodes: 
 
 def verify_every(name: str, state: FeedState, every_s: float, stop: threading.Event,
                  report: Callable[[str], None]) -> None:
-    """Verify the replica every `every_s` while the run lasts (a daemon thread: a verify that waits
-    when the run ends leaves only its barrier, which expires); a failed verification is reported,
-    it never stops the feed."""
+    """Verify the replica (each sink verify compares, of a feed with several) every `every_s` while
+    the run lasts (a daemon thread: a verify that waits when the run ends leaves only its barrier,
+    which expires); a failed verification is reported, it never stops the feed."""
+    def once(spec: FeedSpec, sink: str | None) -> None:
+        who = f"feed {name}" + (f" sink {sink}" if sink else "")
+        try:
+            found = verify(spec, state, report=report, sink=sink)
+        except ChangefeedError as e:
+            report(f"{who}: verify failed: {e.message}")
+            return
+        lines = found.lines()
+        report(f"{who}: verified: {lines[-1]} ({lines[0]})" if found.equal
+               else "\n".join(f"{who}: verify: {line}" for line in lines))
+
     def loop() -> None:
         while not stop.wait(every_s):
             spec = state.load()
             if spec is None:
                 return
-            try:
-                found = verify(spec, state, report=report)
-            except ChangefeedError as e:
-                report(f"feed {name}: verify failed: {e.message}")
+            if not spec.several_sinks:
+                once(spec, None)
                 continue
-            lines = found.lines()
-            report(f"feed {name}: verified: {lines[-1]} ({lines[0]})" if found.equal
-                   else "\n".join(f"feed {name}: verify: {line}" for line in lines))
+            for t, view, _ in sinks_of(spec):
+                if verifiable(view):
+                    once(spec, t.name)
 
     threading.Thread(target=loop, name="changefeed-verify", daemon=True).start()

@@ -29,7 +29,7 @@ Rows = dict[str, dict[str, Any]]
 
 def high_marks_of(spec: FeedSpec, tables: Sequence[str]) -> dict[str, dict[int, int]]:
     """Per table: the high watermark of each partition of its topic now."""
-    opts = reading(KafkaOptions.parse(spec.sink), spec.name)
+    opts = reading(KafkaOptions.parse(spec.sink), spec.key)
     return {t: high_marks(opts, opts.topic(*split_table(t))) for t in tables}
 
 
@@ -49,7 +49,7 @@ def compare_topic(spec: FeedSpec, sources: Mapping[str, ConsistentPoint], marks:
             described = describe_tables(conn, [table])[0]
             key = described.key
             source.update(_rows(conn, described.schema, described.name, described.columns, described.types, key))
-    opts = reading(KafkaOptions.parse(spec.sink), spec.name)
+    opts = reading(KafkaOptions.parse(spec.sink), spec.key)
     sink = read_rows(opts, opts.topic(*split_table(table)), marks, spec.format, key)
     result.source_rows, result.sink_rows = len(source), len(sink)
     differing = sorted([(k, cv.MISSING) for k in source.keys() - sink.keys()]

@@ -73,33 +73,40 @@ class Point:
 
 @dataclass
 class Held:
-    """How verify reaches the feed: `stopped` when verify holds it (runs it itself if need be)."""
+    """How verify reaches the feed: `stopped` when verify holds it (runs it itself if need be);
+    `sink`, the feed as the sink verified sees it (FeedSpec.for_sink), where it has several."""
 
     spec: FeedSpec
     state: FeedState
     stopped: bool
     master: str = "local[*]"
     report: Callable[[str], None] = print
+    sink: FeedSpec | None = None
+
+    @property
+    def view(self) -> FeedSpec:
+        return self.sink or self.spec
 
     def meet(self, wait_s: float, *, hold: bool = False, tables: Sequence[str] = ()) -> Point:
         return (_meet_stopped(self, wait_s, tables) if self.stopped
-                else _meet(self.spec, self.state, wait_s, hold=hold, report=self.report, tables=tables))
+                else _meet(self.view, self.state, wait_s, hold=hold, report=self.report, tables=tables))
 
 
 @contextmanager
-def held(spec: FeedSpec, state: FeedState, master: str, report: Callable[[str], None]) -> Iterator[Held]:
+def held(spec: FeedSpec, state: FeedState, master: str, report: Callable[[str], None],
+         sink: FeedSpec | None = None) -> Iterator[Held]:
     """The feed as verify works with it: a running one as it runs, one that is not running held by
     verify (no runner may start until verify ends)."""
     if holder(state) is not None:
-        yield Held(spec, state, False, master, report)
+        yield Held(spec, state, False, master, report, sink)
         return
     with ExitStack() as stack:
         try:
             stack.enter_context(state_lock(state, by=VERIFY))
         except FeedBusy:  # a runner started just now: verify it as it runs
-            yield Held(spec, state, False, master, report)
+            yield Held(spec, state, False, master, report, sink)
             return
-        yield Held(spec, state, True, master, report)
+        yield Held(spec, state, True, master, report, sink)
 
 
 def _meet(spec: FeedSpec, state: FeedState, wait_s: float, *, hold: bool, report: Callable[[str], None],
@@ -132,7 +139,7 @@ def _meet_stopped(held: Held, wait_s: float, tables: Sequence[str]) -> Point:
     """A stopped feed's point (see the module doc)."""
     from changefeed.spark.checkpoint import chunks_to_read
 
-    spec, state = held.spec, held.state
+    spec, state, view = held.spec, held.state, held.view
     for attempt in range(ATTEMPTS):
         with on_source(spec, state) as requests:
             reading = chunks_to_read(spec, state, requests)
@@ -142,9 +149,9 @@ def _meet_stopped(held: Held, wait_s: float, tables: Sequence[str]) -> Point:
             locks = [_advisory_lock(spec, node, undo) for node in spec.sources]
             sources = _take_points(spec, undo)
             lsns = {n: p.lsn for n, p in sources.items()}
-            at = _checkpoint(spec, state) or {}
+            at = _checkpoint(view, state) or {}
             if not _behind(spec, state, locks):  # (nothing past the checkpoint: a chunk read later read the same)
-                point = _sink_side(spec, state, at, sources, tables, undo, chunks_read_later=True)
+                point = _sink_side(view, state, at, sources, tables, undo, chunks_read_later=True)
                 if point is not None:
                     point.lsns, point.locks = lsns, [conn for _, conn in locks]
                     undo.pop_all()
@@ -155,10 +162,10 @@ def _meet_stopped(held: Held, wait_s: float, tables: Sequence[str]) -> Point:
             bar.write(state.barrier_file, bar.Barrier(lsns, time.time() + wait_s + 60))
             undo.callback(bar.remove, state.barrier_file)
             _catch_up(held, f"running it up to {where(lsns)}")
-            if _checkpoint(spec, state) != lsns:
+            if _checkpoint(view, state) != lsns:
                 held.report(f"verify: the feed stopped short of {where(lsns)}; taking a new point")
                 continue
-            point = _sink_side(spec, state, lsns, sources, tables, undo)
+            point = _sink_side(view, state, lsns, sources, tables, undo)
             if point is not None:
                 undo.pop_all()
                 bar.remove(state.barrier_file)
@@ -244,9 +251,9 @@ def _checkpoint(spec: FeedSpec, state: FeedState) -> dict[str, int] | None:
 
 def _position_reader(spec: FeedSpec, state: FeedState, undo: ExitStack) -> Callable[[], dict[str, int] | None]:
     if sink_of(spec.sink).name == "kafka":
-        return FileLedger(ledger_path(state)).checkpoint
+        return FileLedger(ledger_path(spec, state)).checkpoint
     sink = undo.enter_context(connect(spec.sink, "sink"))
-    return lambda: _position(sink, spec.name)
+    return lambda: _position(sink, spec.key)
 
 
 def _sink_side(spec: FeedSpec, state: FeedState, at: dict[str, int], sources: dict[str, Any],
@@ -257,14 +264,14 @@ def _sink_side(spec: FeedSpec, state: FeedState, at: dict[str, int], sources: di
     if sink_of(spec.sink).name == "kafka":
         from changefeed.control.verify_messages import high_marks_of
 
-        ledger = FileLedger(ledger_path(state))
+        ledger = FileLedger(ledger_path(spec, state))
         marks = high_marks_of(spec, tables)
         return Point(dict(at), sources, None, marks=marks, sink_at=dict(at)) if ledger.checkpoint() == at else None
     sink = undo.enter_context(connect(spec.sink, "sink"))
     with lost_connection("sink"):
         cs.session(sink)
         sink.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        if (_position(sink, spec.name) or {}) != at or not chunks_read_later and _chunk_read_past(sink, spec.name, at):
+        if (_position(sink, spec.key) or {}) != at or not chunks_read_later and _chunk_read_past(sink, spec.key, at):
             return None
         snapshot = one_row(sink.execute("SELECT pg_export_snapshot()"))[0]
     return Point(dict(at), sources, sink, snapshot, sink_at=dict(at))

@@ -53,6 +53,12 @@ class Offset:
             raise OffsetError(f"an offset of {len(self.lsns)} nodes has no single LSN")
         return next(iter(self.lsns.values()))
 
+    @property
+    def order(self) -> int:
+        """What orders a feed's batches: a one-node feed's end LSN, else the resolved ts (as
+        core.change.BatchProgress.end_lsn)."""
+        return self.lsn if len(self.lsns) == 1 else self.ts
+
     def at(self, lsn: Lsn) -> Offset:
         """The same offset with a one-node feed's position moved to `lsn`."""
         (node,) = self.lsns

@@ -11,6 +11,7 @@ writes in parallel (Delta) commits there, once, with everything the tasks wrote.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from changefeed.sinks.batch_input import BatchInput
@@ -71,13 +72,20 @@ class Sink:
         and no shuffle is paid for."""
         return changes.repartition(1) if parallel_reads or spec.multi_node else changes.coalesce(1)
 
+    def beside(self, packed: Iterator[Any], options: dict[str, str]) -> Iterator[Any]:
+        """The batch's packed rows (one task's, all of them) as this sink's writer takes them when it
+        writes beside other sinks in one task (sinks.fan_out): as `plan` shapes them, in that task."""
+        return packed
+
     def __repr__(self) -> str:
         return f"<sink {self.name}>"
 
 
-def ledger_path(state: "FeedState") -> str:
-    """Where a sink without a place of its own keeps its ledger (sinks.ledger.FileLedger)."""
-    return str(state.dir / "delivered.jsonl")
+def ledger_path(spec: "FeedSpec", state: "FeedState") -> str:
+    """Where a sink without a place of its own keeps its ledger (sinks.ledger.FileLedger): one file
+    per sink of the feed (spec.sinks: a named sink's key is FEED.NAME)."""
+    named = spec.key.removeprefix(spec.name)
+    return str(state.dir / f"delivered{named}.jsonl")
 
 
 def task_slots(spark: Any) -> int:

@@ -35,7 +35,7 @@ def message_options(spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
     outbox = spec.outbox_spec
     return {"format": spec.format, "diff": str(spec.diff).lower(),
             "database": str(conninfo_to_dict(spec.sources[0].uri).get("dbname") or ""),
-            "ledger": ledger_path(state), "outbox": json.dumps(outbox.to_json()) if outbox else ""}
+            "ledger": ledger_path(spec, state), "outbox": json.dumps(outbox.to_json()) if outbox else ""}
 
 
 class MessageWriter:

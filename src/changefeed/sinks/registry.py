@@ -1,6 +1,6 @@
 """Sinks by URI scheme: `--sink SCHEME://...` names the package `sinks/NAME/` whose `SINK` serves it.
 
-Adding a sink: a package with a `SINK` (sinks.base.Sink) and its schemes here. Packages are
+Adding a sink: a package with a `SINK` (sinks.base.Sink) and its schemes in spec.sinks.SCHEMES. Packages are
 imported only when a feed uses them, so a sink's dependencies cost nothing to feeds without it.
 """
 from __future__ import annotations
@@ -9,18 +9,14 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from changefeed.errors import ConfigError
+from changefeed.spec.sinks import kind_of
 
 if TYPE_CHECKING:
     from changefeed.sinks.base import Sink
     from changefeed.sinks.ledger import Ledger
     from changefeed.spec.definition import FeedSpec
+    from changefeed.spec.sinks import SinkTarget
     from changefeed.spec.state import FeedState
-
-SCHEMES = {"postgresql": "replica", "postgres": "replica", "kafka": "kafka", "webhook-http": "webhook",
-           "webhook-https": "webhook", "delta": "delta", "delta+s3": "delta", "delta+gs": "delta",
-           "delta+az": "delta", "delta+abfss": "delta"}
-EXAMPLES = ("postgresql://USER:PASSWORD@HOST:5432/DB (a replica), kafka://HOST:9092, webhook-https://HOST/PATH "
-            "or delta:///ABS/PATH")
 
 
 def sink_named(name: str) -> "Sink":
@@ -30,28 +26,48 @@ def sink_named(name: str) -> "Sink":
 
 
 def sink_of(uri: str) -> "Sink":
-    scheme = uri.split("://", 1)[0] if "://" in uri else ""
-    if scheme not in SCHEMES:
-        raise ConfigError(f"--sink has an unknown scheme {scheme or '<none>'!r}", f"use {EXAMPLES}")
-    return sink_named(SCHEMES[scheme])
+    return sink_named(kind_of(uri))
+
+
+def sinks_of(spec: "FeedSpec") -> list[tuple["SinkTarget", "FeedSpec", "Sink"]]:
+    """Each sink of the feed: its target, the feed as it sees it (FeedSpec.for_sink), its kind."""
+    views = [(t, spec.for_sink(t)) for t in spec.sink_targets]
+    return [(t, view, sink_of(view.sink)) for t, view in views]
 
 
 def validated(spec: "FeedSpec") -> "FeedSpec":
-    """`spec`, checked as a whole: the definition itself, then the sink URI's options and what the
-    sink says of the feed (without connecting)."""
+    """`spec`, checked as a whole: the definition itself, then each sink URI's options and what
+    each sink says of the feed (without connecting)."""
     spec.validate()
-    sink = sink_of(spec.sink)
-    sink.validate(spec.sink)
-    sink.check_feed(spec)
-    if not sink.messages and (spec.format != "json" or spec.diff):
+    kinds = []
+    for _, one, sink in sinks_of(spec):
+        sink.validate(one.sink)
+        sink.check_feed(one)
+        kinds.append(sink)
+    if not any(k.messages for k in kinds) and (spec.format != "json" or spec.diff):
         raise ConfigError("--format and --diff apply to message sinks (Kafka, webhook), not to a replica",
                           "leave them out: a replica receives rows")
-    if spec.outbox and not sink.messages:
+    if spec.outbox and not any(k.messages for k in kinds):
         raise ConfigError("--outbox needs a message sink (kafka://, webhook-https://)",
                           "a replica copies the outbox table like any other: leave --outbox out")
     return spec
 
 
 def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":
-    """The feed's ledger; a sink that keeps it remotely connects (ConnectionFailed, AuthenticationFailed)."""
-    return sink_of(spec.sink).open_ledger(spec, state)
+    """The feed's ledger (with several sinks, all of theirs as one: sinks.ledgers); a sink that
+    keeps it remotely connects (ConnectionFailed, AuthenticationFailed)."""
+    if not spec.several_sinks:
+        [(_, one, sink)] = sinks_of(spec)
+        return sink.open_ledger(one, state)
+    from changefeed.sinks.fan_out import named
+    from changefeed.sinks.ledgers import SinkLedgers
+
+    each: list[tuple[str, Ledger]] = []
+    try:
+        for target, one, sink in sinks_of(spec):
+            with named(target.name):
+                each.append((target.name, sink.open_ledger(one, state)))
+    except BaseException:
+        SinkLedgers(each).close()
+        raise
+    return SinkLedgers(each)

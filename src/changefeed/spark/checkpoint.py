@@ -49,10 +49,18 @@ def resyncing(state: FeedState, requests: Requests) -> tuple[str, ...]:
     return tuple(sorted({t for _, tables in requests.after(taken) for t in tables}))
 
 
-def _key(offset: Offset) -> int:
-    """What orders a feed's batches: a one-node feed's end LSN, else the resolved ts (as
-    core.change.BatchProgress.end_lsn)."""
-    return offset.lsn if len(offset.lsns) == 1 else offset.ts
+def resume_until(state: FeedState, ledger: Ledger, report: Callable[[str], None]) -> Offset | None:
+    """Where the first batch of a query that starts from the sinks' ledgers (`resume`) ends: the
+    furthest sink's position, when a feed's several sinks disagree (sinks.ledgers), else None."""
+    from changefeed.sinks.ledgers import SinkLedgers
+
+    if not isinstance(ledger, SinkLedgers) or (until := ledger.resume_until()) is None:
+        return None
+    end = Offset.from_json(until)
+    behind = [name for name, offset in ledger.offsets() if offset.order < end.order]
+    report(f"feed {state.dir.name}: sink{'s' if len(behind) > 1 else ''} {', '.join(behind)} lack the last batch "
+           "the others recorded: the first batch is planned up to exactly its end, and only they take it")
+    return end
 
 
 def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None], *, in_parts: bool = False
@@ -86,8 +94,8 @@ def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None], *, i
                 "to start the feed over, changefeed remove --name NAME and create it again")
         return None
     offset = Offset.from_json(recorded)
-    in_flight = in_parts and end is not None and not committed and _key(offset) < _key(end)
-    if end is not None and _key(offset) <= _key(end) and not in_flight:
+    in_flight = in_parts and end is not None and not committed and offset.order < end.order
+    if end is not None and offset.order <= end.order and not in_flight:
         return None
     if end is not None:
         aside = state.checkpoint.with_name("checkpoint.replaced")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from changefeed.core.offsets import Offset
+from changefeed.sinks.base import Sink
 from changefeed.sinks.registry import sink_of
 from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log
 from changefeed.spec.definition import FeedSpec
@@ -60,14 +61,15 @@ def _register_sources(spark: Any) -> None:
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
                 parallel_reads: bool = False, resync: tuple[str, ...] = (), epoch: int | None = None,
-                resume: Offset | None = None) -> Any:
+                resume: Offset | None = None, until: Offset | None = None) -> Any:
     """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
     feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
     parallel tasks and shuffles them to the writer task(s); without it the writer task reads them
     itself, one after the other, and no shuffle is paid for (see sinks.base.Sink.plan). `epoch`, the
     runner's lease term, goes to the sink's writer: a sink with a fence refuses it once a later
     term claimed the sink (control.lease_keeper). `resume`: where the query starts when the state
-    folder has no checkpoint of the feed (spark.checkpoint.resume)."""
+    folder has no checkpoint of the feed (spark.checkpoint.resume), and `until` where its first
+    batch then ends (spark.checkpoint.resume_until)."""
     nodes = [[n.name, n.uri, n.slot, n.publication] for n in spec.sources]
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
@@ -83,13 +85,20 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("barrier_file", str(state.barrier_file))
               .option("joining_file", str(state.joining_file))
               .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000)))
-              .option("resume_offset", json.dumps(resume.to_json()) if resume else ""))
-    sink = sink_of(spec.sink)
-    options = {"sink": sink.name, "uri": spec.sink, "feed": spec.name, "multi_node": str(spec.multi_node).lower(),
-               "resync": ",".join(resync), "epoch": "" if epoch is None else str(epoch),
-               **sink.writer_options(spec, state)}
-    writer = (sink.plan(reader.load(), spec, parallel_reads).writeStream.format("changefeed-sink")
-              .queryName(f"changefeed_{spec.name}").options(**options)
+              .option("resume_offset", json.dumps(resume.to_json()) if resume else "")
+              .option("resume_until", json.dumps(until.to_json()) if resume and until else ""))
+    targets = []
+    for target in spec.sink_targets:
+        one = spec.for_sink(target)
+        sink = sink_of(one.sink)
+        targets.append({"name": target.name, "sink": sink.name, "uri": one.sink, "feed": spec.name, "key": one.key,
+                        "multi_node": str(spec.multi_node).lower(), "resync": ",".join(resync),
+                        "epoch": "" if epoch is None else str(epoch), **sink.writer_options(one, state)})
+    # several sinks write side by side in one task (sinks.fan_out), as the base shape has it
+    only = spec if spec.several_sinks else spec.for_sink(spec.sink_targets[0])
+    shape = Sink() if spec.several_sinks else sink_of(only.sink)
+    writer = (shape.plan(reader.load(), only, parallel_reads).writeStream.format("changefeed-sink")
+              .queryName(f"changefeed_{spec.name}").option("targets", json.dumps(targets))
               .option("checkpointLocation", str(state.checkpoint)))
     if available_now:
         writer = writer.trigger(availableNow=True)
@@ -108,8 +117,8 @@ def warm_workers(spark: Any, spec: FeedSpec) -> None:
     if getattr(spark, "_changefeed_warm", False):
         return
 
-    sink = sink_of(spec.sink).name
-    modules = ["changefeed.spark.reads", "changefeed.spark.writer", f"changefeed.sinks.{sink}.writer"]
+    modules = ["changefeed.spark.reads", "changefeed.spark.writer",
+               *(f"changefeed.sinks.{sink_of(t.uri).name}.writer" for t in spec.sink_targets)]
     slots = task_slots(spark)
 
     def load(batches: Any) -> Any:

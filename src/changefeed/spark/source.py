@@ -69,7 +69,8 @@ class ChangefeedSource(DataSource):
     postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
     as one GroupPartition), max_clock_skew_us
     (see core.distributed), resume_offset (where a query without a checkpoint starts, see
-    initialOffset)."""
+    initialOffset), resume_until (where its first batch then ends: the furthest of several sinks,
+    sinks.ledgers)."""
 
     @classmethod
     def name(cls) -> str:
@@ -102,6 +103,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
         self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
         self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
+        self._until: Offset | None = None  # set by initialOffset: where the first batch must end
+        self.resume_until = Offset.from_json(options["resume_until"]) if options.get("resume_until") else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -146,6 +149,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                "were released without reaching the sink (a sink restored from a backup?)",
                                start_over_hint(self.feed))
         if self.resume is not None:  # (a node the sink's last batch did not read yet: from its slot)
+            self._until = self.resume_until
             return replace(self.resume, lsns={**lsns, **self.resume.lsns}).to_json()
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
@@ -198,6 +202,10 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # decodes only the new window.
         start = self._joined(Offset.from_json(start_json))
         self._release(start)
+        if self._until is not None:  # what the least far sink lacks: exactly the batch the others have
+            until, self._until = self._until, None
+            if until.order > start.order:
+                return until.to_json()
         barrier = bar.read(self.barrier_file) if self.barrier_file else None
         if barrier is not None and barrier.reached(start.lsns):
             return start_json  # a verify compares the sink at exactly here: wait for it

@@ -12,7 +12,10 @@ plan a query, where imports would only delay a feed's start.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from contextlib import nullcontext
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pyspark import TaskContext
@@ -30,22 +33,23 @@ if TYPE_CHECKING:
 
 
 class Written(WriterCommitMessage):
-    """One writer task's result, as its sink's `write` returned it."""
+    """One writer task's result: per sink of the feed, what its `write` returned."""
 
-    def __init__(self, result: Any) -> None:
-        self.result = result
+    def __init__(self, results: list[Any]) -> None:
+        self.results = results
 
 
 class SinkSource(DataSource):
-    """Options: sink (the package name, sinks.registry), uri, feed, multi_node, and the sink's own
-    (sinks.base.Sink.writer_options)."""
+    """Options: targets (a JSON list, per sink of the feed: name, sink (the package name,
+    sinks.registry), uri, feed, key (its ledger's), multi_node, and the sink's own options,
+    sinks.base.Sink.writer_options)."""
 
     @classmethod
     def name(cls) -> str:
         return "changefeed-sink"
 
     def streamWriter(self, schema: Any, overwrite: bool) -> "SinkStreamWriter":
-        return SinkStreamWriter(dict(self.options))
+        return SinkStreamWriter(json.loads(self.options["targets"]))
 
 
 def task() -> "Task":
@@ -62,35 +66,56 @@ def task() -> "Task":
 
 
 class SinkStreamWriter(DataSourceStreamArrowWriter):
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
+    """One sink writes as its own shape asks (sinks.base.Sink.plan); several write side by side
+    in the batch's one task (sinks.fan_out), and commit one after the other on the driver."""
 
-    def _writer(self) -> "BatchWriter":
-        from changefeed.sinks.registry import sink_named
+    def __init__(self, targets: list[dict[str, str]]) -> None:
+        self.targets = targets
 
-        return sink_named(self.options["sink"]).writer(self.options)
+    def _named(self, target: dict[str, str]) -> Any:
+        from changefeed.sinks.fan_out import named
+
+        return named(target["name"]) if len(self.targets) > 1 else nullcontext()
 
     def write(self, iterator: Iterator[Any]) -> Written:
         from changefeed.sinks.batch_input import BatchInput
+        from changefeed.sinks.fan_out import Writing, write_all
+        from changefeed.sinks.registry import sink_named
 
         with carried("sink"):
-            rows = BatchInput(iterator, task(), multi_node=self.options.get("multi_node") == "true")
-            return Written(self._writer().write(rows))
+            multi_node = self.targets[0].get("multi_node") == "true"
+            if len(self.targets) == 1:
+                rows = BatchInput(iterator, task(), multi_node=multi_node)
+                return Written([_writer(self.targets[0]).write(rows)])
+            sinks = [Writing(t["name"], _writer(t), partial(sink_named(t["sink"]).beside, options=t))
+                     for t in self.targets]
+            return Written(write_all(iterator, sinks, task(), multi_node))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         with carried("sink"):
-            self._writer().commit(_results(messages), batchId)
+            for i, target in enumerate(self.targets):
+                with self._named(target):
+                    _writer(target).commit(_results(messages, i), batchId)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         with carried("sink"):
-            self._writer().abort(_results(messages), batchId)
+            for i, target in enumerate(self.targets):
+                with self._named(target):
+                    _writer(target).abort(_results(messages, i), batchId)
 
 
-def _results(messages: list[WriterCommitMessage | None]) -> list[Any]:
-    """The writer tasks' results (a task that returned no message is left out)."""
+def _writer(target: dict[str, str]) -> "BatchWriter":
+    from changefeed.sinks.registry import sink_named
+
+    return sink_named(target["sink"]).writer(target)
+
+
+def _results(messages: list[WriterCommitMessage | None], sink: int) -> list[Any]:
+    """The writer tasks' results for the feed's `sink`-th sink (a task that returned no message is
+    left out)."""
     out = []
     for m in messages:
         if m is not None:
             assert isinstance(m, Written), f"a writer task returned a {type(m).__name__}"  # write returns Written
-            out.append(m.result)
+            out.append(m.results[sink])
     return out

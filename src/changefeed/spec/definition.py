@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from changefeed.errors import ConfigError
+from changefeed.spec.sinks import SinkTarget, check_names, envelope_of, targets
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
@@ -89,6 +90,39 @@ class FeedSpec:
     max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S  # how far the nodes' clocks may disagree (core.distributed)
     lease_s: float = DEFAULT_LEASE_S  # how long a runner's lease lasts unrenewed (postgres.lease)
     failover_slot: bool = True  # PostgreSQL 17+: slots made as failover slots (kept on a synchronized standby)
+    sinks: tuple[tuple[str, str], ...] = ()  # (name, URI) of each named sink (spec.sinks); () = the bare `sink`
+    sink_key: str = ""  # the feed as one of its sinks sees it (for_sink): that sink's ledger key
+
+    @property
+    def sink_targets(self) -> tuple[SinkTarget, ...]:
+        """The feed's sinks, the bare one first (spec.sinks)."""
+        return targets(self.name, self.sink, self.sinks)
+
+    @property
+    def several_sinks(self) -> bool:
+        return len(self.sink_targets) > 1
+
+    @property
+    def key(self) -> str:
+        """The key this feed's (only) sink keeps its ledger under: the feed's name, or in a view for
+        one of several sinks (for_sink) that sink's."""
+        return self.sink_key or self.name
+
+    def for_sink(self, target: SinkTarget) -> "FeedSpec":
+        """The feed as sink `target` sees it: its URI as the only sink (without the envelope keys,
+        which override --format and --diff for it), its ledger key."""
+        uri, envelope = envelope_of(target.uri)
+        return FeedSpec(**{**self.__dict__, "sink": uri, "sinks": (), "sink_key": target.key,
+                           "format": envelope.get("format", self.format),
+                           "diff": envelope.get("diff", str(self.diff).lower()) == "true"})
+
+    def sink_named(self, name: str) -> SinkTarget:
+        """The sink named `name` (ConfigError naming the feed's sinks if none is)."""
+        found = [t for t in self.sink_targets if t.name == name]
+        if not found:
+            raise ConfigError(f"feed {self.name} has no sink named {name!r}",
+                              f"its sinks are {', '.join(t.name for t in self.sink_targets)}")
+        return found[0]
 
     @property
     def sources(self) -> tuple[SourceNode, ...]:
@@ -104,7 +138,8 @@ class FeedSpec:
 
         return FeedSpec(**{**self.__dict__, "source": protect_uri(self.source, "--source") if self.source else "",
                            "nodes": tuple((n, protect_uri(u, f"--source {n}")) for n, u in self.nodes),
-                           "sink": protect_uri(self.sink, "--sink")})
+                           "sink": protect_uri(self.sink, "--sink") if self.sink else "",
+                           "sinks": tuple((n, protect_uri(u, f"--sink {n}")) for n, u in self.sinks)})
 
     def check_secrets(self) -> None:
         """ConfigError unless every reference in the URIs can be resolved here, and a password file
@@ -114,7 +149,7 @@ class FeedSpec:
         from changefeed.spec.secrets import check, passfile_problem
 
         uris = [(n.uri, f"--source {n.name}" if self.multi_node else "--source") for n in self.sources]
-        for uri, option in [*uris, (self.sink, "--sink")]:
+        for uri, option in [*uris, *((t.uri, t.option) for t in self.sink_targets)]:
             check(uri, option)
             postgres = uri.startswith(("postgresql://", "postgres://"))
             if postgres and urlsplit(uri).password is None and os.environ.get("PGPASSFILE") and \
@@ -153,7 +188,7 @@ class FeedSpec:
         if not _NAME.match(self.name):
             raise ConfigError(f"feed name {self.name!r} is not allowed",
                               "use 1-40 lowercase letters, digits or _, starting with a letter")
-        required = (("source", self.source or self.nodes), ("sink", self.sink), ("tables", self.tables))
+        required = (("source", self.source or self.nodes), ("sink", self.sink or self.sinks), ("tables", self.tables))
         missing = [f"--{option}" for option, value in required if not value]
         if missing:
             raise ConfigError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required for a new feed",
@@ -162,9 +197,18 @@ class FeedSpec:
         self._validate_nodes()
         from changefeed.core.envelope import FORMATS
 
+        if self.sink and self.sinks:
+            raise ConfigError("a feed has either one bare --sink URI or named sinks, not both",
+                              "name every sink: --sink NAME=URI")
+        check_names(self.sink_targets)
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
                               "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
+        for t in self.sink_targets:
+            own = envelope_of(t.uri)[1]
+            if own.get("format", self.format) not in FORMATS or own.get("diff", "false") not in ("true", "false"):
+                raise ConfigError(f"{t.option}: format must be one of {', '.join(FORMATS)} and diff true or false, "
+                                  f"got {own}", "e.g. ?format=debezium or ?diff=true in the sink's URI")
         bad = [t for t in self.tables if not _TABLE.match(t)]
         if bad:
             raise ConfigError(f"table names must be schema.table: {', '.join(bad)}", "e.g. public.accounts")
@@ -235,7 +279,7 @@ class FeedSpec:
         assert self.outbox_spec is not None  # parses the columns
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        return json.dumps({k: v for k, v in asdict(self).items() if k != "sink_key"}, indent=2)
 
     @classmethod
     def from_json(cls, text: str, origin: str) -> "FeedSpec":
@@ -248,6 +292,7 @@ class FeedSpec:
             data["tables"] = tuple(data["tables"])
             data["nodes"] = tuple((str(n), str(u)) for n, u in data.get("nodes", ()))
             data["renamed"] = tuple((str(a), str(b)) for a, b in data.get("renamed", ()))
+            data["sinks"] = tuple((str(n), str(u)) for n, u in data.get("sinks", ()))
             return cls(**data).validate()
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None

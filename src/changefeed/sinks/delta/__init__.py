@@ -7,6 +7,7 @@ is the batch writer, `duck` reads the lake with DuckDB.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ class DeltaSink(Sink):
         from changefeed.sinks.delta.ledger import DeltaLedger
         from changefeed.sinks.delta.options import DeltaOptions
 
-        return DeltaLedger(DeltaOptions.parse(spec.sink), spec.name)
+        return DeltaLedger(DeltaOptions.parse(spec.sink), spec.key)
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
         """The feed's application transaction, and the furthest position a table of the feed holds
@@ -54,7 +55,7 @@ class DeltaSink(Sink):
         from changefeed.sinks.delta.table import applied_upto, open_table
 
         opts = DeltaOptions.parse(spec.sink)
-        app = DeltaLedger(opts, spec.name).app()
+        app = DeltaLedger(opts, spec.key).app()
         floor = max((applied_upto(open_table(opts.table_uri(*split_table(t)), opts.storage), app)
                      for t in spec.tables), default=0)
         return {"app": app, "floor": str(floor)}
@@ -74,6 +75,15 @@ class DeltaSink(Sink):
         tasks = opts.tasks or task_slots(changes.sparkSession)
         return (changes.mapInArrow(partial(split, mode=opts.mode, buckets=opts.buckets), SPLIT_DDL)
                 .repartition(tasks, "part"))
+
+    def beside(self, packed: Iterator[Any], options: dict[str, str]) -> Iterator[Any]:
+        """Split as `plan` does, all in this one task (the buckets of a table then written one
+        after the other)."""
+        from changefeed.sinks.delta.options import DeltaOptions
+        from changefeed.sinks.delta.split import split
+
+        opts = DeltaOptions.parse(options["uri"])
+        return split(packed, mode=opts.mode, buckets=opts.buckets)
 
 
 SINK = DeltaSink()

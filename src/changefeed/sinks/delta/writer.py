@@ -50,7 +50,7 @@ class DeltaWriter:
     all), epoch (the runner's lease term)."""
 
     def __init__(self, options: dict[str, str]) -> None:
-        self.feed = options["feed"]
+        self.feed = options["key"]
         self.opts = DeltaOptions.parse(options["uri"])
         self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
         self.app, self.floor = options["app"], int(options.get("floor") or 0)

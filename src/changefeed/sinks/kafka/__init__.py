@@ -38,13 +38,13 @@ class KafkaSink(Sink):
         from changefeed.sinks.kafka.ledger import KafkaLedger
         from changefeed.sinks.kafka.options import KafkaOptions
 
-        return KafkaLedger(ledger_path(state), KafkaOptions.parse(spec.sink), spec.name, outbox=spec.outbox)
+        return KafkaLedger(ledger_path(spec, state), KafkaOptions.parse(spec.sink), spec.key, outbox=spec.outbox)
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
         from changefeed.sinks.kafka.options import KafkaOptions
         from changefeed.sinks.kafka.probe import resolve
 
-        opts = resolve(KafkaOptions.parse(spec.sink), spec.name)  # the driver's verdict: writer tasks do not probe
+        opts = resolve(KafkaOptions.parse(spec.sink), spec.key)  # the driver's verdict: writer tasks do not probe
         topics = [opts.topic(*t.split(".", 1)) for t in spec.tables if t != spec.outbox]  # events: their own topics
         return {**message_options(spec, state), "topics": ",".join(topics), "progress_reader": opts.progress_reader}
 

@@ -29,7 +29,7 @@ class KafkaWriter(MessageWriter):
         opts = KafkaOptions.parse(o["uri"]).reading(o.get("progress_reader") or "auto")  # resolved by the driver
         stream = MessageStream(self.formatter(), opts.topic, opts.tombstones_for(o["format"]), outbox_spec(o),
                                event_topic=opts.event_topic)
-        out = KafkaBatch(opts, o["feed"], batch.task.query_id, batch.task.batch_id,
+        out = KafkaBatch(opts, o["key"], batch.task.query_id, batch.task.batch_id,
                          epoch=int(o["epoch"]) if o.get("epoch") else None)
         done = out.open()
         if done is not None:  # committed before a crash: Spark replays it, Kafka has it

@@ -27,7 +27,7 @@ class ReplicaSink(Sink):
         from changefeed.postgres.connect import connect
         from changefeed.sinks.replica.ledger import ReplicaLedger
 
-        return ReplicaLedger(connect(spec.sink, "sink"), spec.name)
+        return ReplicaLedger(connect(spec.sink, "sink"), spec.key)
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
         return {"renamed": json.dumps(spec.renamed)}

@@ -28,7 +28,7 @@ class ReplicaWriter:
 
     def __init__(self, options: dict[str, str]) -> None:
         self.uri = options["uri"]
-        self.feed = options["feed"]
+        self.feed = options["key"]
         self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
         self.renamed = dict(json.loads(options.get("renamed") or "[]"))
         self.epoch = int(options["epoch"]) if options.get("epoch") else None

@@ -29,7 +29,7 @@ class WebhookSink(Sink):
         from changefeed.sinks.webhook.batch import WebhookLedger
         from changefeed.sinks.webhook.options import WebhookOptions
 
-        return WebhookLedger(spec.sources[0].uri, spec.name, ledger_path(state), WebhookOptions.parse(spec.sink))
+        return WebhookLedger(spec.sources[0].uri, spec.key, ledger_path(spec, state), WebhookOptions.parse(spec.sink))
 
     def resumable(self, uri: str) -> bool:
         return True  # its ledger is on the source; each request checks the lease (webhook.cuts)

@@ -41,7 +41,7 @@ POLL_S = 0.2  # while the lease ran out unrenewed: how often to look whether its
 _ADMIT = """
 WITH lease AS (SELECT epoch, expires_at > clock_timestamp() AS live FROM changefeed.leases WHERE feed = %(feed)s),
 cut AS (INSERT INTO changefeed.request_cuts (feed, batch, first_lsn, request, last)
-        SELECT %(feed)s, %(batch)s, %(lsn)s, %(request)s, %(last)s FROM lease
+        SELECT %(key)s, %(batch)s, %(lsn)s, %(request)s, %(last)s FROM lease
         WHERE epoch = %(epoch)s AND live AND %(request)s::int IS NOT NULL
         ON CONFLICT DO NOTHING)
 SELECT epoch, live FROM lease"""
@@ -81,17 +81,18 @@ def ensure(uri: str) -> None:
 
 
 class RequestLog:
-    """A writer task's way to the feed's first source node."""
+    """A writer task's way to the feed's first source node: the lease is the feed's, the cuts its
+    sink's (`key`, spec.sinks)."""
 
-    def __init__(self, uri: str, feed: str, epoch: int, wait_s: float) -> None:
-        self.uri, self.feed, self.epoch, self.wait_s = uri, feed, epoch, wait_s
+    def __init__(self, uri: str, feed: str, key: str, epoch: int, wait_s: float) -> None:
+        self.uri, self.feed, self.key, self.epoch, self.wait_s = uri, feed, key, epoch, wait_s
 
     def cuts(self, batch: Batch) -> list[int]:
         """Where the batch's requests were cut before (the last message's position of each), in order."""
         with _session(self.uri) as conn:
             return [int(r[0]) for r in conn.execute(
                 "SELECT last FROM changefeed.request_cuts WHERE feed = %s AND batch = %s ORDER BY request",
-                (self.feed, batch.key))]
+                (self.key, batch.key))]
 
     def admit(self, batch: Batch, request: int | None, last: int) -> None:
         """Record request `request` of `batch` as cut after message `last` (None: a request of no
@@ -101,7 +102,7 @@ class RequestLog:
         waited = 0.0
         while True:
             with _session(self.uri) as conn:
-                row = conn.execute(_ADMIT, {"feed": self.feed, "batch": batch.key, "lsn": batch.lsn,
+                row = conn.execute(_ADMIT, {"feed": self.feed, "key": self.key, "batch": batch.key, "lsn": batch.lsn,
                                             "request": request, "last": last, "epoch": self.epoch}).fetchone()
             if row is None or int(row[0]) != self.epoch:
                 held = "nobody (the lease was removed)" if row is None else f"term {row[0]}"

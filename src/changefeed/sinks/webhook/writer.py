@@ -26,7 +26,7 @@ class WebhookWriter(MessageWriter):
     ledger, lease and requests' cuts are), `epoch` (the runner's lease term), `lease_s`."""
 
     def ledger(self) -> SourceLedger:
-        return SourceLedger(self.options["source"], self.options["feed"])
+        return SourceLedger(self.options["source"], self.options["key"])
 
     def write(self, batch: BatchInput) -> Delivered:
         o = self.options
@@ -36,7 +36,8 @@ class WebhookWriter(MessageWriter):
         stream = MessageStream(self.formatter(), outbox=outbox_spec(o), event_record=OutboxEvent.json_record)
         client = WebhookClient(opts)
         try:
-            log = RequestLog(o["source"], o["feed"], int(o["epoch"]), float(o["lease_s"])) if o.get("epoch") else None
+            log = (RequestLog(o["source"], o["feed"], o["key"], int(o["epoch"]), float(o["lease_s"]))
+                   if o.get("epoch") else None)
             out = WebhookBatch(client, opts, o["feed"], log)
             begun = False
             for rb in batch.in_order():

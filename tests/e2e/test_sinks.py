@@ -1,0 +1,189 @@
+"""One feed, three sinks (a replica, Kafka exactly once, a Delta change log) from one slot, under a
+writer moving money, the runner SIGKILLed at random and at the points between the sinks' commits;
+then its checkpoint lost between two sinks' commits. Every sink gets every change once, each
+transaction carries the same commit timestamp in Kafka and in the lake, the sinks record the same
+resolved timestamps, and money is never half-moved."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from changefeed.local.kafka import LocalKafka, committed, read_partition
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    kill_running,
+    moving_money,
+    start_changefeed,
+    status_of,
+    wait_for,
+    writing,
+)
+
+pytestmark = pytest.mark.timeout(900)
+ACCOUNTS, BALANCE = 20, 1000
+# random, then inside the sinks' commits: a replica or Kafka committed and the other not (the two
+# write side by side), both committed and the lake not, the lake's tables committed and its ledger not
+KILLS = ["random", "after_sink_commit:7", "before_sink_commit:8", "delta_table_committed:3", "random"]
+
+
+class Sinks:
+    def __init__(self, dbs: Dbs, kafka: LocalKafka, lake: Path) -> None:
+        self.dbs, self.kafka, self.lake = dbs, kafka, lake
+        tag = uuid.uuid4().hex[:8]
+        self.prefix, self.progress = f"m{tag}.", f"progress-{tag}"
+        self.args = ["--sink", f"dr={dbs.sink}",
+                     "--sink", f"events=kafka://{kafka.bootstrap}?topic_prefix={self.prefix}&progress_topic="
+                               f"{self.progress}&topic_partitions=1",
+                     "--sink", f"lake=delta://{lake}?mode=changelog"]
+
+    def kafka_ledger(self) -> dict[int, int]:
+        """Ledger id -> commit ts of each insert a read_committed reader gets (a repeat fails)."""
+        out: dict[int, int] = {}
+        records = committed(read_partition(self.kafka.bootstrap, f"{self.prefix}public.ledger", 0, timeout=60))
+        for r in records:
+            if r.key is None or r.value is None:
+                continue
+            value = json.loads(r.value)
+            if value["op"] == "c":
+                n = json.loads(r.key)[0]
+                assert n not in out, f"ledger row {n} twice in Kafka"
+                out[n] = int(value["updated"])
+        return out
+
+    def lake_rows(self, table: str) -> list[dict[str, Any]]:
+        from deltalake import DeltaTable
+
+        path = str(self.lake / table)
+        if not DeltaTable.is_deltatable(path):
+            return []
+        rows: list[dict[str, Any]] = pa.table(DeltaTable(path).to_pyarrow_table()).to_pylist()
+        return rows
+
+    def lake_ledger(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for r in self.lake_rows("public.ledger"):
+            if r["_op"] == "c":
+                assert r["id"] not in out, f"ledger row {r['id']} twice in the lake"
+                out[r["id"]] = r["_commit_ts"]
+        return out
+
+    def replica_top(self) -> int:
+        with psycopg.connect(self.dbs.sink) as c:
+            return int(c.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])
+
+    def least(self) -> int:
+        """The highest ledger row every sink has."""
+        return min(self.replica_top(), max(self.kafka_ledger(), default=0), max(self.lake_ledger(), default=0))
+
+    def resolved(self) -> dict[str, set[int]]:
+        """Per sink, the resolved timestamps of the batches it recorded."""
+        with psycopg.connect(self.dbs.sink) as c:
+            dr = {int(r[0]) for r in c.execute("SELECT resolved_ts FROM changefeed.progress WHERE feed = %s",
+                                               (f"{self.dbs.name}.dr",))}
+        events = {json.loads(r.value or b"")["progress"]["resolved_ts"]
+                  for r in committed(read_partition(self.kafka.bootstrap, self.progress, 0, timeout=60))
+                  if json.loads(r.value or b"")["batch"] >= 0}
+        lake = {int(json.loads(r["entry"])["progress"]["resolved_ts"])
+                for r in self.lake_rows(f"_changefeed/{self.dbs.name}.lake")}
+        return {"dr": dr, "events": events, "lake": lake}
+
+
+def _setup(dbs: Dbs) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, %s FROM generate_series(0, %s) g", (BALANCE, ACCOUNTS - 1))
+
+
+def _killed(run: list[str], point: str, log: Path, faults: Path) -> None:
+    """Run the feed until it dies at `point` ("random": SIGKILLed after a while in its batches)."""
+    env = {} if point == "random" else {"CHANGEFEED_KILL_AT": point, "CHANGEFEED_FAULT_DIR": str(faults)}
+    faults.mkdir(parents=True, exist_ok=True)
+    p = start_changefeed(*run, log=log, env=env)
+    try:
+        if point == "random":
+            wait_for("a batch", lambda: "batches since start" in log.read_text(), log)
+            time.sleep(random.uniform(0.3, 2.0))
+            os.killpg(p.pid, signal.SIGKILL)
+        assert p.wait(timeout=300) == -signal.SIGKILL, (point, log.read_text()[-3000:])
+    finally:
+        kill_running([p])
+    time.sleep(0.5)
+
+
+def test_three_sinks_from_one_slot_each_exactly_once(dbs: Dbs, tmp_path: Path, kafka: LocalKafka) -> None:
+    _setup(dbs)
+    sinks = Sinks(dbs, kafka, tmp_path / "lake")
+    state = tmp_path / "state"
+    run = ["run", "--name", dbs.name, "--state", str(state)]
+    first = changefeed_cli(*run, "--source", dbs.source, *sinks.args, "--tables", "public.ledger,public.accounts",
+                           "--available-now")  # the snapshot, before changes race it
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = [0]
+    runner: subprocess.Popen[bytes] | None = None
+    try:
+        with writing(moving_money(ACCOUNTS), dbs.source, written):
+            for i, point in enumerate(KILLS):
+                _killed(run, point, tmp_path / f"run{i}.log", tmp_path / f"faults{i}")
+            same = sinks.resolved()
+            # The checkpoint lost while the sinks disagree: a kill after the replica and Kafka
+            # committed a batch and the lake's tables took it, its ledger not; then the state
+            # folder's checkpoint gone (a new host): the feed resumes from the least far sink (the
+            # lake), its first batch exactly what the lake lacks.
+            _killed(run, "delta_table_committed:2", tmp_path / "run-lost.log", tmp_path / "faults-lost")
+            shutil.rmtree(state / dbs.name / "checkpoint")
+            log = tmp_path / "final.log"
+            runner = start_changefeed(*run, log=log)
+            time.sleep(2)
+        wait_for("every row in every sink", lambda: sinks.least() >= written[0], log, timeout=300)
+        st = status_of(dbs.name, state)
+        assert set(st["sinks"]) == {"dr", "events", "lake"}, st
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        kill_running([runner] if runner else [])
+    assert "resuming from the sink's last batch" in log.read_text(), log.read_text()[-3000:]
+    assert "lack the last batch the others recorded" in log.read_text(), log.read_text()[-3000:]
+
+    n = written[0]
+    in_kafka, in_lake = sinks.kafka_ledger(), sinks.lake_ledger()
+    assert sorted(in_kafka) == list(range(1, n + 1)), f"Kafka: {len(in_kafka)} ledger rows for {n}"
+    assert sorted(in_lake) == list(range(1, n + 1)), f"lake: {len(in_lake)} ledger rows for {n}"
+    differ = [i for i in in_kafka if in_kafka[i] != in_lake[i]]
+    assert not differ, f"{len(differ)} transactions with other timestamps in Kafka and the lake, e.g. {differ[:3]}"
+    with psycopg.connect(dbs.sink) as c:
+        ids = [r[0] for r in c.execute("SELECT id FROM ledger ORDER BY id")]
+        assert ids == list(range(1, n + 1)), f"replica: {len(ids)} ledger rows for {n}"
+        assert c.execute("SELECT sum(balance) FROM accounts").fetchone()[0] == ACCOUNTS * BALANCE
+        replica_accounts = sorted(c.execute("SELECT id, balance FROM accounts").fetchall())
+    with psycopg.connect(dbs.source) as c:
+        assert replica_accounts == sorted(c.execute("SELECT id, balance FROM accounts").fetchall())
+    moved = [r for r in sinks.lake_rows("public.accounts") if r["_op"] == "u"]
+    per_txn: dict[int, int] = {}
+    for r in moved:
+        per_txn[r["_commit_ts"]] = per_txn.get(r["_commit_ts"], 0) + 1
+    assert set(per_txn) == set(in_lake.values()) and set(per_txn.values()) == {2}, "money half-moved in the lake"
+
+    # Before the checkpoint was lost, every sink recorded the same batches (the same resolved
+    # timestamps); after, the least far sink's first batch spans what the others had in two.
+    assert same["dr"] == same["events"] == same["lake"], {k: len(v) for k, v in same.items()}
+    after = sinks.resolved()
+    assert max(after["dr"]) == max(after["events"]) == max(after["lake"])
+    every = after["dr"] | after["events"] | after["lake"]
+    assert all(len(every - v) <= 1 for v in after.values()), {k: len(every - v) for k, v in after.items()}
+    for log_file in tmp_path.glob("*.log"):
+        assert_no_traceback(log_file.read_text())
