@@ -215,11 +215,23 @@ def cmd_alter(args: argparse.Namespace) -> int:
     from changefeed.control.lifecycle import add_node, add_tables, remove_node
 
     spec, state = _stored(args)
-    changes = (args.add_tables, args.add_node, args.remove_node, args.rename_table, args.capture_ddl)
+    changes = (args.add_tables, args.add_node, args.remove_node, args.rename_table, args.capture_ddl,
+               args.add_sink, args.remove_sink)
     if sum(map(bool, changes)) != 1:
         raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table, "
-                          "--capture-ddl", "run one alter per change")
-    if args.capture_ddl:
+                          "--capture-ddl, --add-sink, --remove-sink", "run one alter per change")
+    if args.add_sink or args.remove_sink:
+        from changefeed.control.sink_changes import add_sink, remove_sink
+
+        if args.add_sink:
+            changed = add_sink(spec, state, args.add_sink, snapshot=not args.no_snapshot)
+            follows = "its changes" if args.no_snapshot else "the tables' rows for it alone, then its changes"
+        else:
+            changed = remove_sink(spec, state, args.remove_sink)
+            follows = "its ledger dropped; the slot no longer waits for it"
+        print(f"feed {spec.name} now writes to sinks {', '.join(t.name for t in changed.sink_targets)}; "
+              f"{follows} (a running feed restarts its query at its next report)")
+    elif args.capture_ddl:
         from changefeed.control.lifecycle import capture_ddl
 
         capture_ddl(spec, state)
@@ -495,6 +507,11 @@ def parser() -> argparse.ArgumentParser:
                                               "a replica's table is renamed too)")
     alter.add_argument("--capture-ddl", action="store_true",
                        help="from now on, send the tables' schema changes through the slot (needs a superuser)")
+    alter.add_argument("--add-sink", help="NAME=URI of one more sink: it gets the captured tables' existing rows "
+                                          "for itself alone (unless --no-snapshot), then the stream; the others "
+                                          "go on undisturbed")
+    alter.add_argument("--remove-sink", help="NAME of a sink to stop writing to: its ledger is dropped, the slot no "
+                                             "longer waits for it (its delivered data stays)")
     alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
     alter.set_defaults(func=cmd_alter)
 

@@ -57,6 +57,26 @@ def test_requests_are_numbered_and_read_in_order(tmp_path) -> None:  # type: ign
     reqs = SnapshotRequests(tmp_path / "requests")
     assert reqs.after(0) == []
     assert reqs.add(["s.a"]) == 1 and reqs.add(["s.b", "s.c"]) == 2
-    assert reqs.after(0) == [(1, ["s.a"]), (2, ["s.b", "s.c"])]
-    assert reqs.after(1) == [(2, ["s.b", "s.c"])]
+    assert reqs.after(0) == [(1, ["s.a"], ()), (2, ["s.b", "s.c"], ())]
+    assert reqs.after(1) == [(2, ["s.b", "s.c"], ())]
     assert not [p for p in (tmp_path / "requests").iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_request_for_some_sinks_alone_plans_chunks_for_them() -> None:
+    """A sink added to a feed (spec.sinks) gets the tables' rows read for itself alone; a read for
+    all sinks pending already covers it, and the cursor's JSON keeps who each table is read for."""
+    def boundary(entry: str, after: list[str] | None, rows: int) -> list[str] | None:
+        return None  # one chunk per table
+
+    cursor = Cursor(pending=("s.a",)).request(["s.a", "s.b"], 1, ["lake"])
+    assert cursor.pending == ("s.a", "s.a", "s.b") and cursor.only == ("", "lake", "lake")
+    assert Cursor.from_offset({"snap": cursor.to_json()}) == cursor
+    again = cursor.request(["s.b"], 2, ["lake"])
+    assert again.pending == cursor.pending and again.requests == 2  # pending for lake already
+    chunks, after = cursor.plan(boundary, 2, 10)
+    assert [(c.table, c.only) for c in chunks] == [("s.a", ()), ("s.a", ("lake",))]
+    assert after.pending == ("s.b",) and after.only == ("lake",)
+    assert [Chunk.from_json(c.to_json()) for c in chunks] == chunks
+    chunks, done = after.plan(boundary, 4, 10)
+    assert [(c.table, c.only) for c in chunks] == [("s.b", ("lake",))]
+    assert done.to_json() == Cursor(next_no=3).to_json() | {"req": 1}

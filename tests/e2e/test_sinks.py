@@ -187,3 +187,131 @@ def test_three_sinks_from_one_slot_each_exactly_once(dbs: Dbs, tmp_path: Path, k
     assert all(len(every - v) <= 1 for v in after.values()), {k: len(every - v) for k, v in after.items()}
     for log_file in tmp_path.glob("*.log"):
         assert_no_traceback(log_file.read_text())
+
+
+def _kafka_ops(kafka: LocalKafka, topic: str) -> dict[str, list[int]]:
+    """Per op, the keys (first key column) a read_committed reader gets from `topic`, in order."""
+    out: dict[str, list[int]] = {}
+    for r in committed(read_partition(kafka.bootstrap, topic, 0, timeout=60)):
+        if r.key is not None and r.value is not None:
+            out.setdefault(json.loads(r.value)["op"], []).append(json.loads(r.key)[0])
+    return out
+
+
+def test_a_sink_added_to_a_running_feed_gets_its_own_snapshot_then_goes(dbs: Dbs, tmp_path: Path,
+                                                                       kafka: LocalKafka) -> None:
+    _setup(dbs)
+    state, log = tmp_path / "state", tmp_path / "run.log"
+    tag = uuid.uuid4().hex[:8]
+    events = (f"events=kafka://{kafka.bootstrap}?topic_prefix=a{tag}.&progress_topic=progress-{tag}"
+              "&topic_partitions=1")
+    feed = ["--name", dbs.name, "--state", str(state)]
+    first = changefeed_cli("run", *feed, "--source", dbs.source, "--sink", dbs.sink, "--tables",
+                           "public.ledger,public.accounts", "--available-now")
+    assert first.returncode == 0, first.stderr[-3000:]
+    with psycopg.connect(dbs.sink) as c:
+        chunks_before = c.execute("SELECT count(*) FROM changefeed.snapshot_chunks WHERE feed = %s",
+                                  (dbs.name,)).fetchone()[0]
+    written = [0]
+    runner = start_changefeed("run", *feed, log=log)
+    try:
+        with writing(moving_money(ACCOUNTS), dbs.source, written):
+            wait_for("a batch", lambda: "batches since start" in log.read_text(), log)
+            added = changefeed_cli("alter", *feed, "--add-sink", events)
+            assert added.returncode == 0, added.stderr[-3000:]
+            assert "now writes to sinks replica, events" in added.stdout
+            wait_for("the query restarted with the new sink",
+                     lambda: "its sinks are now replica, events" in log.read_text(), log)
+            time.sleep(3)
+        n = written[0]
+
+        def in_kafka() -> dict[str, list[int]]:
+            return _kafka_ops(kafka, f"a{tag}.public.ledger")
+
+        wait_for("every ledger row in Kafka", lambda: set(in_kafka().get("c", []) + in_kafka().get("r", []))
+                 >= set(range(1, n + 1)), log)
+        got = in_kafka()
+        for op in ("c", "r"):
+            ids = got.get(op, [])
+            assert len(ids) == len(set(ids)), f"a ledger row twice in Kafka as {op!r}"
+        assert got.get("r") and got.get("c"), "the new sink got its snapshot and the stream"
+        accounts = _kafka_ops(kafka, f"a{tag}.public.accounts")
+        assert sorted(set(accounts["r"])) == list(range(ACCOUNTS)), "the accounts' existing rows, for Kafka"
+        with psycopg.connect(dbs.sink) as c:
+            chunks_after = c.execute("SELECT count(*) FROM changefeed.snapshot_chunks WHERE feed = %s",
+                                     (dbs.name,)).fetchone()[0]
+            assert chunks_after == chunks_before, "the replica was given the new sink's snapshot"
+        st = status_of(dbs.name, state)
+        assert set(st["sinks"]) == {"replica", "events"}, st
+        assert all(s["batches"] > 0 for s in st["sinks"].values()), st["sinks"]
+
+        both = changefeed_cli("verify", *feed)
+        assert both.returncode == 2 and "--sink NAME" in both.stderr, both.stderr[-2000:]
+        for sink in ("replica", "events"):
+            verified = changefeed_cli("verify", *feed, "--sink", sink)
+            assert verified.returncode == 0, (sink, verified.stdout[-2000:], verified.stderr[-2000:])
+
+        # bad input: nothing changes
+        definition = (state / dbs.name / "feed.json").read_text()
+        for args, words in ((["--add-sink", f"replica={dbs.sink}x"], "two sinks are named replica"),
+                            (["--add-sink", f"events2={events.split('=', 1)[1]}"], "have the same URI"),
+                            (["--remove-sink", "lake"], "has no sink named 'lake'"),
+                            (["--add-sink", "kafka://nameless:9092"], "--add-sink takes NAME=URI")):
+            refused = changefeed_cli("alter", *feed, *args)
+            assert refused.returncode != 0 and words in refused.stderr, (args, refused.stderr[-2000:])
+            assert (state / dbs.name / "feed.json").read_text() == definition
+
+        removed = changefeed_cli("alter", *feed, "--remove-sink", "events")
+        assert removed.returncode == 0, removed.stderr[-3000:]
+        wait_for("the query restarted without it", lambda: "its sinks are now replica:" in log.read_text(), log)
+        last = len(in_kafka().get("c", []))
+        at_removal = _applied(dbs)
+        with psycopg.connect(dbs.source, autocommit=True) as c:
+            for i in range(n + 1, n + 201):
+                c.execute("INSERT INTO ledger (id, v) VALUES (%s, 'after')", (i,))
+        wait_for("the replica caught up", lambda: _replica_top(dbs) >= n + 200, log)
+        assert len(in_kafka().get("c", [])) == last, "a removed sink got more"
+        last_only = changefeed_cli("alter", *feed, "--remove-sink", "replica")
+        assert last_only.returncode != 0 and "the only sink" in last_only.stderr
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        kill_running([runner])
+    assert not (state / dbs.name / "delivered.events.jsonl").exists(), "the removed sink's ledger stayed"
+    with psycopg.connect(dbs.source) as c:
+        slot = c.execute("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = %s",
+                         (f"changefeed_{dbs.name}",)).fetchone()[0]
+    assert _lsn(slot) > _lsn(at_removal), "the slot waits for a removed sink"
+    assert_no_traceback(log.read_text())
+
+
+def _applied(dbs: Dbs) -> str:
+    with psycopg.connect(dbs.sink) as c:
+        return str(c.execute("SELECT max(end_lsn) FROM changefeed.progress WHERE feed = %s",
+                             (dbs.name,)).fetchone()[0])
+
+
+def _lsn(text: str) -> int:
+    hi, lo = str(text).split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+def _replica_top(dbs: Dbs) -> int:
+    with psycopg.connect(dbs.sink) as c:
+        return int(c.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])
+
+
+def test_bad_sinks_on_the_command_line_create_nothing(dbs: Dbs, tmp_path: Path) -> None:
+    _setup(dbs)
+    state = tmp_path / "state"
+    for sinks, words in (([f"dr={dbs.sink}", f"dr={dbs.sink}x"], "two sinks are named dr"),
+                         ([dbs.sink, f"{dbs.sink}x"], "several times without a name"),
+                         ([f"dr={dbs.sink}", "lake=delta://relative"], "absolute")):
+        args = [a for s in sinks for a in ("--sink", s)]
+        refused = changefeed_cli("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source, *args,
+                                 "--tables", "public.ledger", "--available-now")
+        assert refused.returncode != 0 and words in refused.stderr, (sinks, refused.stderr[-2000:])
+        assert not (state / dbs.name).exists()
+    with psycopg.connect(dbs.source) as c:
+        assert c.execute("SELECT count(*) FROM pg_replication_slots WHERE database = current_database()"
+                         ).fetchone()[0] == 0

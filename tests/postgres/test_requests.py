@@ -18,9 +18,9 @@ def test_requests_are_numbered_per_feed_and_read_above_a_number(dbs: Dbs) -> Non
         assert mine.add(["public.a"]) == 1
         assert mine.add(["public.b", "public.c"]) == 2
         assert other.add(["public.z"]) == 1
-        assert mine.after(0) == [(1, ["public.a"]), (2, ["public.b", "public.c"])]
-        assert mine.after(1) == [(2, ["public.b", "public.c"])] and mine.after(2) == []
-        assert other.after(0) == [(1, ["public.z"])]
+        assert mine.after(0) == [(1, ["public.a"], ()), (2, ["public.b", "public.c"], ())]
+        assert mine.after(1) == [(2, ["public.b", "public.c"], ())] and mine.after(2) == []
+        assert other.after(0) == [(1, ["public.z"], ())]
 
 
 def test_hosts_adding_at_once_never_share_a_number(dbs: Dbs) -> None:
@@ -44,7 +44,7 @@ def test_hosts_adding_at_once_never_share_a_number(dbs: Dbs) -> None:
         t.join()
     assert sorted(got) == list(range(2, 42))
     with dbs.src() as c:
-        assert [no for no, _ in SourceRequests(lambda: c, dbs.name).after(0)] == list(range(1, 42))
+        assert [r.no for r in SourceRequests(lambda: c, dbs.name).after(0)] == list(range(1, 42))
 
 
 def test_a_state_folders_requests_are_taken_in_with_their_numbers(dbs: Dbs, tmp_path: Path) -> None:
@@ -54,7 +54,7 @@ def test_a_state_folders_requests_are_taken_in_with_their_numbers(dbs: Dbs, tmp_
     old.add(["public.b"])
     with dbs.src() as c:
         requests = SourceRequests(lambda: c, dbs.name, folder)
-        assert requests.after(1) == [(2, ["public.b"])]  # read from the folder while the source has no table
+        assert requests.after(1) == [(2, ["public.b"], ())]  # read from the folder while the source has no table
         assert requests.add(["public.c"]) == 3  # the folder's two first, then the new one
-        assert SourceRequests(lambda: c, dbs.name).after(0) == [(1, ["public.a"]), (2, ["public.b"]),
-                                                                 (3, ["public.c"])]
+        assert SourceRequests(lambda: c, dbs.name).after(0) == [(1, ["public.a"], ()), (2, ["public.b"], ()),
+                                                                 (3, ["public.c"], ())]

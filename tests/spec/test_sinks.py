@@ -57,7 +57,8 @@ def test_stored_and_read_back_the_same_without_a_view_key() -> None:
     ([f"dr={DR}", f"dr={EVENTS}"], "two sinks are named dr"),
     ([f"a={DR}", f"b={DR}"], "sinks a and b have the same URI"),
     ([f"Dr={DR}", f"events={EVENTS}"], "sink name 'Dr' is not allowed"),
-    ([DR, f"events={EVENTS}"], "not every one with a name"),
+    ([DR, EVENTS], "several times without a name"),
+    ([DR, f"replica={EVENTS}"], "two sinks are named replica"),
     ([f"dr={DR}", "lake=s3://bucket"], "unknown scheme 's3'"),
     ([f"dr={DR}", f"events={EVENTS}&format=avro"], "--sink events: format must be one of"),
     ([f"dr={DR}", f"events={EVENTS}&diff=maybe"], "diff true or false"),
@@ -120,3 +121,10 @@ def test_each_file_ledger_has_its_own_file(tmp_path: Path) -> None:
 def test_message_kinds_are_the_sinks_that_deliver_messages() -> None:
     kinds = set(SCHEMES.values())
     assert {k for k in kinds if sink_named(k).messages} == set(MESSAGE_KINDS)
+
+
+def test_a_bare_sink_and_named_ones_together() -> None:
+    """A feed made with one sink, given more by name later: the bare one keeps its ledger."""
+    both = validated(spec(DR, f"events={EVENTS}"))
+    assert [(t.name, t.key, t.bare) for t in both.sink_targets] == [("replica", "shop", True),
+                                                                    ("events", "shop.events", False)]

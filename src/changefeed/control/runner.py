@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from changefeed import errors, faults
-from changefeed.control import lease_keeper, retention_check
+from changefeed.control import lease_keeper, retention_check, sink_changes
 from changefeed.control import standby as standby_mode
 from changefeed.control.attach import Prepared, about, attach, follow_renames, lost_connections
 from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
@@ -156,11 +156,19 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     _run_query(prepared, spark.get(), meter, metrics, stop, retry, attempt, report,
                                available_now=available_now, report_every_s=report_every_s)
                 break
-            except NodesChanged as e:
-                spec, prepared, fault = e.spec, None, None
+            except Redefined as e:
+                before, spec, prepared, fault = spec, e.spec, None, None
                 attempt.close()
-                report(f"feed {spec.name}: its nodes are now {', '.join(n.name for n in spec.sources)}: "
-                       "restarting the query to read them")
+                if spec.nodes != before.nodes:
+                    report(f"feed {spec.name}: its nodes are now {', '.join(n.name for n in spec.sources)}: "
+                           "restarting the query to read them")
+                if spec.sink_targets != before.sink_targets:
+                    report(f"feed {spec.name}: its sinks are now {', '.join(t.name for t in spec.sink_targets)}: "
+                           "restarting the query to write to them")
+                    try:
+                        sink_changes.forget(sink_changes.gone(before, spec), before, state)
+                    except ChangefeedError as failed:  # the feed goes on: the leftover is bookkeeping only
+                        report(f"feed {spec.name}: the removed sink's ledger was not dropped: {failed.message}")
             except TransientError as e:
                 prepared, fault = None, e
             except ChangefeedError as e:
@@ -238,11 +246,11 @@ def _warn_if_readable(state: FeedState, report: Callable[[str], None]) -> None:
                f"are the feed's; chmod -R go-rwx {state.dir}")
 
 
-class NodesChanged(Exception):
-    """The feed's stored nodes differ from the running query's: start again with `spec`."""
+class Redefined(Exception):
+    """The feed's stored nodes or sinks differ from the running query's: start again with `spec`."""
 
     def __init__(self, spec: FeedSpec) -> None:
-        super().__init__(f"nodes changed to {[n.name for n in spec.sources]}")
+        super().__init__(f"nodes {[n.name for n in spec.sources]}, sinks {[t.name for t in spec.sink_targets]}")
         self.spec = spec
 
 
@@ -312,8 +320,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
                     break
                 stored = state.load()
-                if stored is not None and stored.nodes != spec.nodes:  # changefeed alter --add-node
-                    raise NodesChanged(stored)
+                if stored is not None and (stored.nodes, stored.sink_targets) != (spec.nodes, spec.sink_targets):
+                    raise Redefined(stored)  # changefeed alter --add-node, --add-sink, ...
                 if stored is not None and stored != published:  # altered: what a standby would run
                     feed_record.store(prepared.source_conn, spec.name, stored.to_json(), lease.me())
                     published = stored

@@ -14,16 +14,22 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+
+class Request(NamedTuple):
+    no: int
+    tables: list[str]
+    only: tuple[str, ...] = ()  # the sinks it is for (a sink added to the feed: spec.sinks); () = all
 
 
 class Requests(Protocol):
-    def add(self, tables: Sequence[str]) -> int:
-        """Queue a request of `tables`; its number (one above the last)."""
+    def add(self, tables: Sequence[str], only: Sequence[str] = ()) -> int:
+        """Queue a request of `tables` (for the sinks `only`, or all); its number (one above the last)."""
         ...
 
-    def after(self, taken: int) -> list[tuple[int, list[str]]]:
-        """Requests numbered above `taken`, in order: (number, tables)."""
+    def after(self, taken: int) -> list[Request]:
+        """Requests numbered above `taken`, in order."""
         ...
 
 
@@ -38,13 +44,13 @@ class SnapshotRequests:
             return []
         return sorted(int(p.stem) for p in self.folder.glob("*.json") if p.stem.isdigit())
 
-    def add(self, tables: Sequence[str]) -> int:
+    def add(self, tables: Sequence[str], only: Sequence[str] = ()) -> int:
         """Queue a request; returns its number."""
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
             no = (self._numbers() or [0])[-1] + 1
             tmp = self.folder / f".{no:06d}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"tables": list(tables)}))
+            tmp.write_text(json.dumps({"tables": list(tables), **({"only": list(only)} if only else {})}))
             try:
                 os.link(tmp, self.folder / f"{no:06d}.json")  # fails if another request took `no`
                 return no
@@ -53,7 +59,7 @@ class SnapshotRequests:
             finally:
                 tmp.unlink()
 
-    def after(self, taken: int) -> list[tuple[int, list[str]]]:
-        """Requests numbered above `taken`, in order: (number, tables)."""
-        return [(no, json.loads((self.folder / f"{no:06d}.json").read_text())["tables"])
-                for no in self._numbers() if no > taken]
+    def after(self, taken: int) -> list[Request]:
+        """Requests numbered above `taken`, in order."""
+        found = [(no, json.loads((self.folder / f"{no:06d}.json").read_text())) for no in self._numbers() if no > taken]
+        return [Request(no, d["tables"], tuple(d.get("only", ()))) for no, d in found]

@@ -51,53 +51,66 @@ class Chunk:
     table: str  # a snapshot entry: the table, or NODE:table
     lo: Key | None
     hi: Key | None
+    only: tuple[str, ...] = ()  # the sinks it is read for (a sink added to the feed); () = all of them
 
     def to_json(self) -> list[Any]:
-        return [self.no, self.table, self.lo, self.hi]
+        return [self.no, self.table, self.lo, self.hi, *([list(self.only)] if self.only else [])]
 
     @classmethod
     def from_json(cls, v: Sequence[Any]) -> "Chunk":
-        return cls(int(v[0]), str(v[1]), v[2], v[3])
+        return cls(int(v[0]), str(v[1]), v[2], v[3], tuple(v[4]) if len(v) > 4 else ())
 
 
 @dataclass(frozen=True)
 class Cursor:
     """Where the snapshot stands after a batch: tables still to read (the first one from `after`
-    on), the next chunk number, and how many snapshot requests were taken in."""
+    on), the next chunk number, and how many snapshot requests were taken in. `only` names, per
+    pending table, the sinks it is read for ("": all of them; else sink names joined by ","), for
+    a sink added to a feed of several (spec.sinks) gets the tables' rows for itself alone."""
 
     pending: tuple[str, ...] = ()
     after: Key | None = None
     next_no: int = 0
     requests: int = 0
+    only: tuple[str, ...] = ()  # aligned with `pending`; () when every table is read for all sinks
 
     def to_json(self) -> dict[str, Any]:
-        return {"pending": list(self.pending), "after": self.after, "no": self.next_no, "req": self.requests}
+        out = {"pending": list(self.pending), "after": self.after, "no": self.next_no, "req": self.requests}
+        return {**out, "only": list(self.only)} if any(self.only) else out
 
     @classmethod
     def from_offset(cls, offset: Mapping[str, Any]) -> "Cursor":
         s = offset.get("snap") or {}
-        return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)))
+        return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)),
+                   tuple(s.get("only", ())))
 
-    def request(self, tables: Sequence[str], upto: int) -> "Cursor":
-        """Take in requests up to number `upto` for `tables`: each is read (again) from its start,
-        after what is pending; a table being read now finishes first and is then read again."""
-        pending = list(self.pending)
+    def _targets(self) -> list[str]:
+        return list(self.only) if self.only else [""] * len(self.pending)
+
+    def request(self, tables: Sequence[str], upto: int, only: Sequence[str] = ()) -> "Cursor":
+        """Take in requests up to number `upto` for `tables` (for the sinks `only`, or all): each
+        is read (again) from its start, after what is pending; a table being read now finishes
+        first and is then read again (unless a later read for all sinks is pending already)."""
+        pending, targets, scope = list(self.pending), self._targets(), ",".join(only)
         for t in tables:
-            if t not in pending[1:]:
+            if not any(p == t and s in ("", scope) for p, s in zip(pending[1:], targets[1:])):
                 pending.append(t)
-        return replace(self, pending=tuple(pending), requests=max(self.requests, upto))
+                targets.append(scope)
+        return replace(self, pending=tuple(pending), requests=max(self.requests, upto),
+                       only=tuple(targets) if any(targets) else ())
 
     def plan(self, boundary: Boundary, chunks: int, rows: int) -> tuple[list[Chunk], "Cursor"]:
         """The next `chunks` chunks of about `rows` rows each, and the cursor after them."""
         out: list[Chunk] = []
-        pending, after, no = list(self.pending), self.after, self.next_no
+        pending, targets, after, no = list(self.pending), self._targets(), self.after, self.next_no
         while pending and len(out) < chunks:
             hi = boundary(pending[0], after, rows)
-            out.append(Chunk(no, pending[0], after, hi))
+            out.append(Chunk(no, pending[0], after, hi, tuple(targets[0].split(",")) if targets[0] else ()))
             no += 1
             if hi is None:
                 pending.pop(0)
+                targets.pop(0)
                 after = None
             else:
                 after = hi
-        return out, Cursor(tuple(pending), after, no, self.requests)
+        return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else ())

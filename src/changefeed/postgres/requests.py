@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from changefeed.core.requests import SnapshotRequests
+from changefeed.core.requests import Request, SnapshotRequests
 from changefeed.postgres.connect import first_node, missing
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS changefeed.snapshot_requests (
     tables jsonb NOT NULL,
     made_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (feed, no)
-)"""
+);
+ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS only_sinks jsonb"""
 
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
@@ -41,6 +42,14 @@ def forget(conn: psycopg.Connection[Any], feed: str) -> None:
     counts from 0 and would take in an old one's)."""
     if not missing(conn, "changefeed.snapshot_requests"):
         conn.execute("DELETE FROM changefeed.snapshot_requests WHERE feed = %s", (feed,))
+
+
+def void(conn: psycopg.Connection[Any], feed: str, sink: str) -> None:
+    """Sink `sink` is removed from the feed: its requests read nothing (they keep their numbers,
+    so that no later request takes one a checkpoint counts as taken in)."""
+    if not missing(conn, "changefeed.snapshot_requests") and _scope_column(conn):
+        conn.execute("UPDATE changefeed.snapshot_requests SET tables = '[]' WHERE feed = %s AND only_sinks = %s",
+                     (feed, Jsonb([sink])))
 
 
 @contextmanager
@@ -57,35 +66,44 @@ class SourceRequests:
     def __init__(self, conn: Callable[[], psycopg.Connection[Any]], feed: str, legacy: Path | str | None = None
                  ) -> None:
         self.conn, self.feed, self.legacy = conn, feed, legacy
-        self._adopted = self._made = False
+        self._adopted = self._made = self._has_scope = False
 
-    def add(self, tables: Sequence[str]) -> int:
-        """Queue a request; its number."""
+    def add(self, tables: Sequence[str], only: Sequence[str] = ()) -> int:
+        """Queue a request (for the sinks `only`, or all); its number."""
         conn = self.conn()
-        if not self._exists(conn):
+        if not self._exists(conn) or only and not self._scoped(conn):
             conn.execute(DDL)
             self._made = True
         self._adopt(conn)
         while True:
             try:
                 row = conn.execute(
-                    "INSERT INTO changefeed.snapshot_requests (feed, no, tables) SELECT %(feed)s, "
-                    "coalesce(max(no), 0) + 1, %(tables)s FROM changefeed.snapshot_requests WHERE feed = %(feed)s "
-                    "RETURNING no", {"feed": self.feed, "tables": Jsonb(list(tables))}).fetchone()
+                    "INSERT INTO changefeed.snapshot_requests (feed, no, tables" + (", only_sinks" if only else "")
+                    + ") SELECT %(feed)s, coalesce(max(no), 0) + 1, %(tables)s" + (", %(only)s" if only else "")
+                    + " FROM changefeed.snapshot_requests WHERE feed = %(feed)s RETURNING no",
+                    {"feed": self.feed, "tables": Jsonb(list(tables)), "only": Jsonb(list(only))}).fetchone()
                 assert row is not None, "an INSERT ... RETURNING of one row"
                 return int(row[0])
             except psycopg.errors.UniqueViolation:
                 continue  # another request took that number at the same time
 
-    def after(self, taken: int) -> list[tuple[int, list[str]]]:
-        """Requests numbered above `taken`, in order: (number, tables)."""
+    def after(self, taken: int) -> list[Request]:
+        """Requests numbered above `taken`, in order."""
         conn = self.conn()
         if not self._exists(conn):
             return self._old().after(taken) if self.legacy else []
         self._adopt(conn)
-        return [(int(no), list(tables)) for no, tables in conn.execute(
-            "SELECT no, tables FROM changefeed.snapshot_requests WHERE feed = %s AND no > %s ORDER BY no",
-            (self.feed, taken))]
+        scoped = self._scoped(conn)
+        return [Request(int(no), list(tables), tuple(only or ())) for no, tables, only in conn.execute(
+            f"SELECT no, tables, {'only_sinks' if scoped else 'NULL'} FROM changefeed.snapshot_requests "
+            "WHERE feed = %s AND no > %s ORDER BY no", (self.feed, taken))]
+
+    def _scoped(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether the table has the column of requests for some sinks alone (an older one was
+        made without it: the first such request adds it)."""
+        if not self._has_scope:
+            self._has_scope = _scope_column(conn)
+        return self._has_scope
 
     def _exists(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether the table exists; asked until it does (it is read at every batch's planning)."""
@@ -105,6 +123,11 @@ class SourceRequests:
         if old:
             with conn.cursor() as cur:
                 cur.executemany("INSERT INTO changefeed.snapshot_requests (feed, no, tables) VALUES (%s, %s, %s) "
-                                "ON CONFLICT DO NOTHING", [(self.feed, no, json.dumps(t)) for no, t in old])
+                                "ON CONFLICT DO NOTHING", [(self.feed, r.no, json.dumps(r.tables)) for r in old])
             shutil.rmtree(self.legacy, ignore_errors=True)  # taken in once: the source holds them now
         self._adopted = True
+
+
+def _scope_column(conn: psycopg.Connection[Any]) -> bool:
+    return bool(conn.execute("SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('changefeed.snapshot_requests') "
+                             "AND attname = 'only_sinks' AND NOT attisdropped").fetchone())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from changefeed.core import change as ch
+from changefeed.core import sink_scope
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,11 @@ class Task:
 
 
 class BatchInput:
-    def __init__(self, packed: Iterator[Any], task: Task, *, multi_node: bool = False) -> None:
-        self._packed, self.task, self.multi_node = packed, task, multi_node
+    """`sink`: the name of the sink that takes the rows (spec.sinks), which keeps only the snapshot
+    rows read for it where a read was for some sinks alone (core.sink_scope)."""
+
+    def __init__(self, packed: Iterator[Any], task: Task, *, multi_node: bool = False, sink: str = "") -> None:
+        self._packed, self.task, self.multi_node, self.sink = packed, task, multi_node, sink
         self._progress: list[ch.Progress] = []
 
     def batches(self) -> Iterator[Any]:
@@ -37,6 +41,8 @@ class BatchInput:
 
         for packed in self._packed:
             for rb in ch.unpack(packed):
+                if self.sink:
+                    rb = sink_scope.for_sink(rb, self.sink)
                 ops = rb.column("op")
                 if pc.any(pc.equal(ops, ch.PROGRESS)).as_py():
                     self._note(rb.filter(pc.equal(ops, ch.PROGRESS)))
@@ -63,7 +69,8 @@ class BatchInput:
                 *(ch.progress_batch(p.progress) for p in parts)]
 
     def _note(self, rows: Any) -> None:
-        self._progress += [ch.Progress.from_meta(m) for m in rows.column("meta").to_pylist()]
+        self._progress += [sink_scope.progress_for(ch.Progress.from_meta(m), self.sink)
+                           for m in rows.column("meta").to_pylist()]
 
     @property
     def progress_rows(self) -> list[ch.Progress]:

@@ -110,6 +110,6 @@ class _Lane:
         try:
             with named(self.sink.name):
                 self.result = self.sink.writer.write(BatchInput(self.sink.shaped(self._input()), task,
-                                                                multi_node=multi_node))
+                                                                multi_node=multi_node, sink=self.sink.name))
         except BaseException as e:  # noqa: BLE001 - raised by write_all on the task's thread
             self.error = e

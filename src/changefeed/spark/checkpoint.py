@@ -46,7 +46,7 @@ def resyncing(state: FeedState, requests: Requests) -> tuple[str, ...]:
     follows any schema change, as its rows are read again next (see core.schema_change)."""
     end, _ = logged_end(state)
     taken = end.cursor.requests if end else 0
-    return tuple(sorted({t for _, tables in requests.after(taken) for t in tables}))
+    return tuple(sorted({t for r in requests.after(taken) for t in r.tables}))
 
 
 def resume_until(state: FeedState, ledger: Ledger, report: Callable[[str], None]) -> Offset | None:

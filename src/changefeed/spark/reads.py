@@ -25,7 +25,7 @@ from pyspark.sql.datasource import InputPartition
 from changefeed import faults
 from changefeed.core import change as ch
 from changefeed.core import distributed as dist
-from changefeed.core import snapshot
+from changefeed.core import sink_scope, snapshot
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
@@ -187,12 +187,12 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
         # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
         for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
                                      part.rows_per_batch, SNAPSHOT_PIECE_BYTES):
-            yield ch.pack(rb)
+            yield ch.pack(sink_scope.mark(rb, chunk.only))
         yield from _push_through()
     read = {**reader(began), "ended": time.time()}
-    done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows,
-                       {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
-                        "task": read["task"]}, part.part, part.parts, node.name, part.positions, read,
-                       offset=part.end.to_json())
+    named = {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
+             "task": read["task"], **({"only": list(chunk.only)} if chunk.only else {})}
+    done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows, named, part.part, part.parts, node.name,
+                       part.positions, read, offset=part.end.to_json())
     yield ch.pack(ch.progress_batch(done))
     faults.reach("snapshot_chunk")

@@ -68,7 +68,8 @@ class ChangefeedSource(DataSource):
     (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see
     postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
     as one GroupPartition), max_clock_skew_us
-    (see core.distributed), resume_offset (where a query without a checkpoint starts, see
+    (see core.distributed), sinks (the names of the feed's sinks, by which a snapshot request for
+    some sinks alone is taken in: spec.sinks), resume_offset (where a query without a checkpoint starts, see
     initialOffset), resume_until (where its first batch then ends: the furthest of several sinks,
     sinks.ledgers)."""
 
@@ -88,6 +89,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.nodes = {n[0]: SourceNode(*n) for n in json.loads(options["nodes"])}
         self.multi_node = not classic(self.nodes)  # as FeedSpec.multi_node
         self.feed = options["feed"]
+        self.sinks = set((options.get("sinks") or "").split(","))
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
@@ -188,10 +190,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
-        for no, tables in self.requests.after(cursor.requests):
-            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables):
-                break  # a node added since this query started: its next query takes the request in
-            cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no)
+        for no, tables, only in self.requests.after(cursor.requests):
+            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables) or \
+                    not set(only) <= self.sinks:
+                break  # a node or sink added since this query started: its next query takes the request in
+            cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no, only)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
 
     @carried("source")

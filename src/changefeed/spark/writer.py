@@ -85,7 +85,7 @@ class SinkStreamWriter(DataSourceStreamArrowWriter):
         with carried("sink"):
             multi_node = self.targets[0].get("multi_node") == "true"
             if len(self.targets) == 1:
-                rows = BatchInput(iterator, task(), multi_node=multi_node)
+                rows = BatchInput(iterator, task(), multi_node=multi_node, sink=self.targets[0]["name"])
                 return Written([_writer(self.targets[0]).write(rows)])
             sinks = [Writing(t["name"], _writer(t), partial(sink_named(t["sink"]).beside, options=t))
                      for t in self.targets]

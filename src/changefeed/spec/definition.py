@@ -197,9 +197,6 @@ class FeedSpec:
         self._validate_nodes()
         from changefeed.core.envelope import FORMATS
 
-        if self.sink and self.sinks:
-            raise ConfigError("a feed has either one bare --sink URI or named sinks, not both",
-                              "name every sink: --sink NAME=URI")
         check_names(self.sink_targets)
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",

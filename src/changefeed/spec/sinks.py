@@ -58,16 +58,15 @@ def kind_of(uri: str) -> str:
 
 
 def parse_sinks(given: list[str]) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """`--sink` values -> FeedSpec's (sink, sinks): one bare URI is the bare sink; named ones
-    (`NAME=URI`) are listed in order. A bare URI beside named ones is refused: which would be which?"""
+    """`--sink` values -> FeedSpec's (sink, sinks): a bare URI is the bare sink (named by its kind in
+    messages, its ledger under the feed's name: a feed made with one sink that gets more later);
+    named ones (`NAME=URI`) are listed in order."""
     pairs = [parse_sink(text) for text in given]
     bare = [uri for name, uri in pairs if not name]
-    if len(pairs) == 1 and bare:
-        return bare[0], ()
-    if bare:
-        raise ConfigError("--sink given several times, not every one with a name",
+    if len(bare) > 1:
+        raise ConfigError("--sink given several times without a name",
                           "name each sink: --sink NAME=URI (e.g. --sink dr=postgresql://... --sink events=kafka://...)")
-    return "", tuple(pairs)
+    return (bare[0] if bare else ""), tuple((name, uri) for name, uri in pairs if name)
 
 
 def parse_sink(text: str) -> tuple[str, str]:
