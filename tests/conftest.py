@@ -271,6 +271,13 @@ def kill_runs(base: list[str], kills: list[str], tmp_path: Path, random_after: t
         time.sleep(0.5)  # let the killed group's sockets close
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def kafka_partitions(bootstrap: str, topic: str) -> list[Any]:
     """Every record of each partition of `topic`, with its transaction's outcome (local_kafka.LogRecord)."""
     from confluent_kafka.admin import AdminClient

@@ -17,6 +17,7 @@ from changefeed.control.metrics import (
     FeedMetrics,
     MetricsServer,
     NodeValues,
+    SinkValues,
     TableSnapshot,
     escape_label,
     format_value,
@@ -174,3 +175,17 @@ def test_a_feed_of_several_nodes_reports_each_node() -> None:
     assert value(text, "changefeed_node_slot_active", node="west") == 0
     assert value(text, "changefeed_node_prepared_transactions", node="east") == 2
     assert value(text, "changefeed_node_checkpoint_lsn", node="west") == 900
+
+
+def test_a_feed_of_several_sinks_renders_each_sink_by_label() -> None:
+    m = FeedMetrics("orders")
+    text = render(m)
+    assert not any(name.startswith("changefeed_sink_") for name, _ in samples(text))  # one sink: none
+    m.update(sinks={"dr": SinkValues(0.0, 0.4, 12, 250.5), "events": SinkValues(3.5, 3.5, 9, 0.0, retrying=True)})
+    text = render(m)
+    assert value(text, "changefeed_sink_checkpoint_lag_seconds", sink="events") == 3.5
+    assert value(text, "changefeed_sink_resolved_lag_seconds", sink="dr") == 0.4
+    assert value(text, "changefeed_sink_batches", sink="dr") == 12
+    assert value(text, "changefeed_sink_changes_per_second", sink="dr") == 250.5
+    assert (value(text, "changefeed_sink_retrying", sink="events"), value(text, "changefeed_sink_retrying",
+                                                                         sink="dr")) == (1, 0)

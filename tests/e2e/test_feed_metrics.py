@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -13,15 +12,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Dbs, changefeed_cli, start_changefeed, wait_for
+from conftest import Dbs, changefeed_cli, free_port, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[tuple[str, str], float]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -35,6 +34,7 @@ from conftest import (
     assert_no_traceback,
     changefeed_cli,
     fingerprint,
+    free_port,
     kafka_partitions,
     start_changefeed,
     status_of,
@@ -85,12 +85,6 @@ def rows_on(uri: str) -> int:
         return fingerprint(uri, "t")[0]
     except psycopg.errors.UndefinedTable:
         return 0  # the feed has not created it yet
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 

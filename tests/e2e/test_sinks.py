@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from conftest import (
     Dbs,
     assert_no_traceback,
     changefeed_cli,
+    free_port,
     kill_running,
     moving_money,
     start_changefeed,
@@ -139,7 +141,6 @@ def test_three_sinks_from_one_slot_each_exactly_once(dbs: Dbs, tmp_path: Path, k
         with writing(moving_money(ACCOUNTS), dbs.source, written):
             for i, point in enumerate(KILLS):
                 _killed(run, point, tmp_path / f"run{i}.log", tmp_path / f"faults{i}")
-            same = sinks.resolved()
             # The checkpoint lost while the sinks disagree: a kill after the replica and Kafka
             # committed a batch and the lake's tables took it, its ledger not; then the state
             # folder's checkpoint gone (a new host): the feed resumes from the least far sink (the
@@ -178,13 +179,11 @@ def test_three_sinks_from_one_slot_each_exactly_once(dbs: Dbs, tmp_path: Path, k
         per_txn[r["_commit_ts"]] = per_txn.get(r["_commit_ts"], 0) + 1
     assert set(per_txn) == set(in_lake.values()) and set(per_txn.values()) == {2}, "money half-moved in the lake"
 
-    # Before the checkpoint was lost, every sink recorded the same batches (the same resolved
-    # timestamps); after, the least far sink's first batch spans what the others had in two.
-    assert same["dr"] == same["events"] == same["lake"], {k: len(v) for k, v in same.items()}
-    after = sinks.resolved()
-    assert max(after["dr"]) == max(after["events"]) == max(after["lake"])
-    every = after["dr"] | after["events"] | after["lake"]
-    assert all(len(every - v) <= 1 for v in after.values()), {k: len(every - v) for k, v in after.items()}
+    # Every sink recorded the same batches (the same resolved timestamps), but for the lake's
+    # first batch after the checkpoint was lost, which spans what the others had, in one or more.
+    got = sinks.resolved()
+    assert got["dr"] == got["events"] and got["lake"] <= got["dr"], {k: len(v) for k, v in got.items()}
+    assert max(got["lake"]) == max(got["dr"]) and len(got["dr"] - got["lake"]) <= 2
     for log_file in tmp_path.glob("*.log"):
         assert_no_traceback(log_file.read_text())
 
@@ -213,7 +212,8 @@ def test_a_sink_added_to_a_running_feed_gets_its_own_snapshot_then_goes(dbs: Dbs
         chunks_before = c.execute("SELECT count(*) FROM changefeed.snapshot_chunks WHERE feed = %s",
                                   (dbs.name,)).fetchone()[0]
     written = [0]
-    runner = start_changefeed("run", *feed, log=log)
+    port = free_port()
+    runner = start_changefeed("run", *feed, "--metrics-port", str(port), log=log)
     try:
         with writing(moving_money(ACCOUNTS), dbs.source, written):
             wait_for("a batch", lambda: "batches since start" in log.read_text(), log)
@@ -244,6 +244,8 @@ def test_a_sink_added_to_a_running_feed_gets_its_own_snapshot_then_goes(dbs: Dbs
         st = status_of(dbs.name, state)
         assert set(st["sinks"]) == {"replica", "events"}, st
         assert all(s["batches"] > 0 for s in st["sinks"].values()), st["sinks"]
+        wait_for("/metrics per sink", lambda: scrape_sinks(port).get("events", 0) > 0, log)
+        assert scrape_sinks(port)["replica"] > 0
 
         both = changefeed_cli("verify", *feed)
         assert both.returncode == 2 and "--sink NAME" in both.stderr, both.stderr[-2000:]
@@ -294,6 +296,16 @@ def _applied(dbs: Dbs) -> str:
 def _lsn(text: str) -> int:
     hi, lo = str(text).split("/")
     return (int(hi, 16) << 32) | int(lo, 16)
+
+
+def scrape_sinks(port: int) -> dict[str, float]:
+    """Per sink, the batches its ledger holds, as /metrics says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {s.labels["sink"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "changefeed_sink_batches"}
 
 
 def _replica_top(dbs: Dbs) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from changefeed.local.postgres import LocalPostgres
 from changefeed.spark.spark_home import use_linked_home
-from conftest import Dbs, changefeed_cli, drop_slots, writing
+from conftest import Dbs, changefeed_cli, drop_slots, free_port, writing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NODES = ("n1", "n2", "n3")
@@ -32,12 +31,6 @@ import sys
 if os.getcwd().startswith({root!r}):
     sys.path[:] = [p for p in sys.path if p != {src!r}]
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

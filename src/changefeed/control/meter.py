@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from changefeed.control.metrics import FeedMetrics, NodeValues, TableSnapshot
+from changefeed.control.metrics import FeedMetrics, NodeValues, SinkValues, TableSnapshot
 from changefeed.control.metrics import serve as serve_metrics
 from changefeed.control.retry import read_note
 from changefeed.control.status import checkpoint_lag_s, counted, resolved_lag_s, retained_bytes
@@ -17,6 +17,7 @@ from changefeed.core.hlc import physical_ms
 from changefeed.core.offsets import Offset
 from changefeed.postgres import slots, twophase
 from changefeed.postgres import source as src
+from changefeed.sinks.ledgers import SinkLedgers
 from changefeed.spec.state import FeedState
 
 if TYPE_CHECKING:
@@ -125,9 +126,28 @@ class Gauges:
         if verified is not None:
             out["verify_mismatched_rows"] = int(verified["mismatched_rows"])
             out["verify_last_timestamp_seconds"] = float(verified["at"])
+        if isinstance(ledger, SinkLedgers):
+            out["sinks"] = self._sinks(ledger, current, now_ms)
         applied = ledger.snapshot_totals()
         out["snapshot"] = {t: TableSnapshot(*applied.get(t, (0, 0)), pending=t in pending)
                            for t in sorted(set(applied) | set(pending))}
+        return out
+
+
+    def _sinks(self, ledgers: SinkLedgers, current: int, now_ms: int) -> dict[str, SinkValues]:
+        """Each sink's lags by its own ledger (a feed of one node: lag by `current`, its flush LSN)."""
+        retrying = read_note(self.prepared.state.retrying_file)
+        out = {}
+        for name, ledger in ledgers.each:
+            last = ledger.last_batch()
+            position = (ledger.checkpoint() or {}).get(self.prepared.spec.sources[0].name, 0)
+            lag = resolved = 0.0
+            if last is not None:
+                resolved = resolved_lag_s(now_ms, last.resolved_ts)
+                lag = resolved if self.prepared.spec.multi_node else \
+                    checkpoint_lag_s(current, now_ms, position, last.resolved_ts)
+            out[name] = SinkValues(lag, resolved, last.batches if last else 0, ledger.recent_rate(),
+                                   retrying is not None and retrying.component == f"sink {name}")
         return out
 
 

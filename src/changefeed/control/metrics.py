@@ -47,6 +47,17 @@ class NodeValues:
 
 
 @dataclass(frozen=True)
+class SinkValues:
+    """One sink of a feed of several sinks."""
+
+    checkpoint_lag_seconds: float = 0.0
+    resolved_lag_seconds: float = 0.0
+    batches: int = 0  # recorded in its ledger
+    changes_per_second: float = 0.0  # over its ledger's last minute
+    retrying: bool = False  # the feed waits out a failure of this sink
+
+
+@dataclass(frozen=True)
 class Values:
     """The latest gauge values; None where nothing was measured yet (the sample is left out)."""
 
@@ -64,6 +75,7 @@ class Values:
     verify_last_timestamp_seconds: float | None = None  # when it compared (Unix time)
     snapshot: Mapping[str, TableSnapshot] = field(default_factory=dict)
     nodes: Mapping[str, NodeValues] = field(default_factory=dict)  # a feed of several nodes: per node
+    sinks: Mapping[str, SinkValues] = field(default_factory=dict)  # a feed of several sinks: per sink
 
 
 class FeedMetrics:
@@ -76,7 +88,7 @@ class FeedMetrics:
 
     def update(self, **changed: Any) -> None:
         """Replace the given fields (names of `Values`), keep the others."""
-        for name in ("snapshot", "nodes"):
+        for name in ("snapshot", "nodes", "sinks"):
             if name in changed:
                 changed[name] = dict(changed[name])  # the caller's dict may change later
         with self._lock:
@@ -128,6 +140,17 @@ _NODES = (
      "prepared_transactions"),
 )
 
+_SINKS = (
+    ("changefeed_sink_checkpoint_lag_seconds", "The sink's checkpoint lag (0 when it has all WAL there is, else "
+     "the age of its last resolved timestamp): the feed's is the largest.", "checkpoint_lag_seconds"),
+    ("changefeed_sink_resolved_lag_seconds", "Source clock now minus the sink's last resolved timestamp.",
+     "resolved_lag_seconds"),
+    ("changefeed_sink_batches", "Batches the sink's ledger holds.", "batches"),
+    ("changefeed_sink_changes_per_second", "Changes the sink recorded per second over the last minute.",
+     "changes_per_second"),
+    ("changefeed_sink_retrying", "1 while the feed waits out a failure of the sink, else 0.", "retrying"),
+)
+
 
 class FeedCollector(Collector):
     """The feed's metric families, built from one `read()` per scrape: every sample of a scrape
@@ -159,6 +182,10 @@ class FeedCollector(Collector):
         for name, text, attr in _NODES if nodes else ():  # a feed of one node has none
             yield _family(GaugeMetricFamily, name, text, feed,
                           [((n,), float(getattr(s, attr))) for n, s in nodes], "node")
+        sinks = sorted(v.sinks.items())
+        for name, text, attr in _SINKS if sinks else ():  # a feed of one sink has none
+            yield _family(GaugeMetricFamily, name, text, feed,
+                          [((n,), float(getattr(s, attr))) for n, s in sinks], "sink")
 
 
 def _family(kind: _Family, name: str, text: str, feed: str, samples: Iterable[tuple[Sequence[str], float]],
