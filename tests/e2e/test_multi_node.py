@@ -16,9 +16,10 @@ import pytest
 
 from changefeed.control.runner import run
 from changefeed.control.status import status
-from changefeed.errors import ConnectionFailed, SourceNotReady
+from changefeed.errors import ConfigError, ConnectionFailed, SourceNotReady
 from changefeed.faults import InjectedFault
 from changefeed.local.postgres import LocalPostgres
+from changefeed.sinks.registry import validated
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 from conftest import (
@@ -254,3 +255,36 @@ def test_a_node_added_to_a_running_feed_and_removed_from_a_stopped_one(dbs: Dbs,
     assert again.returncode == 0, again.stderr[-3000:]
     with psycopg.connect(dbs.sink) as c:
         assert c.execute("SELECT node FROM events WHERE id = -1").fetchall() == [("n1",)]
+
+
+def test_a_feed_of_three_nodes_writes_two_sinks_alike(dbs: Dbs, nodes: dict[str, str], tmp_path: Path,
+                                                      servers: tuple[LocalPostgres, LocalPostgres],
+                                                      spark: object) -> None:
+    """Several sinks (spec.sinks) from a feed of several nodes: two replicas get the same merged
+    batches (the same resolved timestamps), each equal to the nodes' union; a lake, which takes
+    no feed of several nodes yet, is refused by name."""
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+    with psycopg.connect(servers[1].uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {dbs.name}_dr2")
+    second = servers[1].uri(f"{dbs.name}_dr2")
+    spec = FeedSpec(dbs.name, "", "", TABLES, nodes=tuple(nodes.items()),
+                    sinks=(("dr", dbs.sink), ("dr2", second))).validate()
+    run_once(spec, tmp_path)
+    written = {n: [0] for n in nodes}
+    with writing(transfers(1), nodes["n1"], written["n1"]), writing(transfers(2), nodes["n2"], written["n2"]):
+        pass
+    run_once(spec, tmp_path)
+    resolved = []
+    for uri in (dbs.sink, second):
+        for table in TABLES:
+            assert union(nodes, table) == sorted(psycopg.connect(uri).execute(f"SELECT * FROM {table}"), key=repr)
+        with psycopg.connect(uri) as c:
+            resolved.append([r[0] for r in c.execute("SELECT resolved_ts FROM changefeed.progress WHERE feed = %s "
+                                                     "ORDER BY resolved_ts", (f"{dbs.name}.dr" if uri == dbs.sink
+                                                                              else f"{dbs.name}.dr2",))])
+    assert resolved[0] == resolved[1] and len(resolved[0]) >= 2
+    lake = FeedSpec(dbs.name, "", "", TABLES, nodes=tuple(nodes.items()),
+                    sinks=(("dr", dbs.sink), ("lake", f"delta://{tmp_path / 'lake'}")))
+    with pytest.raises(ConfigError, match="^sink lake: a feed of several source nodes cannot write to the Delta"):
+        validated(lake)

@@ -28,9 +28,11 @@ from conftest import (
     changefeed_cli,
     free_port,
     kill_running,
+    kill_turns,
     moving_money,
     start_changefeed,
     status_of,
+    turn_env,
     wait_for,
     writing,
 )
@@ -389,3 +391,50 @@ def _kafka_top(bootstrap: str) -> int:
 def _retrying(feed: str, state: Path) -> str:
     sinks = status_of(feed, state).get("sinks", {})
     return str(sinks.get("events", {}).get("retrying", "no"))
+
+
+STANDBY_KILLS = ["delta_table_committed:3", "after_sink_commit:7", "random"]
+
+
+def test_a_standby_takes_over_a_feed_of_three_sinks(dbs: Dbs, tmp_path: Path, kafka: LocalKafka) -> None:
+    """The active runner ends between its sinks' commits (the lake's tables committed, its ledger
+    not; a replica or Kafka committed, the other not) and at random; a standby with a state folder
+    of its own takes over from the sinks' ledgers each time: every sink gets every change once."""
+    _setup(dbs)
+    sinks = Sinks(dbs, kafka, tmp_path / "lake")
+    logs, states = [tmp_path / "a.log", tmp_path / "b.log"], [tmp_path / "a", tmp_path / "b"]
+    faults, takeovers = tmp_path / "faults", []
+    first = changefeed_cli("run", "--name", dbs.name, "--state", str(states[0]), "--source", dbs.source,
+                           *sinks.args, "--tables", "public.ledger,public.accounts", "--lease", "3s", "--available-now")
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = [0]
+    runners: list[subprocess.Popen[bytes]] = []
+    try:
+        with writing(moving_money(ACCOUNTS), dbs.source, written):
+            runners.append(start_changefeed("run", "--name", dbs.name, "--state", str(states[0]), log=logs[0],
+                                            env=turn_env(STANDBY_KILLS, 0, faults)))
+            wait_for("the first runner's batches", lambda: "batches since start" in logs[0].read_text(), logs[0])
+
+            def standby(host: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+                return start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[host]),
+                                        "--source", dbs.source, log=logs[host], env=env)
+
+            runners.append(standby(1, turn_env(STANDBY_KILLS, 1, faults)))
+            active = kill_turns(STANDBY_KILLS, runners, logs, faults, standby, sinks.least, written,
+                                lambda turn, text: takeovers.append(text))
+        wait_for("every row in every sink", lambda: sinks.least() >= written[0], logs[active], timeout=240)
+        for i in (1 - active, active):
+            runners[i].send_signal(signal.SIGTERM)
+            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+    finally:
+        kill_running(runners)
+    assert "lack the last batch the others recorded" in takeovers[0], takeovers[0][-3000:]
+    n = written[0]
+    assert sorted(sinks.kafka_ledger()) == list(range(1, n + 1))
+    assert sorted(sinks.lake_ledger()) == list(range(1, n + 1))
+    assert _replica_top(dbs) == n
+    with psycopg.connect(dbs.sink) as c:
+        assert c.execute("SELECT count(*), sum(balance) FROM accounts").fetchone() == (ACCOUNTS, ACCOUNTS * BALANCE)
+        assert c.execute("SELECT count(*) FROM ledger").fetchone()[0] == n
+    for log in logs:
+        assert_no_traceback(log.read_text())

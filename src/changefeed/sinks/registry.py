@@ -5,6 +5,7 @@ imported only when a feed uses them, so a sink's dependencies cost nothing to fe
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from importlib import import_module
 from typing import TYPE_CHECKING
 
@@ -38,11 +39,14 @@ def sinks_of(spec: "FeedSpec") -> list[tuple["SinkTarget", "FeedSpec", "Sink"]]:
 def validated(spec: "FeedSpec") -> "FeedSpec":
     """`spec`, checked as a whole: the definition itself, then each sink URI's options and what
     each sink says of the feed (without connecting)."""
+    from changefeed.sinks.fan_out import named
+
     spec.validate()
     kinds = []
-    for _, one, sink in sinks_of(spec):
-        sink.validate(one.sink)
-        sink.check_feed(one)
+    for target, one, sink in sinks_of(spec):
+        with named(target.name) if spec.several_sinks else nullcontext():
+            sink.validate(one.sink)
+            sink.check_feed(one)
         kinds.append(sink)
     if not any(k.messages for k in kinds) and (spec.format != "json" or spec.diff):
         raise ConfigError("--format and --diff apply to message sinks (Kafka, webhook), not to a replica",
