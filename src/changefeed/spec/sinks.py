@@ -1,5 +1,5 @@
-"""A feed's sinks: one bare `--sink URI`, or several named ones (`--sink NAME=URI`), all fed
-from one read of the slot.
+"""A feed's sinks: a bare `--sink URI`, named ones (`--sink NAME=URI`), or both, all fed from
+one read of the slot.
 
 Each sink keeps its own ledger under its own key, so that a batch replayed after a crash between
 two sinks' commits reaches only the sinks that lack it. The bare sink (a feed made before sinks had
