@@ -282,8 +282,8 @@ def test_a_kafka_broker_out_of_reach_is_waited_out(dbs: Dbs, tmp_path: Path, fau
                 raise AssertionError(f"{len(got)} ids for {written[0]} rows; doubled {sorted(doubled)[:20]}: "
                                      f"{found[:20]}\nprogress: {progress}\n{log.read_text()[-5000:]}")
             assert broker.running
+            carried_on(feed, log)  # (said at the report after the batch that landed)
             assert "failure(s) of the sink" in log.read_text() and "the sink is back" in log.read_text()
-            carried_on(feed, log)
 
 
 @pytest.mark.usefixtures("warm_spark")

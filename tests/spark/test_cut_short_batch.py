@@ -8,6 +8,7 @@ first whole (with its `P` row) and the second still streaming rows when the quer
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -111,8 +112,8 @@ class ReplicaTarget:
             d.execute("CREATE TABLE cut (id integer PRIMARY KEY, v text)")
 
     def writer(self, stream: Any) -> Any:
-        return (stream.format("changefeed-sink").option("sink", "replica").option("uri", self.dbs.sink)
-                .option("feed", self.dbs.name))
+        return stream.format("changefeed-sink").option("targets", json.dumps([
+            {"name": "replica", "sink": "replica", "uri": self.dbs.sink, "feed": self.dbs.name, "key": self.dbs.name}]))
 
     def wait_for_writer(self) -> None:
         """Until no sink writer is connected: a cancelled task's writer may still be finishing."""
@@ -144,9 +145,9 @@ class KafkaTarget:
         self.topic = self.opts.topic("public", "cut")
 
     def writer(self, stream: Any) -> Any:
-        return (stream.format("changefeed-sink").option("sink", "kafka").option("uri", self.uri)
-                .option("feed", self.feed).option("format", "json").option("diff", "false").option("database", "src")
-                .option("ledger", str(self.ledger)).option("outbox", "").option("topics", self.topic))
+        return stream.format("changefeed-sink").option("targets", json.dumps([
+            {"name": "kafka", "sink": "kafka", "uri": self.uri, "feed": self.feed, "key": self.feed, "format": "json",
+             "diff": "false", "database": "src", "ledger": str(self.ledger), "outbox": "", "topics": self.topic}]))
 
     def wait_for_writer(self) -> None:
         """Until the cancelled writer has ended its transaction (its messages are no longer open)."""

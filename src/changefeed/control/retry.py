@@ -36,8 +36,7 @@ class Retrying:
 
     def describe(self, now: float | None = None) -> str:
         lasted = (now if now is not None else time.time()) - self.since
-        reason = self.reason.removeprefix(f"{self.component}: ")  # (a sink of several names itself)
-        return f"retrying for {lasted:.0f}s after {self.attempts} failure(s) of the {self.component}: {reason}"
+        return f"retrying for {lasted:.0f}s after {self.attempts} failure(s) of the {self.component}: {self.reason}"
 
 
 class Retry:
