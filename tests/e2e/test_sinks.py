@@ -182,10 +182,12 @@ def test_three_sinks_from_one_slot_each_exactly_once(dbs: Dbs, tmp_path: Path, k
     assert set(per_txn) == set(in_lake.values()) and set(per_txn.values()) == {2}, "money half-moved in the lake"
 
     # Every sink recorded the same batches (the same resolved timestamps), but for the lake's
-    # first batch after the checkpoint was lost, which spans what the others had, in one or more.
+    # first batch after the checkpoint was lost, which spans what the others had, and the batch
+    # the stop may have cut between the sinks' commits (the replica and Kafka commit in the task,
+    # the lake on the driver after it: the next run gives it to the lake alone).
     got = sinks.resolved()
     assert got["dr"] == got["events"] and got["lake"] <= got["dr"], {k: len(v) for k, v in got.items()}
-    assert max(got["lake"]) == max(got["dr"]) and len(got["dr"] - got["lake"]) <= 2
+    assert len(got["dr"] - got["lake"]) <= 2, {k: len(v) for k, v in got.items()}
     for log_file in tmp_path.glob("*.log"):
         assert_no_traceback(log_file.read_text())
 
