@@ -6,9 +6,9 @@ Spark recorded the batch, after all of them committed it. So the feed's checkpoi
 the retention check and the metrics report) is the least of the sinks' checkpoints, and a sink
 without a batch yet (one just added) is not waited for. Sinks of one feed differ by at most the
 batch that was being committed when a runner ended: `resume_offset` is then the least sink's
-position and `resume_until` the furthest's, so that a runner without the feed's checkpoint plans
-its first batch over exactly what the least sink lacks (spark.source: the other sinks find that
-batch in their ledgers and skip it).
+position, and the furthest one's (`offsets`) is where the first batch of a runner without the
+feed's checkpoint ends, so that it covers exactly what the least sink lacks (spark.source: the
+other sinks find that batch in their ledgers and skip it).
 """
 from __future__ import annotations
 
@@ -81,19 +81,12 @@ class SinkLedgers:
                  if o is not None]
         return sorted(found, key=lambda f: f[1].order)
 
-    def _offsets(self) -> list[Offset]:
-        return [o for _, o in self.offsets()]
-
     def resume_offset(self) -> dict[str, Any] | None:
         """The least far sink's position (of those that record it; the others resume from Spark's
-        checkpoint alone, and are refused as standbys' feeds: control.standby)."""
-        offsets = self._offsets()
-        return offsets[0].to_json() if offsets else None
-
-    def resume_until(self) -> dict[str, Any] | None:
-        """The furthest sink's position when it is past the least far one's, else None."""
-        offsets = self._offsets()
-        return offsets[-1].to_json() if offsets and offsets[-1].order > offsets[0].order else None
+        checkpoint alone, and are refused as standbys' feeds: control.standby). The furthest one's
+        is where the first batch then ends (spark.checkpoint.resume_until, from `offsets`)."""
+        offsets = self.offsets()
+        return offsets[0][1].to_json() if offsets else None
 
     def fence(self, epoch: int, holder: str) -> bool:
         return all(self._all("fence", epoch, holder))

@@ -54,10 +54,11 @@ def resume_until(state: FeedState, ledger: Ledger, report: Callable[[str], None]
     furthest sink's position, when a feed's several sinks disagree (sinks.ledgers), else None."""
     from changefeed.sinks.ledgers import SinkLedgers
 
-    if not isinstance(ledger, SinkLedgers) or (until := ledger.resume_until()) is None:
+    offsets = ledger.offsets() if isinstance(ledger, SinkLedgers) else []  # (each sink's ledger asked once)
+    if len(offsets) < 2 or offsets[-1][1].order <= offsets[0][1].order:
         return None
-    end = Offset.from_json(until)
-    behind = [name for name, offset in ledger.offsets() if offset.order < end.order]
+    end = offsets[-1][1]
+    behind = [name for name, offset in offsets if offset.order < end.order]
     report(f"feed {state.dir.name}: sink{'s' if len(behind) > 1 else ''} {', '.join(behind)} lack the last batch "
            "the others recorded: the first batch is planned up to exactly its end, and only they take it")
     return end
