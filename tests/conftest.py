@@ -385,6 +385,16 @@ def kill_running(procs: list[subprocess.Popen[bytes]]) -> None:
             kill_group(p)
 
 
+def standby_starter(name: str, source: str, states: list[Path], logs: list[Path]
+                    ) -> Callable[[int, dict[str, str]], subprocess.Popen[bytes]]:
+    """kill_turns' `restart`: `run --standby` of feed `name` on host `host` (its own state folder
+    and log), with only the name and the source."""
+    def standby(host: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return start_changefeed("run", "--standby", "--name", name, "--state", str(states[host]), "--source", source,
+                                log=logs[host], env=env)
+    return standby
+
+
 def turn_env(kills: list[str], turn: int, faults: Path) -> dict[str, str]:
     """The fault environment of the runner that is active in round `turn` of kill_turns: a
     "POINT:N" kills it there, armed once its round begins (a standby waiting); "random": none."""

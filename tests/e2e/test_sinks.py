@@ -30,6 +30,7 @@ from conftest import (
     kill_running,
     kill_turns,
     moving_money,
+    standby_starter,
     start_changefeed,
     status_of,
     turn_env,
@@ -417,10 +418,7 @@ def test_a_standby_takes_over_a_feed_of_three_sinks(dbs: Dbs, tmp_path: Path, ka
                                             env=turn_env(STANDBY_KILLS, 0, faults)))
             wait_for("the first runner's batches", lambda: "batches since start" in logs[0].read_text(), logs[0])
 
-            def standby(host: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-                return start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[host]),
-                                        "--source", dbs.source, log=logs[host], env=env)
-
+            standby = standby_starter(dbs.name, dbs.source, states, logs)
             runners.append(standby(1, turn_env(STANDBY_KILLS, 1, faults)))
             active = kill_turns(STANDBY_KILLS, runners, logs, faults, standby, sinks.least, written,
                                 lambda turn, text: takeovers.append(text))

@@ -24,6 +24,7 @@ from conftest import (
     kill_running,
     kill_turns,
     moving_money,
+    standby_starter,
     start_changefeed,
     turn_env,
     wait_for,
@@ -83,10 +84,7 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
                                             env=turn_env(KILLS, 0, faults)))
             wait_for("the first runner's batches", lambda: "batches since start" in logs[0].read_text(), logs[0])
 
-            def standby(host: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-                return start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[host]),
-                                        "--source", dbs.source, log=logs[host], env=env)
-
+            standby = standby_starter(dbs.name, dbs.source, states, logs)
             runners.append(standby(1, turn_env(KILLS, 1, faults)))
             active = kill_turns(KILLS, runners, logs, faults, standby, lambda: _top(lake), written,
                                 lambda turn, text: takeovers.append(text))

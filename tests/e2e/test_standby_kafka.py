@@ -23,6 +23,7 @@ from conftest import (
     kill_running,
     kill_turns,
     moving_money,
+    standby_starter,
     start_changefeed,
     turn_env,
     wait_for,
@@ -67,10 +68,7 @@ def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path
                                             env=turn_env(KILLS, 0, faults)))
             wait_for("changes in Kafka", lambda: "changes in" in logs[0].read_text(), logs[0])
 
-            def standby(host: int, env: dict[str, str]) -> subprocess.Popen[bytes]:
-                return start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(states[host]),
-                                        "--source", dbs.source, log=logs[host], env=env)
-
+            standby = standby_starter(dbs.name, dbs.source, states, logs)
             runners.append(standby(1, turn_env(KILLS, 1, faults)))
             active = kill_turns(KILLS, runners, logs, faults, standby, lambda: max(_ids(kafka, topic), default=0),
                                 written)
