@@ -157,6 +157,16 @@ def decoded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def planned(checkpoint: Path, batch: int, end: dict[str, Any], committed: bool = True) -> None:
+    """What Spark's offset and commit logs hold after planning (and committing) batch `batch`
+    that ends at offset `end` (its JSON)."""
+    for log in ("offsets", "commits"):
+        (checkpoint / log).mkdir(parents=True, exist_ok=True)
+    (checkpoint / "offsets" / str(batch)).write_text('v1\n{"batchWatermarkMs":0}\n' + json.dumps(end))
+    if committed:
+        (checkpoint / "commits" / str(batch)).write_text('v1\n{"nextBatchWatermarkMs":0}')
+
+
 def wait_for(what: str, check: Callable[[], Any], log: Path, timeout: float = 180) -> Any:
     """Poll `check` until it returns something truthy (returned); past `timeout`, fail with the feed's log."""
     deadline = time.monotonic() + timeout

@@ -33,7 +33,7 @@ from changefeed.spec.definition import (
 from changefeed.spec.secrets import same
 from changefeed.spec.sinks import parse_sinks
 from changefeed.spec.state import FeedState
-from changefeed.spec.units import parse_duration, parse_size, parse_tables
+from changefeed.spec.units import parse_budget, parse_duration, parse_size, parse_tables
 
 DEFAULT_STATE = "./changefeed-state"
 
@@ -71,6 +71,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "retention_s": _option("retention", parse_duration, args.retention),
         "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
         "max_clock_skew_s": _option("max-clock-skew", parse_duration, args.max_clock_skew),
+        **_lag_budget(args.sink_lag_budget),
         "lease_s": _option("lease", parse_duration, args.lease),
         "failover_slot": False if args.no_failover_slot else None,
         "format": args.format, "diff": args.diff,
@@ -92,6 +93,14 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
                               "omit the option to reuse the stored one, or choose another --name")
     return validated(FeedSpec(**{**stored.__dict__,
                                  **{k: v for k, v in given.items() if k not in ("source", "nodes", "sink", "sinks")}}))
+
+
+def _lag_budget(text: str | None) -> dict[str, Any]:
+    """--sink-lag-budget as the two fields it sets (a duration or a size; 0 takes it back)."""
+    if text is None:
+        return {}
+    seconds, size = _option("sink-lag-budget", parse_budget, text)
+    return {"sink_lag_budget_s": seconds, "sink_lag_budget_bytes": size}
 
 
 def _same(key: str, given: Any, stored: Any) -> bool:
@@ -400,6 +409,11 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                          "(default 24h; 0 = no limit)")
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "
                                                 "(default 0: no limit)")
+    cmd.add_argument("--sink-lag-budget",
+                     help="a feed of several sinks: let the others go on while one fails, for at most this long "
+                          "(e.g. 10m) or while the slot keeps at most this much WAL for it (e.g. 5GB, a size ends in "
+                          "B); it is caught up from the slot once it answers, and past the budget the feed stops "
+                          "naming it (default: every sink waits for a failing one; 0 takes a budget back)")
     cmd.add_argument("--max-clock-skew", help="a feed of several nodes: how far the nodes' clocks may disagree, "
                      "e.g. 500ms (default 500ms)")
     cmd.add_argument("--no-failover-slot", action="store_true",

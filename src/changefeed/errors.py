@@ -76,6 +76,10 @@ class CheckpointLost(DefiniteError):
     exactly where the feed stands (see sinks.ledger.Ledger.resume_offset)."""
 
 
+class SinkLagExceeded(DefiniteError):
+    """A sink of several stayed behind the others longer (or by more WAL) than --sink-lag-budget."""
+
+
 class SlotLost(DefiniteError):
     """The replication slot is missing or invalidated while a checkpoint depends on it."""
 

@@ -1,7 +1,6 @@
 """spark.checkpoint.resume against ledgers, without Spark: where a query without a usable checkpoint starts."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from changefeed.errors import CheckpointLost
 from changefeed.sinks.ledger import FileLedger
 from changefeed.spark.checkpoint import resume
 from changefeed.spec.state import FeedState
+from conftest import planned
 
 
 class Recorded(FileLedger):
@@ -25,12 +25,7 @@ class Recorded(FileLedger):
 
 
 def _plan(state: FeedState, batch: int, end: Offset, committed: bool = True) -> None:
-    """What Spark's offset and commit logs hold after planning (and committing) batch `batch`."""
-    for log in ("offsets", "commits"):
-        (state.checkpoint / log).mkdir(parents=True, exist_ok=True)
-    (state.checkpoint / "offsets" / str(batch)).write_text('v1\n{"batchWatermarkMs":0}\n' + json.dumps(end.to_json()))
-    if committed:
-        (state.checkpoint / "commits" / str(batch)).write_text('v1\n{"nextBatchWatermarkMs":0}')
+    planned(state.checkpoint, batch, end.to_json(), committed)
 
 
 def _record(ledger: FileLedger, batch: int, end: Offset) -> None:

@@ -49,6 +49,13 @@ class Prepared:
     keeper: Keeper | None = None  # renews that term's lease
     resume: Offset | None = None  # where a query without a checkpoint starts (spark.checkpoint.resume)
     until: Offset | None = None  # where its first batch then ends (several sinks: spark.checkpoint.resume_until)
+    whole: FeedSpec | None = None  # the feed's definition, when `spec` leaves out sinks behind (control.lag_budget)
+    read_from: dict[str, str] | None = None  # per node, the slot the query reads, if not the feed's (the same)
+
+    @property
+    def definition(self) -> FeedSpec:
+        """The feed as defined, every sink in it (what is stored, and what an alter is compared with)."""
+        return self.whole or self.spec
 
     @property
     def source_conn(self) -> Any:
@@ -78,11 +85,13 @@ class _Checked:
     slot: slots.SlotState | None
 
 
-def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print) -> Prepared:
+def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[[str], None] = print, *,
+           behind: frozenset[str] = frozenset()) -> Prepared:
     """Connect to every source node and the sink, check them all, then create what is missing on
     each node (each step leaves what exists as it is, so a runner that lost its servers calls
     this again to carry on). Nothing is created anywhere before every check passed; a slot or
-    publication created on one node is dropped again when a later step fails."""
+    publication created on one node is dropped again when a later step fails. `behind`: sinks the
+    others go on without (control.lag_budget), left out of all but the stored definition."""
     spec.check_secrets()
     if spec.capture_ddl:
         spec = follow_renames(spec, state, stack)
@@ -90,6 +99,7 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
     _check_same_tables(spec, checked)
     with about(spec, spec.sources[0]):  # (a lost connection is ConnectionFailed, as in every check here)
         _check_same_feed(spec, state, checked[0].conn)
+    whole, spec = spec, spec.without_sinks(set(behind)) if behind else spec
     sinks = " and ".join(_endpoint(t.uri) for t in spec.sink_targets)
     with told_if_slow(f"the sink {sinks} to answer", report), lost_connection("sink"):
         ledger = open_ledger(spec, state)
@@ -116,10 +126,10 @@ def attach(spec: FeedSpec, state: FeedState, stack: ExitStack, report: Callable[
         raise
     for note in ledger.notes():
         report(f"feed {spec.name}: {note}")
-    state.save(spec)
+    state.save(whole)
     with about(spec, spec.sources[0]):
-        feed_record.store(checked[0].conn, spec.name, spec.to_json(), lease.me())  # what a standby runs
-    return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger)
+        feed_record.store(checked[0].conn, spec.name, whole.to_json(), lease.me())  # what a standby runs
+    return Prepared(spec, state, {c.node.name: c.conn for c in checked}, ledger, whole=whole if behind else None)
 
 
 def _check_same_feed(spec: FeedSpec, state: FeedState, conn: Any) -> None:

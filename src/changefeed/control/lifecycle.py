@@ -242,9 +242,10 @@ def _drop(conn: Any, feed: str, node: SourceNode, slot: slots.SlotState | None, 
     if slot is not None:
         slots.drop(conn, node.slot)
         gone.append(f"slot {node.slot}{on}")
-    if slots.slot_state(conn, node.prepare_slot) is not None:
-        slots.drop(conn, node.prepare_slot)
-        gone.append(f"slot {node.prepare_slot}{on}")
+    for extra in (node.prepare_slot, node.lag_slot):
+        if slots.slot_state(conn, extra) is not None:
+            slots.drop(conn, extra)
+            gone.append(f"slot {extra}{on}")
     if conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (node.publication,)).fetchone():
         conn.execute(sql.SQL("DROP PUBLICATION {}").format(sql.Identifier(node.publication)))
         gone.append(f"publication {node.publication}{on}")

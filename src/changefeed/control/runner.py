@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from changefeed import errors, faults
-from changefeed.control import lease_keeper, retention_check, sink_changes
+from changefeed.control import lag_budget, lease_keeper, retention_check, sink_changes
 from changefeed.control import standby as standby_mode
 from changefeed.control.attach import Prepared, about, attach, follow_renames, lost_connections
 from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
@@ -62,6 +62,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     if state.paused:
         raise ConfigError(f"feed {spec.name} is paused", "resume it with changefeed resume --name NAME")
     retry = Retry(retry_max_backoff_s, give_up_after_s)
+    lag = lag_budget.Lag.load(state)
     if handle_signals and threading.current_thread() is threading.main_thread():
         _stop_on_signals(stop)
     from changefeed.spark.connect import Held, is_remote
@@ -105,7 +106,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                         return
                     spec = taken
                 try:
-                    prepared = _attach(spec, state, attempt, report, unpause=resuming)
+                    prepared = _attach(spec, state, attempt, report, lag, unpause=resuming)
                     retention_check.check(prepared, report)
                 except FeedBusy:
                     if not standby:
@@ -145,7 +146,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                                                                      stop, report)):
             try:
                 if prepared is None:  # after a transient fault: connect and check again
-                    prepared = _attach(spec, state, attempt, report, term)
+                    prepared = _attach(spec, state, attempt, report, lag, term)
                     retention_check.check(prepared, report)
                 term = prepared.epoch
                 if meter is None:
@@ -153,7 +154,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 else:  # the sink's ledger of this attempt
                     meter.totals = prepared.ledger.totals
                 with spark.reached():  # a Spark Connect server that went away: a new session
-                    _run_query(prepared, spark.get(), meter, metrics, stop, retry, attempt, report,
+                    _run_query(prepared, spark.get(), meter, metrics, stop, retry, attempt, lag, report,
                                available_now=available_now, report_every_s=report_every_s)
                 break
             except Redefined as e:
@@ -165,12 +166,20 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 if spec.sink_targets != before.sink_targets:
                     report(f"feed {spec.name}: its sinks are now {', '.join(t.name for t in spec.sink_targets)}: "
                            "restarting the query to write to them")
+                    lag.forget({t.name for t in sink_changes.gone(before, spec)})  # (its copy dropped at attach)
                     try:
                         sink_changes.forget(sink_changes.gone(before, spec), before, state)
                     except ChangefeedError as failed:  # the feed goes on: the leftover is bookkeeping only
                         report(f"feed {spec.name}: the removed sink's ledger was not dropped: {failed.message}")
+            except lag_budget.Switch as e:  # the query reads another slot from now on
+                attempt.close()
+                prepared, fault = None, None
+                lag_budget.switch(e, spec, lag, report)
             except TransientError as e:
                 prepared, fault = None, e
+                if lag_budget.fell_behind(e, spec, lag, report):  # the other sinks go on at once
+                    attempt.close()
+                    fault = None
             except ChangefeedError as e:
                 state.record_failure(e)
                 raise
@@ -182,24 +191,31 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
 
 
 def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callable[[str], None],
-            term: int | None = None, unpause: bool = False) -> Prepared:
+            lag: lag_budget.Lag, term: int | None = None, unpause: bool = False) -> Prepared:
     """attach, then take the feed's lease in a new term and claim the sink for it: from here on a
     runner of an earlier term (frozen, cut off) lands nothing in a sink that has a fence. A run
     that held term `term` before a fault stops with LeaseLost if another runner took the feed
     over meanwhile (a standby): it must not take the feed back. `unpause`: then take back a pause
-    on the source."""
+    on the source. Sinks behind the others (`lag`) are left out, their WAL held."""
     if term is not None:
         lease_keeper.check_still_held(spec, term)
-    prepared = attach(spec, state, attempt, report)
+    prepared = attach(spec, state, attempt, report, behind=lag.left_out())
+    prepared.read_from = lag.read_from(prepared.spec)
+    with lost_connections(prepared):
+        lag_budget.tidy(prepared, lag)
     with lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
         prepared.keeper = lease_keeper.Keeper(prepared.spec, prepared.epoch)
         attempt.callback(prepared.keeper.close, False)
         if unpause:
             feed_record.unpause(prepared.source_conn, spec.name)
-        prepared.resume = resume(state, prepared.ledger, report,  # after the claim: no batch lands meanwhile
-                                 in_parts=any(sink.in_parts for _, _, sink in sinks_of(spec)))
-        prepared.until = resume_until(state, prepared.ledger, report) if prepared.resume is not None else None
+        catching = lag.catching_from()
+        if catching is not None and not state.has_checkpoint():  # (each sink skips the batches it has)
+            prepared.resume = catching
+        else:
+            prepared.resume = resume(state, prepared.ledger, report,  # after the claim: no batch lands meanwhile
+                                     in_parts=any(sink.in_parts for _, _, sink in sinks_of(spec)))
+            prepared.until = resume_until(state, prepared.ledger, report) if prepared.resume is not None else None
     return prepared
 
 
@@ -275,7 +291,7 @@ def _wait_out(fault: TransientError, retry: Retry, spec: FeedSpec, state: FeedSt
 
 
 def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop: threading.Event, retry: Retry,
-               attempt: ExitStack, report: Callable[[str], None], *, available_now: bool,
+               attempt: ExitStack, lag: lag_budget.Lag, report: Callable[[str], None], *, available_now: bool,
                report_every_s: float) -> None:
     """One attempt: start the query, report, check and clean up until it stops, is stopped or fails;
     a failure is raised as its typed error (a lost connection as ConnectionFailed)."""
@@ -298,8 +314,9 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
         report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
         return
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
-                        epoch=prepared.epoch, resume=prepared.resume, until=prepared.until)
-    batches_at_start, clean, published = meter.batches, False, spec
+                        epoch=prepared.epoch, resume=prepared.resume, until=prepared.until,
+                        read_from=prepared.read_from)
+    batches_at_start, clean, published = meter.batches, False, prepared.definition
     try:
         with lost_connections(prepared):
             while query.isActive and not stop.is_set():
@@ -307,6 +324,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                 with suppress(StreamingQueryException):  # a failed query is handled below
                     query.awaitTermination(report_every_s)
                 meter.update(query)
+                lag_budget.tick(prepared, lag, report)
                 if retry.current is not None and meter.batches > batches_at_start:
                     report(f"feed {spec.name}: the {retry.current.component} is back; carrying on")
                     retry.succeeded()
@@ -320,7 +338,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
                     break
                 stored = state.load()
-                if stored is not None and (stored.nodes, stored.sink_targets) != (spec.nodes, spec.sink_targets):
+                defined = prepared.definition
+                if stored is not None and (stored.nodes, stored.sink_targets) != (defined.nodes, defined.sink_targets):
                     raise Redefined(stored)  # changefeed alter --add-node, --add-sink, ...
                 if stored is not None and stored != published:  # altered: what a standby would run
                     feed_record.store(prepared.source_conn, spec.name, stored.to_json(), lease.me())
@@ -340,7 +359,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                         break
                     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel,
                                         resync=resync, epoch=prepared.epoch, resume=prepared.resume,
-                                        until=prepared.until)
+                                        until=prepared.until, read_from=prepared.read_from)
             if query.exception() is not None:
                 retention_check.check(prepared, report)  # a lost slot fails the reads: name it properly
                 raise _query_error(query.exception(), state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import closing
 
+from changefeed.control.lag_budget import Lag
 from changefeed.control.runner_lock import holder
 from changefeed.errors import ConfigError
 from changefeed.postgres import requests
@@ -58,13 +59,15 @@ def remove_sink(spec: FeedSpec, state: FeedState, name: str) -> FeedSpec:
     if len(spec.sink_targets) == 1:
         raise ConfigError(f"{name} is the only sink of feed {spec.name}", "a feed needs a sink: add another first, "
                           "or remove the feed (changefeed remove)")
-    shrunk = FeedSpec(**{**spec.__dict__, "sink": "" if target.bare else spec.sink,
-                         "sinks": tuple((n, u) for n, u in spec.sinks if n != name)})
+    shrunk = spec.without_sinks({name})
+    if not shrunk.several_sinks:  # (nothing left to go on without it)
+        shrunk = FeedSpec(**{**shrunk.__dict__, "sink_lag_budget_s": 0.0, "sink_lag_budget_bytes": 0})
     state.save(validated(shrunk))
     with first_node(spec) as conn:
         requests.void(conn, spec.name, name)
     if holder(state) is None:
         forget([target], spec, state)
+        Lag.load(state).forget({name})
     return shrunk
 
 

@@ -9,6 +9,7 @@ from contextlib import closing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from changefeed.control.lag_budget import Lag
 from changefeed.control.retry import Retrying, read_note
 from changefeed.control.runner_lock import run_state
 from changefeed.core.hlc import physical_ms
@@ -90,7 +91,9 @@ def status(spec: FeedSpec, feed_state: FeedState) -> FeedStatus:
             unreachable[spec.role(node.name)] = e.message.splitlines()[0]
     found = _measured(spec, state, sink, readings, unreachable)
     if sink is not None and sink.each:
-        found.sinks = {name: _sink_fields(spec, last, rate, readings, read_note(feed_state.retrying_file), name)
+        behind = Lag.load(feed_state)
+        found.sinks = {name: {**_sink_fields(spec, last, rate, readings, read_note(feed_state.retrying_file), name),
+                              "behind": behind.describe(name)}
                        for name, (last, rate) in sink.each.items()}
     found.verified = verified(feed_state)
     if spec.sources[0].name in readings:

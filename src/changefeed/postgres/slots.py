@@ -112,5 +112,10 @@ def copy_temporary(conn: psycopg.Connection[Any], slot: str, copy: str) -> None:
     conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s, true)", (slot, copy))
 
 
+def copy(conn: psycopg.Connection[Any], slot: str, copy: str) -> None:
+    """A lasting copy of `slot`, at its position: it keeps the WAL from there while `slot` moves on."""
+    conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s, false)", (slot, copy))
+
+
 def drop(conn: psycopg.Connection[Any], slot: str) -> None:
     conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))

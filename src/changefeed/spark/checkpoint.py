@@ -21,13 +21,36 @@ from changefeed.spec.state import FeedState
 def logged_end(state: FeedState) -> tuple[Offset | None, bool]:
     """(The end offset of the last batch in the checkpoint's offset log, None before the first;
     whether Spark logged that batch as committed downstream too)."""
-    logged = [p for p in (state.checkpoint / "offsets").glob("*") if p.name.isdigit()]
+    logged = _logged(state)
     if not logged:
         return None, False
-    path = max(logged, key=lambda p: int(p.name))
-    last = path.read_text().splitlines()
-    end = Offset.from_json(last[-1]) if len(last) > 2 else None
-    return end, (state.checkpoint / "commits" / path.name).exists()
+    last = logged[-1]
+    return _end_of(state, last), (state.checkpoint / "commits" / str(last)).exists()
+
+
+def committed_end(state: FeedState) -> Offset | None:
+    """The end of the last batch Spark logged as committed downstream (every sink of its query had
+    it then); None before the first."""
+    done = [n for n in _logged(state) if (state.checkpoint / "commits" / str(n)).exists()]
+    return _end_of(state, done[-1]) if done else None
+
+
+def planned_ends(state: FeedState, after: Offset) -> list[Offset]:
+    """The ends of the batches in the checkpoint's offset log past `after`, in order: the bounds a
+    sink that lacks them is given them by (control.lag_budget), so that each batch it gets is one
+    the other sinks recorded, with the same timestamps."""
+    ends = (_end_of(state, n) for n in _logged(state))
+    return [e for e in ends if e is not None and e.order > after.order]
+
+
+def _logged(state: FeedState) -> list[int]:
+    """The batch numbers in the checkpoint's offset log, in order."""
+    return sorted(int(p.name) for p in (state.checkpoint / "offsets").glob("*") if p.name.isdigit())
+
+
+def _end_of(state: FeedState, batch: int) -> Offset | None:
+    lines = (state.checkpoint / "offsets" / str(batch)).read_text().splitlines()
+    return Offset.from_json(lines[-1]) if len(lines) > 2 else None
 
 
 def chunks_to_read(spec: FeedSpec, state: FeedState, requests: Requests) -> bool:

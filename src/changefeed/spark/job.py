@@ -61,7 +61,8 @@ def _register_sources(spark: Any) -> None:
 
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
                 parallel_reads: bool = False, resync: tuple[str, ...] = (), epoch: int | None = None,
-                resume: Offset | None = None, until: Offset | None = None) -> Any:
+                resume: Offset | None = None, until: Offset | None = None,
+                read_from: dict[str, str] | None = None) -> Any:
     """Start the feed's query. `parallel_reads` (while snapshot chunks are pending, and always on a
     feed of several nodes) reads a batch's input partitions, its WAL windows and its chunks, as
     parallel tasks and shuffles them to the writer task(s); without it the writer task reads them
@@ -69,8 +70,9 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
     runner's lease term, goes to the sink's writer: a sink with a fence refuses it once a later
     term claimed the sink (control.lease_keeper). `resume`: where the query starts when the state
     folder has no checkpoint of the feed (spark.checkpoint.resume), and `until` where its first
-    batch then ends (spark.checkpoint.resume_until)."""
-    nodes = [[n.name, n.uri, n.slot, n.publication] for n in spec.sources]
+    batch then ends (spark.checkpoint.resume_until). `read_from`: per node, the slot read instead of
+    the feed's (a copy that kept the WAL of sinks being caught up: control.lag_budget)."""
+    nodes = [[n.name, n.uri, (read_from or {}).get(n.name, n.slot), n.publication] for n in spec.sources]
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
@@ -87,7 +89,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("sinks", ",".join(t.name for t in spec.sink_targets))
               .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000)))
               .option("resume_offset", json.dumps(resume.to_json()) if resume else "")
-              .option("resume_until", json.dumps(until.to_json()) if resume and until else ""))
+              .option("resume_until", json.dumps(until.to_json()) if resume and until else "")
+              .option("replay_file", str(state.replay_file)))
     targets = []
     for target in spec.sink_targets:
         one = spec.for_sink(target)

@@ -71,7 +71,8 @@ class ChangefeedSource(DataSource):
     (see core.distributed), sinks (the names of the feed's sinks, by which a snapshot request for
     some sinks alone is taken in: spec.sinks), resume_offset (where a query without a checkpoint starts, see
     initialOffset), resume_until (where its first batch then ends: the furthest of several sinks,
-    sinks.ledgers)."""
+    sinks.ledgers), replay_file (a JSON list of batch ends a sink behind the others is caught up
+    by: control.lag_budget)."""
 
     @classmethod
     def name(cls) -> str:
@@ -105,8 +106,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
         self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
         self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
-        self._until: Offset | None = None  # set by initialOffset: where the first batch must end
         self.resume_until = Offset.from_json(options["resume_until"]) if options.get("resume_until") else None
+        self._replay = _replayed(Path(options["replay_file"])) if options.get("replay_file") else []
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -151,7 +152,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                "were released without reaching the sink (a sink restored from a backup?)",
                                start_over_hint(self.feed))
         if self.resume is not None:  # (a node the sink's last batch did not read yet: from its slot)
-            self._until = self.resume_until
+            if self.resume_until is not None:
+                self._replay = sorted([*self._replay, self.resume_until], key=lambda e: e.order)
             return replace(self.resume, lsns={**lsns, **self.resume.lsns}).to_json()
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
@@ -205,10 +207,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # decodes only the new window.
         start = self._joined(Offset.from_json(start_json))
         self._release(start)
-        if self._until is not None:  # what the least far sink lacks: exactly the batch the others have
-            until, self._until = self._until, None
-            if until.order > start.order:
-                return until.to_json()
+        replayed = next((e for e in self._replay if e.order > start.order), None)
+        if replayed is not None:  # what a sink lacks: exactly the batches the others recorded
+            return replayed.to_json()
         barrier = bar.read(self.barrier_file) if self.barrier_file else None
         if barrier is not None and barrier.reached(start.lsns):
             return start_json  # a verify compares the sink at exactly here: wait for it
@@ -359,6 +360,14 @@ class Readings:
 def _left(scans: dict[str, dist.NodeScan], plan: dist.Plan, certain: Mapping[str, int]) -> bool:
     """Whether a node has a commit before its `certain` position that the plan leaves undelivered."""
     return any(plan.ends[n] <= c.start < certain[n] for n, s in scans.items() for c in dist.pair(s)[0])
+
+
+def _replayed(path: Path) -> list[Offset]:
+    """The batch ends in a replay file (control.lag_budget), none if it is gone."""
+    try:
+        return [Offset.from_json(o) for o in json.loads(path.read_text())]
+    except FileNotFoundError:
+        return []
 
 
 def _words(path: Path) -> list[str]:

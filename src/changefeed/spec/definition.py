@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from changefeed.errors import ConfigError
-from changefeed.spec.sinks import SinkTarget, check_names, envelope_of, targets
+from changefeed.spec.sinks import SinkTarget, check_names, envelope_of, kind_of, targets
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 _TABLE = re.compile(r"^[^.\s]+\.[^.\s]+$")
@@ -46,6 +46,11 @@ class SourceNode:
     def prepare_slot(self) -> str:
         """The node's prepare slot on a feed of several nodes (postgres/twophase.py), beside `slot`."""
         return "cf2pc_" + self.slot.removeprefix("changefeed_")
+
+    @property
+    def lag_slot(self) -> str:
+        """A copy of `slot` that keeps the WAL of a sink the others went on without (control.lag_budget)."""
+        return "cflag_" + self.slot.removeprefix("changefeed_")
 
 
 def node_role(node: str, multi_node: bool) -> str:
@@ -92,11 +97,24 @@ class FeedSpec:
     failover_slot: bool = True  # PostgreSQL 17+: slots made as failover slots (kept on a synchronized standby)
     sinks: tuple[tuple[str, str], ...] = ()  # (name, URI) of each named sink (spec.sinks); () = the bare `sink`
     sink_key: str = ""  # the feed as one of its sinks sees it (for_sink): that sink's ledger key
+    sink_lag_budget_s: float = 0.0  # how long a failing sink may stay behind the others (control.lag_budget)
+    sink_lag_budget_bytes: int = 0  # how much WAL the slot may keep for a sink behind the others; 0, 0 = wait for it
 
     @property
     def sink_targets(self) -> tuple[SinkTarget, ...]:
         """The feed's sinks, the bare one first (spec.sinks)."""
         return targets(self.name, self.sink, self.sinks)
+
+    @property
+    def sink_lag_budget(self) -> bool:
+        """Whether the other sinks go on without a failing one (control.lag_budget)."""
+        return bool(self.sink_lag_budget_s or self.sink_lag_budget_bytes)
+
+    def without_sinks(self, names: set[str]) -> "FeedSpec":
+        """The feed as its query runs while sinks `names` are behind (control.lag_budget): the others only."""
+        bare = self.sink if self.sink and kind_of(self.sink) not in names else ""
+        return FeedSpec(**{**self.__dict__, "sink": bare, "sinks": tuple((n, u) for n, u in self.sinks
+                                                                           if n not in names)})
 
     @property
     def several_sinks(self) -> bool:
@@ -216,9 +234,17 @@ class FeedSpec:
                                    ("trigger-interval", self.trigger_interval_s),
                                    ("resolved", self.resolved_interval_s), ("retention", self.retention_s),
                                    ("max-retained-wal", self.max_retained_wal),
-                                   ("max-clock-skew", self.max_clock_skew_s)) if v < 0]
+                                   ("max-clock-skew", self.max_clock_skew_s),
+                                   ("sink-lag-budget", self.sink_lag_budget_s),
+                                   ("sink-lag-budget", self.sink_lag_budget_bytes)) if v < 0]
         if negative:
             raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
+        if self.sink_lag_budget and self.multi_node:
+            raise ConfigError("--sink-lag-budget is not available on a feed of several nodes yet",
+                              "leave it out: every sink then waits for a failing one")
+        if self.sink_lag_budget and not self.several_sinks:
+            raise ConfigError("--sink-lag-budget lets a feed's other sinks go on without one that fails: this feed "
+                              "has one sink", "leave --sink-lag-budget out, or give the feed several --sink NAME=URI")
         if self.lease_s < MIN_LEASE_S:
             raise ConfigError(f"--lease must be at least {MIN_LEASE_S:g}s, got {self.lease_s:g}s",
                               f"the runner renews it every third of it; the default is {DEFAULT_LEASE_S:g}s")

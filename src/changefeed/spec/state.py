@@ -26,6 +26,8 @@ class FeedState:
         self.barrier_file = self.dir / "barrier.json"  # where a verify wants the batches to stop (core.barrier)
         self.verified_file = self.dir / "verified.json"  # the last verification's outcome (verify)
         self.joining_file = self.dir / "joining"  # nodes being added to a running feed (lifecycle.add_node)
+        self.behind_file = self.dir / "behind.json"  # sinks the others went on without (control.lag_budget)
+        self.replay_file = self.dir / "replay.json"  # the batch ends such a sink is caught up by
 
     @property
     def paused(self) -> bool:

@@ -24,3 +24,15 @@ def parse_duration(text: str) -> float:
     if not m:
         raise ConfigError(f"not a duration: {text!r}", "use e.g. 1s, 500ms, 2m or a number of seconds")
     return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2) or "s"]
+
+
+def parse_budget(text: str) -> tuple[float, int]:
+    """'30s', '5m' (a duration) or '1GB', '512MB' (a size: it ends in B) -> (seconds, bytes), one of them 0."""
+    if text.strip().lower().endswith("b"):
+        return 0.0, parse_size(text)
+    try:
+        return parse_duration(text), 0
+    except ConfigError:
+        raise ConfigError(f"not a duration or a size: {text!r}",
+                          "use e.g. 5m (how long a sink may stay behind) or 2GB (how much WAL the slot may keep "
+                          "for it)") from None
