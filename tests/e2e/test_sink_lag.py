@@ -1,12 +1,15 @@
 """--sink-lag-budget: a feed of three sinks (a replica, Kafka exactly once behind a TCP proxy, a
 Delta change log) under a writer moving money. Kafka's broker out of reach for 30 s: the replica
-and the lake go on, Kafka is caught up from the slot once it answers. Then, with a budget of 10 s,
+and the lake go on, Kafka is caught up from a copy of the slot once it answers. Then, with a budget of 10 s,
 out of reach for good: the feed stops naming the sink, its slot keeping Kafka's WAL; run again
 with the broker back, Kafka is caught up first. Every sink gets every change once, Kafka and the
-lake carry the same commit timestamp for each transaction, money is never half-moved."""
+lake carry the same commit timestamp for each transaction, money is never half-moved. The runner
+is SIGKILLed while Kafka is caught up, and the next one finishes it."""
 from __future__ import annotations
 
 import json
+import os
+import random
 import signal
 import time
 import uuid
@@ -52,7 +55,7 @@ def test_with_a_lag_budget_the_others_go_on_and_the_sink_is_caught_up(dbs: Dbs, 
         define = ["--source", dbs.source, "--sink", f"dr={dbs.sink}",
                   "--sink", f"events=kafka://{bootstrap}?timeout=5s&topic_partitions=1&topic_prefix={read.prefix}",
                   "--sink", f"lake=delta://{lake}?mode=changelog", "--tables", "public.ledger,public.accounts"]
-        logs = [tmp_path / f"run{i}.log" for i in range(3)]
+        logs = [tmp_path / f"run{i}.log" for i in range(4)]
         runner = start_changefeed(*run, *define, "--sink-lag-budget", "5m", log=logs[0])
         written = [0]
         try:
@@ -69,12 +72,18 @@ def test_with_a_lag_budget_the_others_go_on_and_the_sink_is_caught_up(dbs: Dbs, 
                          len(read.lake_ledger()["c"]) > went_on[1] + 200, logs[0], timeout=60)
                 time.sleep(max(0.0, 30 - (time.monotonic() - began)))
                 proxy.up()
-                wait_for("Kafka caught up", lambda: "sink events caught up" in logs[0].read_text(), logs[0],
+                wait_for("Kafka answering", lambda: "sink events answers again" in logs[0].read_text(), logs[0],
                          timeout=120)
-                wait_for("the slot's copy dropped", lambda: _slot_position(dbs) is None, logs[0])
+                time.sleep(random.uniform(0.5, 4.0))  # SIGKILLed while catching Kafka up (or just after)
+                os.killpg(runner.pid, signal.SIGKILL)
+                runner.wait(timeout=60)
+                runner = start_changefeed(*run, log=logs[3])
+                wait_for("Kafka caught up", lambda: "sink events caught up" in logs[0].read_text() +
+                         logs[3].read_text(), logs[3], timeout=120)
+                wait_for("the slot's copy dropped", lambda: _slot_position(dbs) is None, logs[3])
                 assert status_of(dbs.name, state)["sinks"]["events"]["behind"] == "no"
                 runner.send_signal(signal.SIGTERM)
-                assert runner.wait(timeout=120) == 0, logs[0].read_text()[-3000:]
+                assert runner.wait(timeout=120) == 0, logs[3].read_text()[-3000:]
 
                 # a budget of 10 s, and the broker out of reach for longer: the feed stops
                 runner = start_changefeed(*run, "--sink-lag-budget", "10s", log=logs[1])
@@ -106,6 +115,7 @@ def test_with_a_lag_budget_the_others_go_on_and_the_sink_is_caught_up(dbs: Dbs, 
         assert c.execute("SELECT sum(balance) FROM accounts").fetchone()[0] == ACCOUNTS * BALANCE
     for log in logs:
         assert_no_traceback(log.read_text())
+    assert "slot cflag_" in logs[0].read_text() and "keeps its WAL" in logs[0].read_text()
 
 
 class _Read:

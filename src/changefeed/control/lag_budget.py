@@ -208,16 +208,16 @@ def switch(to: Switch, spec: FeedSpec, lag: Lag, report: Callable[[str], None]) 
         lag.save()  # (the copy is dropped as the next query is attached: tidy)
         return
     lag.record_ends()
-    for b in lag.sinks.values():
-        b.catching_up = True
-    lag.save()
     checkpoint = lag.state.checkpoint
-    if checkpoint.exists():
+    if checkpoint.exists():  # first: a query of that checkpoint must never read the copy (it is further)
         aside = checkpoint.with_name("checkpoint.replaced")
         shutil.rmtree(aside, ignore_errors=True)
         checkpoint.rename(aside)
         report(f"feed {spec.name}: the checkpoint of the query without {', '.join(sorted(lag.sinks))} moved aside "
                f"to {aside}")
+    for b in lag.sinks.values():
+        b.catching_up = True
+    lag.save()
 
 
 def tidy(prepared: Prepared, lag: Lag) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from changefeed.control.lag_budget import Lag
 from changefeed.control.metrics import FeedMetrics, NodeValues, SinkValues, TableSnapshot
 from changefeed.control.metrics import serve as serve_metrics
 from changefeed.control.retry import read_note
@@ -137,7 +138,9 @@ class Gauges:
     def _sinks(self, ledgers: SinkLedgers, current: int, now_ms: int) -> dict[str, SinkValues]:
         """Each sink's lags by its own ledger (a feed of one node: lag by `current`, its flush LSN)."""
         retrying = read_note(self.prepared.state.retrying_file)
-        out = {}
+        behind = Lag.load(self.prepared.state).sinks
+        out = {name: SinkValues(time.time() - b.since, time.time() - b.since, behind=True)  # (left out: no ledger)
+               for name, b in behind.items()}
         for name, ledger in ledgers.each:
             last = ledger.last_batch()
             position = (ledger.checkpoint() or {}).get(self.prepared.spec.sources[0].name, 0)
@@ -147,7 +150,7 @@ class Gauges:
                 lag = resolved if self.prepared.spec.multi_node else \
                     checkpoint_lag_s(current, now_ms, position, last.resolved_ts)
             out[name] = SinkValues(lag, resolved, last.batches if last else 0, ledger.recent_rate(),
-                                   retrying is not None and retrying.component == f"sink {name}")
+                                   retrying is not None and retrying.component == f"sink {name}", name in behind)
         return out
 
 

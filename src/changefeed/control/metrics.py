@@ -55,6 +55,7 @@ class SinkValues:
     batches: int = 0  # recorded in its ledger
     changes_per_second: float = 0.0  # over its ledger's last minute
     retrying: bool = False  # the feed waits out a failure of this sink
+    behind: bool = False  # the others go on without it (--sink-lag-budget), or it is being caught up
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ _SINKS = (
     ("changefeed_sink_changes_per_second", "Changes the sink recorded per second over the last minute.",
      "changes_per_second"),
     ("changefeed_sink_retrying", "1 while the feed waits out a failure of the sink, else 0.", "retrying"),
+    ("changefeed_sink_behind", "1 while the other sinks go on without the sink (--sink-lag-budget) or it is "
+     "caught up, else 0.", "behind"),
 )
 
 
