@@ -1,15 +1,17 @@
 """--sink-lag-budget: a feed of three sinks (a replica, Kafka exactly once behind a TCP proxy, a
 Delta change log) under a writer moving money. Kafka's broker out of reach for 30 s: the replica
-and the lake go on, Kafka is caught up from a copy of the slot once it answers. Then, with a budget of 10 s,
-out of reach for good: the feed stops naming the sink, its slot keeping Kafka's WAL; run again
-with the broker back, Kafka is caught up first. Every sink gets every change once, Kafka and the
-lake carry the same commit timestamp for each transaction, money is never half-moved. The runner
-is SIGKILLed while Kafka is caught up, and the next one finishes it."""
+and the lake go on, Kafka is caught up from a copy of the slot once it answers; the runner is
+SIGKILLed meanwhile and the next one finishes it. Then, with a budget of 10 s, out of reach for
+good: the feed stops naming the sink, the copy keeping Kafka's WAL; run again on a new host (no
+state folder) with the broker back, Kafka is caught up first. Every sink gets every change once,
+Kafka and the lake carry the same commit timestamp for each transaction, money is never
+half-moved."""
 from __future__ import annotations
 
 import json
 import os
 import random
+import shutil
 import signal
 import time
 import uuid
@@ -96,10 +98,15 @@ def test_with_a_lag_budget_the_others_go_on_and_the_sink_is_caught_up(dbs: Dbs, 
                 kept = _slot_position(dbs)
                 time.sleep(2)
             assert kept is not None and kept < read.replica_checkpoint(), "the slot's copy moved on with the others"
+            # the feed run again on a new host (no state folder: no checkpoint, nothing known behind),
+            # the broker back: Kafka is found behind the feed's slot and caught up from the copy
+            shutil.rmtree(state / dbs.name)
             proxy.up()
-            runner = start_changefeed(*run, log=logs[2])
+            runner = start_changefeed(*run, *define, "--sink-lag-budget", "10s", log=logs[2])
             wait_for("every row in every sink", lambda: read.least() >= written[0], logs[2], timeout=300)
-            assert "sink events caught up" in logs[2].read_text()
+            text = logs[2].read_text()
+            assert "sinks events lack WAL the feed's slot gave up" in text and "sink events caught up" in text, text
+            wait_for("the slot's copy dropped", lambda: _slot_position(dbs) is None, logs[2])
             runner.send_signal(signal.SIGTERM)
             assert runner.wait(timeout=120) == 0, logs[2].read_text()[-3000:]
         finally:

@@ -146,11 +146,11 @@ def fell_behind(error: TransientError, spec: FeedSpec, lag: Lag, report: Callabl
             report(f"feed {spec.name}: sink {name} failed, and the slot could not be copied to keep its WAL "
                    f"({e.message.splitlines()[0]}): every sink waits for it")
             return False
-    for b in lag.sinks.values():  # (a failure while being caught up: where that query took them)
-        if b.catching_up and end is not None and end.order > Offset.from_json(b.at).order:
-            b.at = end.to_json()
-        b.catching_up = False
     looks = known.looks + 1 if known is not None else 0
+    for b in lag.sinks.values():  # (a failure while being caught up: where that query took them, and the
+        if b.catching_up and end is not None and end.order > Offset.from_json(b.at).order:  # next look later)
+            b.at = end.to_json()
+        b.catching_up, b.next_look = False, max(b.next_look, now + _pause(looks))
     lag.sinks[name] = Behind(known.since if known else now, known.at if known else at, error.message.splitlines()[0],
                              False, looks, now + _pause(looks))
     lag.save()
@@ -205,7 +205,7 @@ def switch(to: Switch, spec: FeedSpec, lag: Lag, report: Callable[[str], None]) 
         for name, b in sorted(lag.sinks.items()):
             report(f"feed {spec.name}: sink {name} caught up (behind for {time.time() - b.since:.0f}s)")
         lag.sinks.clear()
-        lag.save()  # (the copy is dropped as the next query is attached: tidy)
+        lag.save()  # (the copy is dropped as the next query is attached: settle)
         return
     lag.record_ends()
     checkpoint = lag.state.checkpoint
@@ -220,26 +220,57 @@ def switch(to: Switch, spec: FeedSpec, lag: Lag, report: Callable[[str], None]) 
     lag.save()
 
 
-def tidy(prepared: Prepared, lag: Lag) -> None:
-    """Drop the slot copy once no sink is behind (at the attach after the switch back, or after a
-    runner that ended in between)."""
+def settle(prepared: Prepared, lag: Lag, report: Callable[[str], None]) -> None:
+    """With no sink known to be behind, the slot's copy is dropped (after the switch back, or left
+    by a runner that ended in between), unless this runner has no checkpoint and starts from a sink
+    whose WAL only the copy still has (a standby or a new host took the feed over while the sink
+    was behind): then those sinks are caught up from the copy first."""
     from changefeed.postgres import slots
 
     if lag.sinks or prepared.spec.multi_node:
         return
-    node = prepared.spec.sources[0]
-    if slots.slot_state(prepared.source_conn, node.lag_slot) is not None:
-        slots.drop(prepared.source_conn, node.lag_slot)
+    node, conn = prepared.spec.sources[0], prepared.source_conn
+    copy = slots.slot_state(conn, node.lag_slot)
+    if copy is None:
+        return
+    own = slots.slot_state(conn, node.slot)
+    lag.sinks = _behind_the_slot(prepared, copy.confirmed_flush, own.confirmed_flush if own else None)
+    if not lag.sinks:
+        slots.drop(conn, node.lag_slot)
+        return
+    lag.save()
+    report(f"feed {prepared.spec.name}: sinks {', '.join(sorted(lag.sinks))} lack WAL the feed's slot gave up; "
+           f"catching them up from slot {node.lag_slot}")
+
+
+def _behind_the_slot(prepared: Prepared, copy: int | None, own: int | None) -> dict[str, Behind]:
+    """The sinks a query without a checkpoint starts from that lack WAL the feed's slot (at `own`)
+    gave up and its copy (at `copy`) kept: each to be caught up from where it stands."""
+    from changefeed.sinks.ledgers import SinkLedgers
+
+    node = prepared.spec.sources[0].name
+    start = prepared.resume.lsns.get(node) if prepared.resume is not None else None
+    if start is None or copy is None or own is None or not copy <= start < own or \
+            not isinstance(prepared.ledger, SinkLedgers):
+        return {}
+    found = "behind the others when this runner took the feed"
+    return {name: Behind(time.time(), at.to_json(), found, catching_up=True)
+            for name, at in prepared.ledger.offsets() if at.lsns.get(node, 0) < own}
 
 
 def _copy_slot(spec: FeedSpec, at: Offset | None) -> None:
-    """Copy the feed's slot (a copy left over is replaced); it must not be past `at`."""
+    """Copy the feed's slot; it must not be past `at`. A copy there already that is not past it
+    either is kept (it keeps at least that WAL: a runner that ended before it noted the sink)."""
     from changefeed.postgres import slots
     from changefeed.postgres.connect import first_node
 
     node = spec.sources[0]
     with first_node(spec) as conn:
-        if slots.slot_state(conn, node.lag_slot) is not None:
+        found = slots.slot_state(conn, node.lag_slot)
+        if found is not None and found.confirmed_flush is not None and \
+                (at is None or found.confirmed_flush <= at.lsns[node.name]):
+            return
+        if found is not None:
             slots.drop(conn, node.lag_slot)
         slots.copy(conn, node.slot, node.lag_slot)
         made = slots.slot_state(conn, node.lag_slot)

@@ -200,9 +200,6 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
     if term is not None:
         lease_keeper.check_still_held(spec, term)
     prepared = attach(spec, state, attempt, report, behind=lag.left_out())
-    prepared.read_from = lag.read_from(prepared.spec)
-    with lost_connections(prepared):
-        lag_budget.tidy(prepared, lag)
     with lost_connections(prepared):
         prepared.epoch = lease_keeper.take(prepared.spec, prepared.source_conn, prepared.ledger)
         prepared.keeper = lease_keeper.Keeper(prepared.spec, prepared.epoch)
@@ -216,6 +213,8 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
             prepared.resume = resume(state, prepared.ledger, report,  # after the claim: no batch lands meanwhile
                                      in_parts=any(sink.in_parts for _, _, sink in sinks_of(spec)))
             prepared.until = resume_until(state, prepared.ledger, report) if prepared.resume is not None else None
+        lag_budget.settle(prepared, lag, report)
+    prepared.read_from = lag.read_from(prepared.spec)
     return prepared
 
 
