@@ -112,3 +112,22 @@ def test_without_a_budget_or_a_name_a_failure_is_waited_out(tmp_path: Path) -> N
     lag.sinks["dr"] = Behind(1.0, _offset(200).to_json(), "replica down")  # the last sink going on
     assert not fell_behind(failed, budget, lag, said.append)
     assert not said and "events" not in lag.sinks
+
+
+def test_the_sinks_ledgers_give_the_batch_ends_they_recorded_each_once(tmp_path: Path) -> None:
+    from changefeed.core.change import BatchProgress
+    from changefeed.sinks.ledger import FileLedger
+    from changefeed.sinks.ledgers import SinkLedgers
+
+    def record(ledger: FileLedger, batch: int, end: Offset) -> None:
+        ledger.record(batch, BatchProgress(end.lsn, end.ts, None, 1, (), None, (), end.to_json()), 0.0, 1.0)
+
+    old, new = FileLedger(tmp_path / "old.jsonl"), FileLedger(tmp_path / "new.jsonl")
+    for batch, lsn in enumerate((100, 200, 300, 400)):
+        record(old, batch, _offset(lsn))
+    record(new, 0, _offset(300))  # (added to the feed later)
+    record(new, 1, _offset(400))
+    record(new, 2, _offset(500))  # (the other's file trails it by a batch)
+    both = SinkLedgers([("old", old), ("new", new)])
+    assert both.batch_ends(_offset(100)) == [_offset(200), _offset(300), _offset(400), _offset(500)]
+    assert both.batch_ends(_offset(500)) == [] and old.batch_ends(_offset(300)) == [_offset(400)]

@@ -120,9 +120,12 @@ class Lag:
                                           key=lambda o: o.order)
         new = planned_ends(self.state, after)
         if new:
-            tmp = self.state.replay_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps([e.to_json() for e in ends + new]))
-            tmp.replace(self.state.replay_file)
+            self.write_replay(ends + new)
+
+    def write_replay(self, ends: list[Offset]) -> None:
+        tmp = self.state.replay_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps([e.to_json() for e in ends]))
+        tmp.replace(self.state.replay_file)
 
 
 def fell_behind(error: TransientError, spec: FeedSpec, lag: Lag, report: Callable[[str], None]) -> bool:
@@ -224,7 +227,8 @@ def settle(prepared: Prepared, lag: Lag, report: Callable[[str], None]) -> None:
     """With no sink known to be behind, the slot's copy is dropped (after the switch back, or left
     by a runner that ended in between), unless this runner has no checkpoint and starts from a sink
     whose WAL only the copy still has (a standby or a new host took the feed over while the sink
-    was behind): then those sinks are caught up from the copy first."""
+    was behind): then those sinks are caught up from the copy first, by the batches the others'
+    ledgers recorded."""
     from changefeed.postgres import slots
 
     if lag.sinks or prepared.spec.multi_node:
@@ -238,6 +242,8 @@ def settle(prepared: Prepared, lag: Lag, report: Callable[[str], None]) -> None:
     if not lag.sinks:
         slots.drop(conn, node.lag_slot)
         return
+    assert prepared.resume is not None  # (where they stand: _behind_the_slot)
+    lag.write_replay(prepared.ledger.batch_ends(prepared.resume))  # the others' batches: their timestamps
     lag.save()
     report(f"feed {prepared.spec.name}: sinks {', '.join(sorted(lag.sinks))} lack WAL the feed's slot gave up; "
            f"catching them up from slot {node.lag_slot}")

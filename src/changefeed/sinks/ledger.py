@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from changefeed.core.change import BatchProgress
+from changefeed.core.offsets import Offset
 
 RATE_WINDOW_S = 60
 
@@ -66,6 +67,10 @@ class Ledger(Protocol):
         the batch's own transaction (then it is exactly where the feed stands, and a lost Spark
         checkpoint is rebuilt from it: spark.checkpoint.resume); None where it does not, or before
         the first batch."""
+
+    def batch_ends(self, after: Offset) -> list[Offset]:
+        """The end offsets of the batches recorded past `after`, in order, of those it knows (the
+        bounds a sink behind is caught up by: control.lag_budget)."""
 
     def fence(self, epoch: int, holder: str) -> bool:
         """Claim the sink for lease term `epoch` (postgres.lease), before the term's first batch:
@@ -196,9 +201,18 @@ class FileLedger:
         """None: a file written after the sink committed may lag it (see resume_offset above)."""
         return None
 
+    def batch_ends(self, after: Offset) -> list[Offset]:
+        return ends_after(self._entries(), after)
+
     def fence(self, epoch: int, holder: str) -> bool:
         """No fence: the file is the runner's own (Kafka and Delta fence on their own terms)."""
         return False
 
     def close(self) -> None:
         """Nothing held open."""
+
+
+def ends_after(entries: list[_Entry], after: Offset) -> list[Offset]:
+    """The end offsets of `entries` (those that record one) past `after`, in order."""
+    ends = (Offset.from_json(e.progress.offset) for e in entries if e.progress.offset)
+    return sorted((o for o in ends if o.order > after.order), key=lambda o: o.order)

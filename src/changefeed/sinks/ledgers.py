@@ -88,6 +88,12 @@ class SinkLedgers:
         offsets = self.offsets()
         return offsets[0][1].to_json() if offsets else None
 
+    def batch_ends(self, after: Offset) -> list[Offset]:
+        """Every sink's batch ends past `after`, each once: the sinks record the same batches, but
+        for those before a sink was added, or while one was behind."""
+        ends = {o.order: o for each in self._all("batch_ends", after) for o in each}
+        return [ends[k] for k in sorted(ends)]
+
     def fence(self, epoch: int, holder: str) -> bool:
         return all(self._all("fence", epoch, holder))
 

@@ -16,9 +16,10 @@ from typing import Any
 import psycopg
 
 from changefeed.core.change import BatchProgress
+from changefeed.core.offsets import Offset
 from changefeed.errors import LeaseLost
 from changefeed.postgres.connect import connect, lost_connection, missing, one_row
-from changefeed.sinks.ledger import FileLedger, _Entry
+from changefeed.sinks.ledger import FileLedger, _Entry, ends_after
 
 DDL = """
 CREATE SCHEMA IF NOT EXISTS changefeed;
@@ -108,6 +109,9 @@ class SourceLedger(FileLedger):
         after it is sent again, with the same requests: sinks.webhook.cuts)."""
         entries = self._entries()
         return entries[-1].progress.offset if entries else None
+
+    def batch_ends(self, after: Offset) -> list[Offset]:
+        return ends_after(self._entries(), after)
 
     def fence(self, epoch: int, holder: str) -> bool:
         """The lease itself is the fence: requests and records check it (sinks.webhook.cuts, record)."""

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.core.offsets import Offset
 from changefeed.errors import LeaseLost
 from changefeed.postgres.connect import ADVISORY_HELD, missing, one_row
 from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
@@ -220,6 +221,14 @@ class ReplicaLedger:
             f"SELECT to_jsonb(p) -> 'end_offset' FROM {META_SCHEMA}.progress p WHERE feed = %s "
             "ORDER BY end_lsn DESC LIMIT 1", (self.feed,)).fetchone()
         return None if row is None or row[0] is None else dict(row[0])
+
+    def batch_ends(self, after: Offset) -> list[Offset]:
+        if not has_meta(self.conn, "progress"):
+            return []
+        rows = self.conn.execute(f"SELECT to_jsonb(p) -> 'end_offset' FROM {META_SCHEMA}.progress p WHERE feed = %s "
+                                 "ORDER BY end_lsn", (self.feed,)).fetchall()
+        ends = [Offset.from_json(dict(r[0])) for r in rows if r[0] is not None]
+        return [o for o in ends if o.order > after.order]
 
     def fence(self, epoch: int, holder: str) -> bool:
         raise_fence(self.conn, self.feed, epoch, holder)
