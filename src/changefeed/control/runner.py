@@ -196,7 +196,7 @@ def _attach(spec: FeedSpec, state: FeedState, attempt: ExitStack, report: Callab
     runner of an earlier term (frozen, cut off) lands nothing in a sink that has a fence. A run
     that held term `term` before a fault stops with LeaseLost if another runner took the feed
     over meanwhile (a standby): it must not take the feed back. `unpause`: then take back a pause
-    on the source. Sinks behind the others (`lag`) are left out, their WAL held."""
+    on the source. Sinks behind the others (`lag`) are left out (a copy of the slot keeps their WAL)."""
     if term is not None:
         lease_keeper.check_still_held(spec, term)
     prepared = attach(spec, state, attempt, report, behind=lag.left_out())
