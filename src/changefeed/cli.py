@@ -30,6 +30,7 @@ from changefeed.spec.definition import (
     parse_node,
     parse_sources,
 )
+from changefeed.spec.row_filters import parse_where
 from changefeed.spec.secrets import same
 from changefeed.spec.sinks import parse_sinks
 from changefeed.spec.state import FeedState
@@ -62,6 +63,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
     given = {k: v for k, v in {
         "source": source, "nodes": nodes, "sink": sink, "sinks": sinks,
         "tables": parse_tables(args.tables) if args.tables else None,
+        "where": parse_where(args.where) if args.where else None,
         "max_bytes_per_batch": _option("max-bytes-per-batch", parse_size, args.max_bytes_per_batch),
         "max_changes_per_batch": args.max_changes_per_batch, "wal_reader": args.wal_reader,
         "trigger_interval_s": args.trigger_interval,
@@ -86,7 +88,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
         return validated(FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given})).protected()
-    for key in ("source", "nodes", "sink", "sinks", "tables"):
+    for key in ("source", "nodes", "sink", "sinks", "tables", "where"):
         if key in given and not _same(key, given[key], getattr(stored, key)):
             option = {"nodes": "source", "sinks": "sink"}.get(key, key)
             raise ConfigError(f"feed {args.name} was created with a different --{option} ({state.spec_file})",
@@ -105,7 +107,7 @@ def _lag_budget(text: str | None) -> dict[str, Any]:
 
 def _same(key: str, given: Any, stored: Any) -> bool:
     """Whether a --source/--sink given again names the stored one (its secrets may be stored encrypted)."""
-    if key == "tables":
+    if key in ("tables", "where"):
         return bool(given == stored)
     if key in ("nodes", "sinks"):
         return len(given) == len(stored) and all(a[0] == b[0] and same(a[1], b[1], f"--{key[:-1]} {a[0]}")
@@ -409,6 +411,12 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                                          "(default 24h; 0 = no limit)")
     cmd.add_argument("--max-retained-wal", help="stop when the slot holds more WAL than this, e.g. 10GB "
                                                 "(default 0: no limit)")
+    cmd.add_argument("--where", action="append",
+                     help="SCHEMA.TABLE=PREDICATE (split at the first =): capture only the rows of the table the "
+                          "SQL predicate lets through, in the stream (a publication row filter, PostgreSQL 15+), "
+                          "every snapshot and verify; an UPDATE that moves a row out of it arrives as a delete, "
+                          "one that moves it in as an insert; the predicate may use only the replica identity's "
+                          "columns (the key); repeatable, one per table (stored on first run)")
     cmd.add_argument("--sink-lag-budget",
                      help="a feed of several sinks: let the others go on while one fails, for at most this long "
                           "(e.g. 10m) or while the slot keeps at most this much WAL for it (e.g. 5GB, a size ends in "

@@ -27,7 +27,7 @@ from changefeed.errors import (
     SourceNotReady,
     start_over_hint,
 )
-from changefeed.postgres import ddl_capture, feed_record, lease, requests, slots, twophase
+from changefeed.postgres import ddl_capture, feed_record, lease, requests, row_filter, slots, twophase
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import check_outbox_table
@@ -178,6 +178,7 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
     with about(spec, node):
         src.check_wal_level(conn)
         tables = src.describe_tables(conn, list(spec.tables))
+        row_filter.check(conn, spec.row_filters, spec.name)
         if spec.outbox_spec is not None:
             check_outbox_table(conn, spec.outbox_spec)
         slot = slots.slot_state(conn, node.slot)
@@ -214,7 +215,7 @@ def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checke
     it has seen everything the node's slot will deliver."""
     for c in checked:
         with about(spec, c.node):
-            publication = src.ensure_publication(c.conn, c.node.publication, c.tables)
+            publication = src.ensure_publication(c.conn, c.node.publication, c.tables, spec.row_filters)
             made: list[str] = []
             created.append((c, publication, made))
             if c.slot is None:

@@ -121,7 +121,7 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         stack.callback(ledger.close)
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
         for (node, conn), node_tables in zip(conns, described):
-            src.ensure_publication(conn, node.publication, node_tables)
+            src.ensure_publication(conn, node.publication, node_tables, grown.row_filters)
             if spec.capture_ddl:  # the new tables' shapes
                 ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -27,6 +27,7 @@ from changefeed.core import barrier as bar
 from changefeed.core import verify as cv
 from changefeed.errors import ChangefeedError, ConfigError, TransientError
 from changefeed.postgres import checksum as cs
+from changefeed.postgres import row_filter
 from changefeed.postgres.connect import connect, lost_connection, one_row
 from changefeed.postgres.requests import on_source
 from changefeed.postgres.source import describe_tables
@@ -131,10 +132,12 @@ class _Side:
     uri: str
     role: str
     snapshot: str
+    filters: dict[str, str] = field(default_factory=dict)  # per table, its row filter (a source's side)
 
 
 def _sides(spec: FeedSpec, point: Point) -> tuple[list[_Side], _Side]:
-    nodes = [_Side(n.uri, node_role(n.name, spec.multi_node), point.sources[n.name].snapshot) for n in spec.sources]
+    nodes = [_Side(n.uri, node_role(n.name, spec.multi_node), point.sources[n.name].snapshot, spec.row_filters)
+             for n in spec.sources]
     return nodes, _Side(spec.sink, "sink", point.sink_snapshot)
 
 
@@ -174,7 +177,7 @@ def _compare(spec: FeedSpec, point: Point, table: str, workers: int, chunk_rows:
 
                 def part(lo: int, hi: int | None) -> cv.Sums:
                     with sessions.on(side.uri, side.role, side.snapshot) as c:
-                        return cs.chunk_sums(c, table, key, cols, chunks, lo, hi)
+                        return cs.chunk_sums(c, table, key, cols, chunks, lo, hi, side.filters.get(table))
                 total: cv.Sums = {}
                 for got in pool.map(lambda r: part(*r), ranges):
                     cv.add(total, got)
@@ -193,7 +196,7 @@ def _compare(spec: FeedSpec, point: Point, table: str, workers: int, chunk_rows:
 
             def rows_of(side: _Side) -> dict[str, int]:
                 with sessions.on(side.uri, side.role, side.snapshot) as c:
-                    return cs.chunk_rows(c, table, key, cols, chunks, bad)
+                    return cs.chunk_rows(c, table, key, cols, chunks, bad, side.filters.get(table))
             got = list(pool.map(rows_of, [*nodes, sink]))
         source_rows: dict[str, int] = {}
         for part in got[:-1]:
@@ -214,7 +217,7 @@ def _describe(result: cv.TableResult, differing: list[tuple[str, str]], nodes: l
     source_rows: dict[str, dict[str, str | None]] = {}
     for side in nodes:
         with sessions.on(side.uri, side.role, side.snapshot) as c:
-            source_rows.update(cs.rows_of(c, table, key, cols, changed))
+            source_rows.update(cs.rows_of(c, table, key, cols, changed, side.filters.get(table)))
     with sessions.on(sink.uri, sink.role, sink.snapshot) as c:
         sink_rows = cs.rows_of(c, table, key, cols, changed)
     for k, kind in differing:
@@ -259,9 +262,10 @@ def _rewrite(conn: psycopg.Connection[Any], table: str, keys: list[str], nodes: 
     conn.execute(sql.SQL("DELETE FROM {} WHERE {} = ANY(%s)").format(target, key_text), (keys,))
     col_list = sql.SQL(", ").join(map(sql.Identifier, cols))
     for side in nodes:
+        rows = row_filter.clause(side.filters.get(table))
         with sessions.on(side.uri, side.role, side.snapshot) as src, \
-                src.cursor().copy(sql.SQL("COPY (SELECT {} FROM {} WHERE {} = ANY({})) TO STDOUT").format(
-                    col_list, target, key_text, sql.Literal(keys))) as out, \
+                src.cursor().copy(sql.SQL("COPY (SELECT {} FROM {} WHERE {} = ANY({}) AND {}) TO STDOUT").format(
+                    col_list, target, key_text, sql.Literal(keys), rows)) as out, \
                 conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(target, col_list)) as into:
             for data in out:
                 into.write(data)

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from changefeed.postgres import row_filter
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.source import split_table
 
@@ -90,30 +91,33 @@ def _blocks(lo: int, hi: int | None) -> sql.Composable:
 
 
 def chunk_sums(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], cols: Sequence[str],
-               buckets: int, lo: int, hi: int | None) -> dict[int, tuple[int, int]]:
-    """Per chunk of the rows in blocks [lo, hi): (rows, sum of row hashes)."""
+               buckets: int, lo: int, hi: int | None, where: str | None = None) -> dict[int, tuple[int, int]]:
+    """Per chunk of the rows in blocks [lo, hi) that the row filter `where` lets through: (rows,
+    sum of row hashes)."""
     query = sql.SQL("SELECT {b}, count(*), sum(hashtextextended({row}, 0)::numeric) FROM {t} WHERE {where} "
-                    "GROUP BY 1").format(b=_bucket(key, buckets), row=_row(cols),
-                                         t=sql.SQL(_quoted(qualified)), where=_blocks(lo, hi))
+                    "AND {rows} GROUP BY 1").format(b=_bucket(key, buckets), row=_row(cols),
+                                                    t=sql.SQL(_quoted(qualified)), where=_blocks(lo, hi),
+                                                    rows=row_filter.clause(where))
     return {int(b): (int(n), int(s)) for b, n, s in conn.execute(query)}
 
 
 def chunk_rows(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], cols: Sequence[str],
-               buckets: int, chosen: Sequence[int]) -> dict[str, int]:
-    """The rows of chunks `chosen`: key text -> row hash."""
-    query = sql.SQL("SELECT {k}, hashtextextended({row}, 0) FROM {t} WHERE {b} = ANY(%s)").format(
-        k=_row(key), row=_row(cols), t=sql.SQL(_quoted(qualified)), b=_bucket(key, buckets))
+               buckets: int, chosen: Sequence[int], where: str | None = None) -> dict[str, int]:
+    """The rows of chunks `chosen` (that `where` lets through): key text -> row hash."""
+    query = sql.SQL("SELECT {k}, hashtextextended({row}, 0) FROM {t} WHERE {b} = ANY(%s) AND {rows}").format(
+        k=_row(key), row=_row(cols), t=sql.SQL(_quoted(qualified)), b=_bucket(key, buckets),
+        rows=row_filter.clause(where))
     return {k: int(h) for k, h in conn.execute(query, (list(chosen),))}
 
 
 def rows_of(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], cols: Sequence[str],
-            keys: Sequence[str]) -> dict[str, dict[str, str | None]]:
-    """The rows with these key texts: key text -> {column: value text}."""
+            keys: Sequence[str], where: str | None = None) -> dict[str, dict[str, str | None]]:
+    """The rows with these key texts (that `where` lets through): key text -> {column: value text}."""
     if not keys:
         return {}
-    query = sql.SQL("SELECT {k}, {c} FROM {t} WHERE {k} = ANY(%s)").format(
+    query = sql.SQL("SELECT {k}, {c} FROM {t} WHERE {k} = ANY(%s) AND {rows}").format(
         k=_row(key), c=sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in cols),
-        t=sql.SQL(_quoted(qualified)))
+        t=sql.SQL(_quoted(qualified)), rows=row_filter.clause(where))
     return {r[0]: dict(zip(cols, r[1:])) for r in conn.execute(query, (list(keys),))}
 
 

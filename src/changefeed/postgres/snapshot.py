@@ -34,14 +34,16 @@ from changefeed.core import change as ch
 from changefeed.core.lsn import parse_lsn
 from changefeed.core.snapshot import Key
 from changefeed.errors import SourceNotReady, TransientError
+from changefeed.postgres import row_filter
 from changefeed.postgres.connect import one_row
 from changefeed.postgres.source import SourceTable, describe_tables, missing_values, split_table
 
 STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
 
 
-def _range(table: SourceTable, lo: Key | None, hi: Key | None) -> sql.Composable:
-    """WHERE clause for keys in (lo, hi], comparing as the key's btree order does."""
+def _range(table: SourceTable, lo: Key | None, hi: Key | None, where: str | None = None) -> sql.Composable:
+    """WHERE clause for keys in (lo, hi], comparing as the key's btree order does, and the table's
+    row filter `where` (postgres.row_filter)."""
     key = sql.SQL("({})").format(sql.SQL(", ").join(map(sql.Identifier, table.key)))
     types = [table.types[table.columns.index(k)] for k in table.key]
 
@@ -50,7 +52,8 @@ def _range(table: SourceTable, lo: Key | None, hi: Key | None) -> sql.Composable
             sql.SQL("{}::{}").format(sql.Literal(v), sql.SQL(t)) for v, t in zip(values, types)))
 
     parts = ([sql.SQL("{} > {}").format(key, row(lo))] if lo is not None else []) + \
-            ([sql.SQL("{} <= {}").format(key, row(hi))] if hi is not None else [])
+            ([sql.SQL("{} <= {}").format(key, row(hi))] if hi is not None else []) + \
+            ([row_filter.clause(where)] if where else [])
     return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts) if parts else sql.SQL("")
 
 
@@ -58,14 +61,15 @@ def _order(table: SourceTable) -> sql.Composable:
     return sql.SQL(", ").join(map(sql.Identifier, table.key))
 
 
-def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key | None, rows: int) -> Key | None:
+def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key | None, rows: int,
+                   where: str | None = None) -> Key | None:
     """The key of the `rows`-th row after `after` in key order, None if no row follows that one
     (the last chunk then runs to the end: a table of exactly n chunks gets no empty n+1st)."""
     found = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET %s LIMIT 2").format(
         # aliased: ORDER BY a bare name would pick the text output column and sort as text
         sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
                            for i, k in enumerate(table.key)),
-        sql.Identifier(table.schema, table.name), _range(table, after, None), _order(table)),
+        sql.Identifier(table.schema, table.name), _range(table, after, None, where), _order(table)),
         (rows - 1,)).fetchall()
     return list(found[0]) if len(found) == 2 else None
 
@@ -113,7 +117,7 @@ class ChunkRead:
 
 def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi: Key | None,
                lsn: int, ts: int, result: ChunkRead, rows_per_batch: int,
-               bytes_per_batch: int = 32 << 20) -> Iterator[Any]:
+               bytes_per_batch: int = 32 << 20, where: str | None = None) -> Iterator[Any]:
     """The chunk's rows as Arrow record batches of `r` changes, an `R` row first; fills `result`.
 
     `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
@@ -127,7 +131,7 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
         shape = _shape(conn, table)
         query = sql.SQL("COPY (SELECT {} FROM {}{} ORDER BY {}) TO STDOUT").format(
             sql.SQL(", ").join(map(sql.Identifier, table.columns)), sql.Identifier(table.schema, table.name),
-            _range(table, lo, hi), _order(table))
+            _range(table, lo, hi, where), _order(table))
         lines: list[bytes] = []
         size = 0
         first = True

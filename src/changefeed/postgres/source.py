@@ -151,17 +151,24 @@ def check_rights(conn: psycopg.Connection[Any], publication: str, tables: list[S
                                  f"ALTER TABLE {t.qualified} OWNER TO {user}; or connect as the tables' owner")
 
 
-def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable]) -> bool:
-    """Create the publication, or add tables it lacks; True if it was created."""
+def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable],
+                       where: dict[str, str] | None = None) -> bool:
+    """Create the publication, or add tables it lacks, each with its row filter in `where` (checked
+    by postgres.row_filter); True if it was created."""
     exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
-    idents = [sql.Identifier(t.schema, t.name) for t in tables]
+
+    def entry(t: SourceTable) -> sql.Composable:
+        predicate = (where or {}).get(t.qualified)
+        ident = sql.Identifier(t.schema, t.name)
+        return sql.SQL("{} WHERE ({})").format(ident, sql.SQL(predicate)) if predicate else ident
+
     if not exists:
         conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-            sql.Identifier(publication), sql.SQL(", ").join(idents)))
+            sql.Identifier(publication), sql.SQL(", ").join(map(entry, tables))))
         return True
     have = {(r[0], r[1]) for r in conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
-    missing = [sql.Identifier(t.schema, t.name) for t in tables if (t.schema, t.name) not in have]
+    missing = [entry(t) for t in tables if (t.schema, t.name) not in have]
     if missing:
         conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
             sql.Identifier(publication), sql.SQL(", ").join(missing)))

@@ -67,12 +67,13 @@ class ChangefeedSource(DataSource):
     request files, taken in by postgres.requests), barrier_file (see core.barrier), joining_file
     (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see
     postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
-    as one GroupPartition), max_clock_skew_us
-    (see core.distributed), sinks (the names of the feed's sinks, by which a snapshot request for
-    some sinks alone is taken in: spec.sinks), resume_offset (where a query without a checkpoint starts, see
-    initialOffset), resume_until (where its first batch then ends: the furthest of several sinks,
-    sinks.ledgers), replay_file (a JSON list of batch ends a sink behind the others is caught up
-    by: control.lag_budget)."""
+    as one GroupPartition), max_clock_skew_us (see core.distributed), sinks (the names of the
+    feed's sinks, by which a snapshot request for some sinks alone is taken in: spec.sinks),
+    resume_offset (where a query without a checkpoint starts, see initialOffset), resume_until
+    (where its first batch then ends: the furthest of several sinks, sinks.ledgers), row_filters
+    (JSON: per table the predicate its snapshot reads apply, as its publication's row filter does
+    to its changes: spec.row_filters), replay_file (a JSON list of batch ends a sink behind the
+    others is caught up by: control.lag_budget)."""
 
     @classmethod
     def name(cls) -> str:
@@ -91,6 +92,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.multi_node = not classic(self.nodes)  # as FeedSpec.multi_node
         self.feed = options["feed"]
         self.sinks = set((options.get("sinks") or "").split(","))
+        self.row_filters: dict[str, str] = json.loads(options.get("row_filters") or "{}")
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
@@ -188,7 +190,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         with self._on(node):
             if (node, table) not in self._tables:
                 self._tables[(node, table)] = src.describe_tables(self.conn(node), [table])[0]
-            return snap_pg.chunk_boundary(self.conn(node), self._tables[(node, table)], after, rows)
+            return snap_pg.chunk_boundary(self.conn(node), self._tables[(node, table)], after, rows,
+                                          self.row_filters.get(table))
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
@@ -313,7 +316,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for c in end.chunks:
             node = snapshot.node_of(c.table, DEFAULT_NODE)[0]
             if node in self.nodes:
-                parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node))
+                parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node,
+                                            self.row_filters.get(snapshot.node_of(c.table, DEFAULT_NODE)[1])))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
             seen = self._seen.get(part.node.name)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from changefeed.errors import ConfigError
+from changefeed.spec.row_filters import check_where
 from changefeed.spec.sinks import SinkTarget, check_names, envelope_of, kind_of, targets
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
@@ -99,11 +100,17 @@ class FeedSpec:
     sink_key: str = ""  # the feed as one of its sinks sees it (for_sink): that sink's ledger key
     sink_lag_budget_s: float = 0.0  # how long a failing sink may stay behind the others (control.lag_budget)
     sink_lag_budget_bytes: int = 0  # how much WAL the slot may keep for a sink behind the others; 0, 0 = wait for it
+    where: tuple[tuple[str, str], ...] = ()  # (schema.table, predicate): row filters (spec.row_filters)
 
     @property
     def sink_targets(self) -> tuple[SinkTarget, ...]:
         """The feed's sinks, the bare one first (spec.sinks)."""
         return targets(self.name, self.sink, self.sinks)
+
+    @property
+    def row_filters(self) -> dict[str, str]:
+        """Per filtered table, its predicate."""
+        return dict(self.where)
 
     @property
     def sink_lag_budget(self) -> bool:
@@ -216,6 +223,7 @@ class FeedSpec:
         from changefeed.core.envelope import FORMATS
 
         check_names(self.sink_targets)
+        check_where(self.where, self.tables)
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
                               "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
@@ -316,6 +324,7 @@ class FeedSpec:
             data["nodes"] = tuple((str(n), str(u)) for n, u in data.get("nodes", ()))
             data["renamed"] = tuple((str(a), str(b)) for a, b in data.get("renamed", ()))
             data["sinks"] = tuple((str(n), str(u)) for n, u in data.get("sinks", ()))
+            data["where"] = tuple((str(t), str(p)) for t, p in data.get("where", ()))
             return cls(**data).validate()
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None
