@@ -1,11 +1,14 @@
 """--where: a feed captures only the rows a predicate lets through, in its snapshot and its stream.
 Rows inserted on both sides of the filter, updated across it both ways and deleted, under a
-writer while the snapshot is read: the replica ends equal to `SELECT ... WHERE predicate` on the
-source, and `verify` (which filters the source's side the same way) finds it equal. Predicates
-PostgreSQL would refuse are refused before anything is created."""
+writer while the snapshot is read (the runner SIGKILLed in it): the replica ends equal to
+`SELECT ... WHERE predicate` on the source, and `verify` (which filters the source's side the
+same way) finds it equal. Predicates PostgreSQL would refuse are refused before anything is
+created."""
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 from pathlib import Path
 
@@ -16,14 +19,15 @@ from conftest import Dbs, changefeed_cli, kill_running, start_changefeed, wait_f
 
 pytestmark = pytest.mark.timeout(600)
 FILTER = "region = 'eu' AND qty >= 0"
+ROWS = 30000
 
 
 def _orders(dbs: Dbs) -> None:
     with psycopg.connect(dbs.source, autocommit=True) as c:
         c.execute("CREATE TABLE orders (id bigint PRIMARY KEY, region text NOT NULL, qty int NOT NULL, note text)")
         c.execute("ALTER TABLE orders REPLICA IDENTITY FULL")  # (the filter reads region and qty)
-        c.execute("INSERT INTO orders SELECT g, CASE WHEN g % 3 = 0 THEN 'eu' ELSE 'us' END, g % 11 - 2, 'old' "
-                  "FROM generate_series(1, 3000) g")
+        c.execute("INSERT INTO orders SELECT g, CASE WHEN g %% 3 = 0 THEN 'eu' ELSE 'us' END, g %% 11 - 2, 'old' "
+                  "FROM generate_series(1, %s) g", (ROWS,))
         c.execute("CREATE TABLE plain (id bigint PRIMARY KEY, region text NOT NULL)")
 
 
@@ -31,7 +35,7 @@ def _moving(uri: str, stop: threading.Event, written: list[int]) -> None:
     """Inserts on both sides of the filter, updates across it both ways, deletes."""
     rng = random.Random(7)
     with psycopg.connect(uri, autocommit=True) as c:
-        n = 3000
+        n = ROWS
         while not stop.is_set():
             n += 1
             with c.transaction():
@@ -54,13 +58,20 @@ def test_a_row_filter_keeps_the_replica_equal_to_the_filtered_source(dbs: Dbs, t
     _orders(dbs)
     state, log = tmp_path / "state", tmp_path / "run.log"
     run = ["run", "--name", dbs.name, "--state", str(state)]
-    runner = start_changefeed(*run, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.orders",
-                              "--where", f"public.orders={FILTER}", "--snapshot-chunk-rows", "500", log=log)
+    define = ["--source", dbs.source, "--sink", dbs.sink, "--tables", "public.orders",
+              "--where", f"public.orders={FILTER}", "--snapshot-chunk-rows", "2000", "--snapshot-chunks-per-batch", "1"]
+    killed = tmp_path / "killed.log"
+    runner = start_changefeed(*run, *define, log=killed)
     written = [0]
     try:
         with writing(_moving, dbs.source, written):
+            wait_for("the snapshot under way", lambda: "snapshot public.orders:" in killed.read_text(), killed,
+                     timeout=240)
+            os.killpg(runner.pid, signal.SIGKILL)  # in the filtered snapshot
+            runner.wait(timeout=60)
+            runner = start_changefeed(*run, log=log)
             wait_for("the snapshot and changes", lambda: "snapshot public.orders: done" in log.read_text() and
-                     written[0] > 3300, log, timeout=240)
+                     written[0] > ROWS + 300, log, timeout=240)
         wait_for("the replica equal to the filtered source", lambda: _rows(dbs.sink) == _rows(dbs.source, FILTER),
                  log, timeout=120)
         verified = changefeed_cli("verify", "--name", dbs.name, "--state", str(state))

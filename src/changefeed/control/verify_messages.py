@@ -17,6 +17,7 @@ from changefeed.core import verify as cv
 from changefeed.core.copytext import split_line
 from changefeed.core.pgvalue import to_json
 from changefeed.postgres import checksum as cs
+from changefeed.postgres import row_filter
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.consistent_point import ConsistentPoint
 from changefeed.postgres.source import describe_tables, split_table
@@ -48,7 +49,8 @@ def compare_topic(spec: FeedSpec, sources: Mapping[str, ConsistentPoint], marks:
                 return result
             described = describe_tables(conn, [table])[0]
             key = described.key
-            source.update(_rows(conn, described.schema, described.name, described.columns, described.types, key))
+            source.update(_rows(conn, described.schema, described.name, described.columns, described.types, key,
+                                spec.row_filters.get(table)))
     opts = reading(KafkaOptions.parse(spec.sink), spec.key)
     sink = read_rows(opts, opts.topic(*split_table(table)), marks, spec.format, key)
     result.source_rows, result.sink_rows = len(source), len(sink)
@@ -67,11 +69,12 @@ def compare_topic(spec: FeedSpec, sources: Mapping[str, ConsistentPoint], marks:
 
 
 def _rows(conn: Any, schema: str, name: str, columns: Sequence[str], types: Sequence[str],
-          key: Sequence[str]) -> Rows:
-    """The table's rows as the envelope renders them, by key (a JSON list of the key's values)."""
+          key: Sequence[str], where: str | None) -> Rows:
+    """The table's rows that its row filter `where` lets through, as the envelope renders them, by
+    key (a JSON list of the key's values)."""
     out: Rows = {}
-    query = sql.SQL("COPY (SELECT {} FROM {}) TO STDOUT").format(
-        sql.SQL(", ").join(map(sql.Identifier, columns)), sql.Identifier(schema, name))
+    query = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT").format(
+        sql.SQL(", ").join(map(sql.Identifier, columns)), sql.Identifier(schema, name), row_filter.clause(where))
     with conn.cursor().copy(query) as copy:
         for data in copy:
             line = bytes(data)

@@ -1,0 +1,67 @@
+"""Row filters checked on a real server: what PostgreSQL takes as a publication's row filter, on
+which columns, and that checking leaves nothing behind; the publication made with the filter, and
+the snapshot's chunk bounds counting the filtered rows only."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from changefeed.errors import ConfigError
+from changefeed.postgres import row_filter
+from changefeed.postgres import snapshot as snap_pg
+from changefeed.postgres import source as src
+from conftest import Dbs
+
+
+@pytest.fixture
+def tables(dbs: Dbs) -> Dbs:
+    with dbs.src() as conn:
+        conn.execute("CREATE TABLE rf_keyed (id int PRIMARY KEY, region text)")
+        conn.execute("CREATE TABLE rf_full (id int PRIMARY KEY, region text)")
+        conn.execute("ALTER TABLE rf_full REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO rf_full SELECT g, CASE WHEN g % 4 = 0 THEN 'eu' ELSE 'us' END "
+                     "FROM generate_series(1, 100) g")
+    return dbs
+
+
+def _publications(dbs: Dbs) -> list[str]:
+    with dbs.src() as conn:
+        return [r[0] for r in conn.execute("SELECT pubname FROM pg_publication")]
+
+
+def test_filters_on_the_replica_identity_pass_and_leave_nothing(tables: Dbs) -> None:
+    before = _publications(tables)
+    with tables.src() as conn:
+        row_filter.check(conn, {"public.rf_keyed": "id > 10 AND id % 2 = 0",
+                                "public.rf_full": "region = 'eu'"}, "probe")
+    assert _publications(tables) == before
+
+
+@pytest.mark.parametrize("where, words", [
+    ({"public.rf_keyed": "region = 'eu'"}, "outside the table's replica identity (id)"),
+    ({"public.rf_keyed": "regio = 'eu'"}, "column \"regio\" does not exist"),
+    ({"public.rf_keyed": "id >"}, "syntax error"),
+    ({"public.rf_keyed": "id > now()"}, "PostgreSQL refuses"),  # (no volatile or non-immutable functions)
+])
+def test_a_filter_postgres_would_refuse_is_a_config_error(tables: Dbs, where: dict[str, str], words: str) -> None:
+    before = _publications(tables)
+    with tables.src() as conn, pytest.raises(ConfigError, match=re.escape(words)) as e:
+        row_filter.check(conn, where, "probe")
+    assert "public.rf_keyed" in e.value.message and e.value.hint
+    assert _publications(tables) == before
+
+
+def test_the_publication_carries_the_filter_and_chunks_count_filtered_rows(tables: Dbs) -> None:
+    with tables.src() as conn:
+        described = src.describe_tables(conn, ["public.rf_full", "public.rf_keyed"])
+        try:
+            src.ensure_publication(conn, "changefeed_rf_probe", described, {"public.rf_full": "region = 'eu'"})
+            filters = dict(conn.execute("SELECT tablename, rowfilter FROM pg_publication_tables WHERE pubname = %s",
+                                        ("changefeed_rf_probe",)).fetchall())
+            assert "'eu'" in str(filters["rf_full"]) and filters["rf_keyed"] is None
+        finally:
+            conn.execute("DROP PUBLICATION IF EXISTS changefeed_rf_probe")
+        full = described[0]
+        assert snap_pg.chunk_boundary(conn, full, None, 10, "region = 'eu'") == ["40"]  # the 10th 'eu' row
+        assert snap_pg.chunk_boundary(conn, full, ["96"], 10, "region = 'eu'") is None
