@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from changefeed.core.offsets import Offset
 from changefeed.errors import ChangefeedError, SinkLagExceeded, TransientError
 from changefeed.postgres import source as src
-from changefeed.spark.checkpoint import committed_end, planned_ends
+from changefeed.spark.checkpoint import committed_end, planned_ends, replay_ends
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -107,10 +107,7 @@ class Lag:
 
     # -- the replay file: the batch ends the others took since the first sink fell behind --
     def replay(self) -> list[Offset]:
-        try:
-            return [Offset.from_json(o) for o in json.loads(self.state.replay_file.read_text())]
-        except FileNotFoundError:
-            return []
+        return replay_ends(self.state.replay_file)
 
     def record_ends(self) -> None:
         """Append the ends in Spark's offset log past the last one recorded (or past where the first

@@ -166,9 +166,10 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 if spec.sink_targets != before.sink_targets:
                     report(f"feed {spec.name}: its sinks are now {', '.join(t.name for t in spec.sink_targets)}: "
                            "restarting the query to write to them")
-                    lag.forget({t.name for t in sink_changes.gone(before, spec)})  # (its copy dropped at attach)
+                    gone = sink_changes.gone(before, spec)
+                    lag.forget({t.name for t in gone})  # (its copy dropped at attach)
                     try:
-                        sink_changes.forget(sink_changes.gone(before, spec), before, state)
+                        sink_changes.forget(gone, before, state)
                     except ChangefeedError as failed:  # the feed goes on: the leftover is bookkeeping only
                         report(f"feed {spec.name}: the removed sink's ledger was not dropped: {failed.message}")
             except lag_budget.Switch as e:  # the query reads another slot from now on

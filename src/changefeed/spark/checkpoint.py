@@ -6,8 +6,10 @@ replaced by a new query that starts where the sink's last batch ended.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 from changefeed.core import snapshot
 from changefeed.core.offsets import Offset
@@ -41,6 +43,14 @@ def planned_ends(state: FeedState, after: Offset) -> list[Offset]:
     the other sinks recorded, with the same timestamps."""
     ends = (_end_of(state, n) for n in _logged(state))
     return [e for e in ends if e is not None and e.order > after.order]
+
+
+def replay_ends(path: Path) -> list[Offset]:
+    """The batch ends in a replay file (control.lag_budget, read by spark.source), none if it is gone."""
+    try:
+        return [Offset.from_json(o) for o in json.loads(path.read_text())]
+    except FileNotFoundError:
+        return []
 
 
 def _logged(state: FeedState) -> list[int]:

@@ -45,6 +45,7 @@ from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
+from changefeed.spark.checkpoint import replay_ends
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
 from changefeed.spec.definition import (
     DEFAULT_CHUNK_ROWS,
@@ -109,7 +110,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.joining_file = Path(options["joining_file"]) if options.get("joining_file") else None
         self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
         self.resume_until = Offset.from_json(options["resume_until"]) if options.get("resume_until") else None
-        self._replay = _replayed(Path(options["replay_file"])) if options.get("replay_file") else []
+        self._replay = replay_ends(Path(options["replay_file"])) if options.get("replay_file") else []
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -364,14 +365,6 @@ class Readings:
 def _left(scans: dict[str, dist.NodeScan], plan: dist.Plan, certain: Mapping[str, int]) -> bool:
     """Whether a node has a commit before its `certain` position that the plan leaves undelivered."""
     return any(plan.ends[n] <= c.start < certain[n] for n, s in scans.items() for c in dist.pair(s)[0])
-
-
-def _replayed(path: Path) -> list[Offset]:
-    """The batch ends in a replay file (control.lag_budget), none if it is gone."""
-    try:
-        return [Offset.from_json(o) for o in json.loads(path.read_text())]
-    except FileNotFoundError:
-        return []
 
 
 def _words(path: Path) -> list[str]:
