@@ -26,8 +26,10 @@ test-fast: install
 	$(BIN)/pytest -q -n 2 tests/core tests/spec tests/postgres tests/sinks tests/control tests/cli/test_docs_links.py
 
 # Lint: ruff (style, imports), import-linter (the layers, no import circles), mypy --strict
-# (settings of all three in pyproject.toml).
+# (settings of all three in pyproject.toml); test files need unique names (the tests folders are not packages).
 lint: install
+	@dups=$$(find tests -name 'test_*.py' -printf '%f\n' | sort | uniq -d); \
+	  if [ -n "$$dups" ]; then echo "test files share a name (pytest cannot import both): $$dups"; exit 1; fi
 	$(BIN)/ruff check src tests bench
 	$(BIN)/lint-imports
 	$(BIN)/mypy
