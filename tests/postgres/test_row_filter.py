@@ -65,3 +65,19 @@ def test_the_publication_carries_the_filter_and_chunks_count_filtered_rows(table
         full = described[0]
         assert snap_pg.chunk_boundary(conn, full, None, 10, "region = 'eu'") == ["40"]  # the 10th 'eu' row
         assert snap_pg.chunk_boundary(conn, full, ["96"], 10, "region = 'eu'") is None
+
+
+def test_a_partitioned_table_is_published_by_its_root_also_in_an_older_publication(dbs: Dbs) -> None:
+    with dbs.src() as conn:
+        conn.execute("CREATE TABLE rf_parted (id int PRIMARY KEY, region text) PARTITION BY RANGE (id)")
+        conn.execute("CREATE TABLE rf_parted_1 PARTITION OF rf_parted FOR VALUES FROM (0) TO (100)")
+        row_filter.check(conn, {"public.rf_parted": "id < 50"}, "probe")  # (refused unless published by the root)
+        described = src.describe_tables(conn, ["public.rf_parted"])
+        assert src.partitioned(conn, ["public.rf_parted", "public.rf_parted_1"]) == ["public.rf_parted"]
+        try:
+            conn.execute("CREATE PUBLICATION changefeed_pt_probe FOR TABLE rf_parted")  # as an older changefeed did
+            src.ensure_publication(conn, "changefeed_pt_probe", described)
+            via_root = conn.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = 'changefeed_pt_probe'")
+            assert via_root.fetchone() == (True,)
+        finally:
+            conn.execute("DROP PUBLICATION IF EXISTS changefeed_pt_probe")

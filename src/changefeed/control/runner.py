@@ -17,6 +17,7 @@ from changefeed.control import lag_budget, lease_keeper, retention_check, sink_c
 from changefeed.control import standby as standby_mode
 from changefeed.control.attach import Prepared, about, attach, follow_renames, lost_connections
 from changefeed.control.meter import Gauges, Meter, SnapshotMeter, end_offset, start_metrics
+from changefeed.control.partition_watch import PartitionWatch
 from changefeed.control.retry import Retry, write_note
 from changefeed.control.runner_lock import Stopped, state_lock
 from changefeed.control.status import counted
@@ -305,6 +306,8 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     cleanup = _outbox_cleanup(prepared, attempt)
     state.set_joining([n for n in state.joining() if n not in {s.name for s in spec.sources}])  # read from now on
     with lost_connections(prepared):  # (requests and pause are read on the source's connection)
+        partitions = PartitionWatch(prepared)
+        partitions.look(report)  # (before resyncing: a partition that joined while stopped is a request)
         parallel, resync = _parallel_reads(prepared, spark), resyncing(state, prepared.requests)
         who = _paused(prepared)
     keeper = prepared.keeper
@@ -334,6 +337,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     report(f"feed {spec.name}: snapshot complete (--snapshot only)")
                     break
                 retention_check.check(prepared, report)
+                partitions.look(report)
                 if (who := _paused(prepared)) is not None:
                     report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
                     break

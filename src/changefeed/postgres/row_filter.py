@@ -43,7 +43,8 @@ def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> No
         schema, name = table.split(".", 1)
         try:
             with conn.transaction(force_rollback=True):
-                conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WHERE ({})").format(
+                conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WHERE ({}) "
+                                     "WITH (publish_via_partition_root = true)").format(
                     sql.Identifier(f"changefeed_check_{feed}"), sql.Identifier(schema, name),
                     sql.SQL(predicate)))  # (the user's SQL: what is tried here)
                 used = _columns_used(conn, f"changefeed_check_{feed}")

@@ -70,6 +70,13 @@ def table_oid(conn: psycopg.Connection[Any], schema: str, name: str) -> int | No
     return None if row is None else int(row[0])
 
 
+def partitioned(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
+    """Those of `tables` that are partitioned tables (captured by their root)."""
+    return [t for t in tables if conn.execute(
+        "SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = %s AND c.relkind = 'p'", split_table(t)).fetchone()]
+
+
 def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[SourceTable]:
     """Columns, SQL types and key of each table; typed errors for missing or keyless tables."""
     out = []
@@ -154,18 +161,26 @@ def check_rights(conn: psycopg.Connection[Any], publication: str, tables: list[S
 def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable],
                        where: dict[str, str] | None = None) -> bool:
     """Create the publication, or add tables it lacks, each with its row filter in `where` (checked
-    by postgres.row_filter); True if it was created."""
-    exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
+    by postgres.row_filter); True if it was created.
+
+    A partitioned table is published by its root (publish_via_partition_root): its changes arrive
+    as the root's, whichever partition they touch, and partitions created later are in it at once.
+    A publication an older changefeed created without it gets it (from that point of the WAL on).
+    """
+    row = conn.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
 
     def entry(t: SourceTable) -> sql.Composable:
         predicate = (where or {}).get(t.qualified)
         ident = sql.Identifier(t.schema, t.name)
         return sql.SQL("{} WHERE ({})").format(ident, sql.SQL(predicate)) if predicate else ident
 
-    if not exists:
-        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
+    if row is None:
+        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)").format(
             sql.Identifier(publication), sql.SQL(", ").join(map(entry, tables))))
         return True
+    if not row[0] and partitioned(conn, [t.qualified for t in tables]):
+        conn.execute(sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)").format(
+            sql.Identifier(publication)))
     have = {(r[0], r[1]) for r in conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
     missing = [entry(t) for t in tables if (t.schema, t.name) not in have]
