@@ -17,6 +17,7 @@ from changefeed.core.envelope import FORMATS
 from changefeed.errors import ChangefeedError, ConfigError
 from changefeed.sinks.registry import validated
 from changefeed.spark.connect import DEFAULT_PORT
+from changefeed.spec.column_lists import parse_columns
 from changefeed.spec.definition import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_CHUNKS_PER_BATCH,
@@ -64,6 +65,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "source": source, "nodes": nodes, "sink": sink, "sinks": sinks,
         "tables": parse_tables(args.tables) if args.tables else None,
         "where": parse_where(args.where) if args.where else None,
+        "columns": parse_columns(args.columns) if args.columns else None,
         "max_bytes_per_batch": _option("max-bytes-per-batch", parse_size, args.max_bytes_per_batch),
         "max_changes_per_batch": args.max_changes_per_batch, "wal_reader": args.wal_reader,
         "trigger_interval_s": args.trigger_interval,
@@ -88,7 +90,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         given["tables"] = (*given["tables"], outbox)  # the outbox is captured like any table
     if stored is None:  # what is not given takes FeedSpec's defaults
         return validated(FeedSpec(**{"name": args.name, "source": "", "sink": "", "tables": (), **given})).protected()
-    for key in ("source", "nodes", "sink", "sinks", "tables", "where"):
+    for key in ("source", "nodes", "sink", "sinks", "tables", "where", "columns"):
         if key in given and not _same(key, given[key], getattr(stored, key)):
             option = {"nodes": "source", "sinks": "sink"}.get(key, key)
             raise ConfigError(f"feed {args.name} was created with a different --{option} ({state.spec_file})",
@@ -107,7 +109,7 @@ def _lag_budget(text: str | None) -> dict[str, Any]:
 
 def _same(key: str, given: Any, stored: Any) -> bool:
     """Whether a --source/--sink given again names the stored one (its secrets may be stored encrypted)."""
-    if key in ("tables", "where"):
+    if key in ("tables", "where", "columns"):
         return bool(given == stored)
     if key in ("nodes", "sinks"):
         return len(given) == len(stored) and all(a[0] == b[0] and same(a[1], b[1], f"--{key[:-1]} {a[0]}")
@@ -417,6 +419,11 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                           "every snapshot and verify; an UPDATE that moves a row out of it arrives as a delete, "
                           "one that moves it in as an insert; the predicate may use only the replica identity's "
                           "columns (the key); repeatable, one per table (stored on first run)")
+    cmd.add_argument("--columns", action="append",
+                     help="SCHEMA.TABLE=COLUMN,COLUMN,...: capture only these columns of the table (a publication "
+                          "column list, PostgreSQL 15+), in the stream, every snapshot and verify; a replica's "
+                          "target table gets only them, message sinks send only them; the list must hold the "
+                          "table's key (its replica identity); repeatable, one per table (stored on first run)")
     cmd.add_argument("--sink-lag-budget",
                      help="a feed of several sinks: let the others go on while one fails, for at most this long "
                           "(e.g. 10m) or while the slot keeps at most this much WAL for it (e.g. 5GB, a size ends in "

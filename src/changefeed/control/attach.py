@@ -177,7 +177,7 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
         conn = stack.enter_context(connect(node.uri, role))
     with about(spec, node):
         src.check_wal_level(conn)
-        tables = src.describe_tables(conn, list(spec.tables))
+        tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
         row_filter.check(conn, spec.row_filters, spec.name)
         if spec.outbox_spec is not None:
             check_outbox_table(conn, spec.outbox_spec)
@@ -199,8 +199,8 @@ def add_source(spec: FeedSpec, node: SourceNode, report: Callable[[str], None] =
         first = spec.sources[0]
         with about(spec, first):
             conn = stack.enter_context(connect(first.uri, spec.role(first.name)))
-            _check_same_tables(spec, [_Checked(first, conn, src.describe_tables(conn, list(spec.tables)), None),
-                                      checked])
+            tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
+            _check_same_tables(spec, [_Checked(first, conn, tables, None), checked])
         created: list[tuple[_Checked, bool, list[str]]] = []
         try:
             _create(spec, [checked], created)
@@ -215,7 +215,8 @@ def _create(spec: FeedSpec, checked: list[_Checked], created: list[tuple[_Checke
     it has seen everything the node's slot will deliver."""
     for c in checked:
         with about(spec, c.node):
-            publication = src.ensure_publication(c.conn, c.node.publication, c.tables, spec.row_filters)
+            publication = src.ensure_publication(c.conn, c.node.publication, c.tables, spec.row_filters,
+                                                 spec.column_lists)
             made: list[str] = []
             created.append((c, publication, made))
             if c.slot is None:

@@ -116,12 +116,13 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
     with ExitStack() as stack:
         conns = [(node, stack.enter_context(connect(node.uri, spec.role(node.name))))
                  for node in spec.sources]
-        described = [src.describe_tables(conn, list(grown.tables)) for _, conn in conns]  # on every node first
+        # on every node first
+        described = [src.describe_tables(conn, list(grown.tables), grown.column_lists) for _, conn in conns]
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
         for (node, conn), node_tables in zip(conns, described):
-            src.ensure_publication(conn, node.publication, node_tables, grown.row_filters)
+            src.ensure_publication(conn, node.publication, node_tables, grown.row_filters, grown.column_lists)
             if spec.capture_ddl:  # the new tables' shapes
                 ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)

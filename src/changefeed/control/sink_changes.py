@@ -36,7 +36,7 @@ def add_sink(spec: FeedSpec, state: FeedState, given: str, *, snapshot: bool = T
     target = grown.sink_named(name)
     [(_, view, sink)] = [s for s in sinks_of(grown) if s[0] == target]
     with first_node(spec) as conn:
-        tables = src.describe_tables(conn, list(spec.tables))
+        tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
     with named(name), lost_connection("sink"), closing(sink.open_ledger(view, state)) as ledger:
         ledger.check()
         if ledger.checkpoint() is not None:

@@ -47,7 +47,7 @@ def compare_topic(spec: FeedSpec, sources: Mapping[str, ConsistentPoint], marks:
             if cs.columns(conn, table) is None:
                 result.schema = ["the table is missing on the source (dropped or renamed there)"]
                 return result
-            described = describe_tables(conn, [table])[0]
+            described = describe_tables(conn, [table], spec.column_lists)[0]
             key = described.key
             source.update(_rows(conn, described.schema, described.name, described.columns, described.types, key,
                                 spec.row_filters.get(table)))

@@ -117,13 +117,14 @@ class ChunkRead:
 
 def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi: Key | None,
                lsn: int, ts: int, result: ChunkRead, rows_per_batch: int,
-               bytes_per_batch: int = 32 << 20, where: str | None = None) -> Iterator[Any]:
+               bytes_per_batch: int = 32 << 20, where: str | None = None, columns: list[str] | None = None
+               ) -> Iterator[Any]:
     """The chunk's rows as Arrow record batches of `r` changes, an `R` row first; fills `result`.
 
     `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
     so a replayed batch skips them, and its resolved ts).
     """
-    tables = describe_tables(conn, [qualified])
+    tables = describe_tables(conn, [qualified], {qualified: columns} if columns else None)
     table = tables[0]
     _stable_snapshot(conn)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from psycopg import sql
 
 from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 from changefeed.errors import FeedBusy, SourceNotReady
+from changefeed.postgres import column_list
 from changefeed.postgres.connect import ADVISORY_HELD, one_row
 from changefeed.postgres.decode.pgoutput import RelationInfo
 from changefeed.postgres.slots import slot_errors
@@ -77,8 +78,10 @@ def partitioned(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
         "WHERE n.nspname = %s AND c.relname = %s AND c.relkind = 'p'", split_table(t)).fetchone()]
 
 
-def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[SourceTable]:
-    """Columns, SQL types and key of each table; typed errors for missing or keyless tables."""
+def describe_tables(conn: psycopg.Connection[Any], tables: list[str],
+                    columns: Mapping[str, Sequence[str]] | None = None) -> list[SourceTable]:
+    """Columns, SQL types and key of each table, only the listed ones of a table in `columns`
+    (a feed's column lists); typed errors for missing or keyless tables and bad column lists."""
     out = []
     for qualified in tables:
         schema, name = split_table(qualified)
@@ -96,9 +99,13 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str]) -> list[So
             raise SourceNotReady(
                 f"table {schema}.{name} has no primary key (nor a replica identity index)",
                 f"add one (ALTER TABLE {schema}.{name} ADD PRIMARY KEY (...)), or leave the table out of --tables")
+        listed = (columns or {}).get(f"{schema}.{name}")
+        if listed is not None:
+            cols = column_list.keep(conn, f"{schema}.{name}", oid, cols, key, listed)
         out.append(SourceTable(schema, name, tuple(c[0] for c in cols), tuple(c[1] for c in cols),
                                tuple(dict.fromkeys(key))))
     return out
+
 
 
 def missing_values(conn: psycopg.Connection[Any], oid: int) -> dict[str, str]:
@@ -159,9 +166,11 @@ def check_rights(conn: psycopg.Connection[Any], publication: str, tables: list[S
 
 
 def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: list[SourceTable],
-                       where: dict[str, str] | None = None) -> bool:
+                       where: dict[str, str] | None = None, columns: Mapping[str, Sequence[str]] | None = None
+                       ) -> bool:
     """Create the publication, or add tables it lacks, each with its row filter in `where` (checked
-    by postgres.row_filter); True if it was created.
+    by postgres.row_filter) and its column list in `columns` (checked by describe_tables); True if
+    it was created.
 
     A partitioned table is published by its root (publish_via_partition_root): its changes arrive
     as the root's, whichever partition they touch, and partitions created later are in it at once.
@@ -171,7 +180,9 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
 
     def entry(t: SourceTable) -> sql.Composable:
         predicate = (where or {}).get(t.qualified)
-        ident = sql.Identifier(t.schema, t.name)
+        ident: sql.Composable = sql.Identifier(t.schema, t.name)
+        if t.qualified in (columns or {}):
+            ident = sql.SQL("{} ({})").format(ident, sql.SQL(", ").join(map(sql.Identifier, t.columns)))
         return sql.SQL("{} WHERE ({})").format(ident, sql.SQL(predicate)) if predicate else ident
 
     if row is None:

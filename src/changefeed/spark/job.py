@@ -88,6 +88,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("joining_file", str(state.joining_file))
               .option("sinks", ",".join(t.name for t in spec.sink_targets))
               .option("row_filters", json.dumps(spec.row_filters))
+              .option("column_lists", json.dumps(spec.column_lists))
               .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000)))
               .option("resume_offset", json.dumps(resume.to_json()) if resume else "")
               .option("resume_until", json.dumps(until.to_json()) if resume and until else "")

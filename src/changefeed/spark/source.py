@@ -94,6 +94,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.feed = options["feed"]
         self.sinks = set((options.get("sinks") or "").split(","))
         self.row_filters: dict[str, str] = json.loads(options.get("row_filters") or "{}")
+        self.column_lists: dict[str, list[str]] = json.loads(options.get("column_lists") or "{}")
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
@@ -190,7 +191,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         with self._on(node):
             if (node, table) not in self._tables:
-                self._tables[(node, table)] = src.describe_tables(self.conn(node), [table])[0]
+                self._tables[(node, table)] = src.describe_tables(self.conn(node), [table], self.column_lists)[0]
             return snap_pg.chunk_boundary(self.conn(node), self._tables[(node, table)], after, rows,
                                           self.row_filters.get(table))
 
@@ -317,8 +318,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for c in end.chunks:
             node = snapshot.node_of(c.table, DEFAULT_NODE)[0]
             if node in self.nodes:
+                table = snapshot.node_of(c.table, DEFAULT_NODE)[1]
                 parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node,
-                                            self.row_filters.get(snapshot.node_of(c.table, DEFAULT_NODE)[1])))
+                                            self.row_filters.get(table), self.column_lists.get(table)))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
             seen = self._seen.get(part.node.name)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from changefeed.core.nodes import DEFAULT_NODE, classic
 from changefeed.core.outbox import DEFAULT_TOPIC, OutboxSpec, check_topic_template, parse_columns
 from changefeed.errors import ConfigError
+from changefeed.spec.column_lists import check_columns
 from changefeed.spec.row_filters import check_where
 from changefeed.spec.sinks import SinkTarget, check_names, envelope_of, kind_of, targets
 
@@ -101,6 +102,7 @@ class FeedSpec:
     sink_lag_budget_s: float = 0.0  # how long a failing sink may stay behind the others (control.lag_budget)
     sink_lag_budget_bytes: int = 0  # how much WAL the slot may keep for a sink behind the others; 0, 0 = wait for it
     where: tuple[tuple[str, str], ...] = ()  # (schema.table, predicate): row filters (spec.row_filters)
+    columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (schema.table, columns): column lists (spec.column_lists)
 
     @property
     def sink_targets(self) -> tuple[SinkTarget, ...]:
@@ -111,6 +113,11 @@ class FeedSpec:
     def row_filters(self) -> dict[str, str]:
         """Per filtered table, its predicate."""
         return dict(self.where)
+
+    @property
+    def column_lists(self) -> dict[str, tuple[str, ...]]:
+        """Per table captured with a column list, its columns."""
+        return dict(self.columns)
 
     @property
     def sink_lag_budget(self) -> bool:
@@ -224,6 +231,7 @@ class FeedSpec:
 
         check_names(self.sink_targets)
         check_where(self.where, self.tables)
+        check_columns(self.columns, self.tables)
         if self.format not in FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}",
                               "json (default), debezium (Debezium's change event), text (test_decoding's lines)")
@@ -325,6 +333,7 @@ class FeedSpec:
             data["renamed"] = tuple((str(a), str(b)) for a, b in data.get("renamed", ()))
             data["sinks"] = tuple((str(n), str(u)) for n, u in data.get("sinks", ()))
             data["where"] = tuple((str(t), str(p)) for t, p in data.get("where", ()))
+            data["columns"] = tuple((str(t), tuple(map(str, c))) for t, c in data.get("columns", ()))
             return cls(**data).validate()
         except (ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"{origin} is not a valid feed definition: {e}", "fix or remove the file") from None
