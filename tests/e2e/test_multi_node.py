@@ -288,3 +288,27 @@ def test_a_feed_of_three_nodes_writes_two_sinks_alike(dbs: Dbs, nodes: dict[str,
                     sinks=(("dr", dbs.sink), ("lake", f"delta://{tmp_path / 'lake'}")))
     with pytest.raises(ConfigError, match="^sink lake: a feed of several source nodes cannot write to the Delta"):
         validated(lake)
+
+
+def test_a_row_filter_on_a_feed_of_three_nodes(dbs: Dbs, nodes: dict[str, str], tmp_path: Path,
+                                               spark: object) -> None:
+    """--where on every node alike: the snapshot and the stream of each node filtered, the replica
+    equal to the filtered union, verify equal; the unfiltered table whole."""
+    for i, uri in enumerate(nodes.values(), 1):
+        bank(uri, i)
+        with psycopg.connect(uri, autocommit=True) as c:
+            c.execute("INSERT INTO events SELECT %s, -g, 'old' FROM generate_series(1, 50) g", (f"n{i}",))
+    spec = spec_of(dbs, nodes, snapshot_chunk_rows=20, where=(("public.events", "id % 3 = 0"),))
+    run_once(spec, tmp_path)
+    written = {n: [0] for n in nodes}
+    with writing(transfers(1), nodes["n1"], written["n1"]), writing(transfers(2), nodes["n2"], written["n2"]), \
+            writing(transfers(3), nodes["n3"], written["n3"]):
+        pass
+    run_once(spec, tmp_path)
+    kept = [r for r in union(nodes, "events") if int(r[1]) % 3 == 0]  # type: ignore[call-overload]  # (an int)
+    with psycopg.connect(dbs.sink) as d:
+        assert sorted(d.execute("SELECT * FROM events"), key=repr) == kept
+        assert len(kept) < len(union(nodes, "events")) / 2
+        assert sorted(d.execute("SELECT * FROM accounts"), key=repr) == union(nodes, "accounts")
+    verified = changefeed_cli("verify", "--name", dbs.name, "--state", str(tmp_path / "state"))
+    assert verified.returncode == 0, verified.stdout + verified.stderr

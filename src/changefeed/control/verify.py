@@ -132,13 +132,14 @@ class _Side:
     uri: str
     role: str
     snapshot: str
-    filters: dict[str, str] = field(default_factory=dict)  # per table, its row filter (a source's side)
+    filters: dict[str, str] = field(default_factory=dict)  # per table, its row filter
 
 
 def _sides(spec: FeedSpec, point: Point) -> tuple[list[_Side], _Side]:
     nodes = [_Side(n.uri, node_role(n.name, spec.multi_node), point.sources[n.name].snapshot, spec.row_filters)
              for n in spec.sources]
-    return nodes, _Side(spec.sink, "sink", point.sink_snapshot)
+    # the replica's side filtered too: its table may hold other feeds' rows (a key-range split, capture.md)
+    return nodes, _Side(spec.sink, "sink", point.sink_snapshot, spec.row_filters)
 
 
 def _compare(spec: FeedSpec, point: Point, table: str, workers: int, chunk_rows: int

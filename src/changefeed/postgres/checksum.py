@@ -104,10 +104,10 @@ def chunk_sums(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str]
 def chunk_rows(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], cols: Sequence[str],
                buckets: int, chosen: Sequence[int], where: str | None = None) -> dict[str, int]:
     """The rows of chunks `chosen` (that `where` lets through): key text -> row hash."""
-    query = sql.SQL("SELECT {k}, hashtextextended({row}, 0) FROM {t} WHERE {b} = ANY(%s) AND {rows}").format(
+    query = sql.SQL("SELECT {k}, hashtextextended({row}, 0) FROM {t} WHERE {b} = ANY({chosen}) AND {rows}").format(
         k=_row(key), row=_row(cols), t=sql.SQL(_quoted(qualified)), b=_bucket(key, buckets),
-        rows=row_filter.clause(where))
-    return {k: int(h) for k, h in conn.execute(query, (list(chosen),))}
+        chosen=sql.Literal(list(chosen)), rows=row_filter.clause(where))  # (no parameters: a filter may hold %)
+    return {k: int(h) for k, h in conn.execute(query)}
 
 
 def rows_of(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], cols: Sequence[str],
@@ -115,10 +115,10 @@ def rows_of(conn: psycopg.Connection[Any], qualified: str, key: Sequence[str], c
     """The rows with these key texts (that `where` lets through): key text -> {column: value text}."""
     if not keys:
         return {}
-    query = sql.SQL("SELECT {k}, {c} FROM {t} WHERE {k} = ANY(%s) AND {rows}").format(
+    query = sql.SQL("SELECT {k}, {c} FROM {t} WHERE {k} = ANY({keys}::text[]) AND {rows}").format(
         k=_row(key), c=sql.SQL(", ").join(sql.SQL("{}::text").format(sql.Identifier(c)) for c in cols),
-        t=sql.SQL(_quoted(qualified)), rows=row_filter.clause(where))
-    return {r[0]: dict(zip(cols, r[1:])) for r in conn.execute(query, (list(keys),))}
+        t=sql.SQL(_quoted(qualified)), keys=sql.Literal(list(keys)), rows=row_filter.clause(where))
+    return {r[0]: dict(zip(cols, r[1:])) for r in conn.execute(query)}  # (no parameters: a filter may hold %)
 
 
 class Sessions:

@@ -26,7 +26,8 @@ _VAR = re.compile(r":varattno (\d+)")
 
 def clause(predicate: str | None) -> sql.Composable:
     """`(predicate)`, to AND into a WHERE clause; TRUE without one. (The user's SQL, as given:
-    check() had PostgreSQL take it as a row filter first.)"""
+    check() had PostgreSQL take it as a row filter first. A query holding it takes no parameters,
+    which would read a `%` in it, `id % 4 = 0`, as a placeholder.)"""
     return sql.SQL("({})").format(sql.SQL(predicate)) if predicate else sql.SQL("TRUE")
 
 

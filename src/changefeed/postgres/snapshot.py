@@ -65,12 +65,12 @@ def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key
                    where: str | None = None) -> Key | None:
     """The key of the `rows`-th row after `after` in key order, None if no row follows that one
     (the last chunk then runs to the end: a table of exactly n chunks gets no empty n+1st)."""
-    found = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET %s LIMIT 2").format(
+    found = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET {} LIMIT 2").format(
         # aliased: ORDER BY a bare name would pick the text output column and sort as text
         sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
                            for i, k in enumerate(table.key)),
-        sql.Identifier(table.schema, table.name), _range(table, after, None, where), _order(table)),
-        (rows - 1,)).fetchall()
+        sql.Identifier(table.schema, table.name), _range(table, after, None, where), _order(table),
+        sql.Literal(rows - 1))).fetchall()  # (no parameters: a row filter may hold %)
     return list(found[0]) if len(found) == 2 else None
 
 

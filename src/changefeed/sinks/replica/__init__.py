@@ -30,7 +30,7 @@ class ReplicaSink(Sink):
         return ReplicaLedger(connect(spec.sink, "sink"), spec.key)
 
     def writer_options(self, spec: "FeedSpec", state: "FeedState") -> dict[str, str]:
-        return {"renamed": json.dumps(spec.renamed)}
+        return {"renamed": json.dumps(spec.renamed), "row_filters": json.dumps(spec.row_filters)}
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
         from changefeed.sinks.replica.writer import ReplicaWriter

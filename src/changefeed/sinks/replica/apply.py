@@ -63,11 +63,13 @@ class BatchApplier:
 
     def __init__(self, conn: psycopg.Connection[Any], feed: str, batch_id: int, *,
                  in_stream_order: bool = False, resync: frozenset[str] = frozenset(),
-                 renamed: dict[str, str] | None = None, epoch: int | None = None) -> None:
+                 renamed: dict[str, str] | None = None, epoch: int | None = None,
+                 row_filters: dict[str, str] | None = None) -> None:
         assert conn.autocommit, "the applier opens its own transaction"
         self.conn, self.feed, self.batch_id = conn, feed, batch_id
         self.epoch = epoch  # the runner's lease term (postgres.lease); None: a run that holds none
         self.in_stream_order = in_stream_order
+        self.row_filters = row_filters or {}  # a TRUNCATE of a filtered table deletes the filter's rows only
         self.follower = replica_shape.Follower(conn, feed, resync=resync, renamed=renamed or {},
                                                keep_dropped=in_stream_order)
         self.done = 0
@@ -196,6 +198,7 @@ class BatchApplier:
         self._end_run()
         merge.copy_rows(self.conn, part, rows)
         merge.merge_part(self.conn, part, has_truncate=bool(pc.any(pc.equal(rows.column("op"), "t")).as_py()),
+                         truncate_where=self.row_filters.get(f"{part.shape.schema}.{part.shape.table}"),
                     has_unchanged=rows.column("unchanged").null_count < rows.num_rows,
                     has_key_change=rows.column("old_key").null_count < rows.num_rows)
         self.conn.execute(sql.SQL("TRUNCATE {}").format(part.staging))

@@ -135,8 +135,13 @@ class ReplicaLedger:
         """Nothing more to check: the connection is open."""
 
     def prepare(self, tables: list[Any]) -> None:
-        ensure_meta(self.conn)
-        ensure_tables(self.conn, tables)
+        """Create the ledger's tables and the missing targets, one feed at a time: feeds that start
+        together on one replica (a table split over feeds by key ranges, capture.md) would
+        otherwise race in CREATE ... IF NOT EXISTS, which PostgreSQL does not serialise."""
+        with self.conn.transaction():
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed-sink:ddl'))")
+            ensure_meta(self.conn)
+            ensure_tables(self.conn, tables)
 
     def notes(self) -> list[str]:
         return []

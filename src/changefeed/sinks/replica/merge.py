@@ -85,8 +85,10 @@ def _text(col: Any) -> Any:
 
 
 def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool, has_unchanged: bool,
-                has_key_change: bool) -> None:
-    """Merge the staged chunk into the target: last change per key wins, TRUNCATE first.
+                has_key_change: bool, truncate_where: str | None = None) -> None:
+    """Merge the staged chunk into the target: last change per key wins, TRUNCATE first (of a
+    table the feed captures through a row filter, a DELETE of the rows the filter lets through:
+    other feeds may fill the rest of the target, capture.md).
 
     An update that changed the key also deletes its old key (as a change just before it).
     """
@@ -97,7 +99,10 @@ def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool,
         row = conn.execute(sql.SQL("SELECT _lsn, _seq FROM {} WHERE _op = 't' ORDER BY _lsn DESC, _seq DESC "
                                    "LIMIT 1").format(stg)).fetchone()
         assert row is not None
-        conn.execute(sql.SQL("TRUNCATE {}").format(target))
+        if truncate_where is None:
+            conn.execute(sql.SQL("TRUNCATE {}").format(target))
+        else:
+            _delete_filtered(conn, target, shape, truncate_where)
         after = sql.SQL("(_lsn, _seq) > ({}, {})").format(sql.Literal(row[0]), sql.Literal(row[1]))
     if has_unchanged:
         _resolve_unchanged(conn, part, target, stg)
@@ -129,6 +134,19 @@ def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool,
         t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
         l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys),
     ))
+
+
+def _delete_filtered(conn: psycopg.Connection[Any], target: sql.Identifier, shape: ch.TableShape,
+                     predicate: str) -> None:
+    try:
+        with conn.transaction():  # (a savepoint: the error below is the one that counts)
+            conn.execute(sql.SQL("DELETE FROM {} WHERE ({})").format(target, sql.SQL(predicate)))  # (the user's SQL)
+    except psycopg.Error as e:
+        raise SinkError(f"a TRUNCATE of {shape.schema}.{shape.table} reached the replica, where the feed deletes "
+                        f"the rows its row filter lets through, and the replica cannot evaluate the filter "
+                        f"{predicate!r}: {(e.diag.message_primary or str(e)).strip()}",
+                        "create on the replica what the filter uses (functions, types), then run the feed again"
+                        ) from None
 
 
 def _resolve_unchanged(conn: psycopg.Connection[Any], part: Part, target: sql.Identifier,

@@ -31,11 +31,13 @@ class ReplicaWriter:
         self.feed = options["key"]
         self.resync = frozenset(t for t in (options.get("resync") or "").split(",") if t)
         self.renamed = dict(json.loads(options.get("renamed") or "[]"))
+        self.row_filters: dict[str, str] = json.loads(options.get("row_filters") or "{}")
         self.epoch = int(options["epoch"]) if options.get("epoch") else None
 
     def _applier(self, conn: Any, batch: BatchInput, in_stream_order: bool = False) -> replica.BatchApplier:
         applier = replica.BatchApplier(conn, self.feed, batch.task.batch_id, in_stream_order=in_stream_order,
-                                       resync=self.resync, renamed=self.renamed, epoch=self.epoch)
+                                       resync=self.resync, renamed=self.renamed, epoch=self.epoch,
+                                       row_filters=self.row_filters)
         applier.begin()
         return applier
 
