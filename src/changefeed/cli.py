@@ -35,7 +35,7 @@ from changefeed.spec.row_filters import parse_where
 from changefeed.spec.secrets import same
 from changefeed.spec.sinks import parse_sinks
 from changefeed.spec.state import FeedState
-from changefeed.spec.units import parse_budget, parse_duration, parse_size, parse_tables
+from changefeed.spec.units import parse_budget, parse_duration, parse_size, parse_snapshot_rate, parse_tables
 
 DEFAULT_STATE = "./changefeed-state"
 
@@ -75,7 +75,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "retention_s": _option("retention", parse_duration, args.retention),
         "max_retained_wal": _option("max-retained-wal", parse_size, args.max_retained_wal),
         "max_clock_skew_s": _option("max-clock-skew", parse_duration, args.max_clock_skew),
-        **_lag_budget(args.sink_lag_budget),
+        **_lag_budget(args.sink_lag_budget), **_rates(args),
         "lease_s": _option("lease", parse_duration, args.lease),
         "failover_slot": False if args.no_failover_slot else None,
         "format": args.format, "diff": args.diff,
@@ -105,6 +105,31 @@ def _lag_budget(text: str | None) -> dict[str, Any]:
         return {}
     seconds, size = _option("sink-lag-budget", parse_budget, text)
     return {"sink_lag_budget_s": seconds, "sink_lag_budget_bytes": size}
+
+
+def _rates(args: argparse.Namespace) -> dict[str, Any]:
+    """--snapshot-rate and --max-rate as the fields they set (0 takes a limit back)."""
+    out: dict[str, Any] = {}
+    if args.snapshot_rate is not None:
+        rows, size = _option("snapshot-rate", parse_snapshot_rate, args.snapshot_rate)
+        out |= {"snapshot_rate_rows": rows, "snapshot_rate_bytes": size}
+    if args.max_rate is not None:
+        out["max_rate"] = args.max_rate
+    return out
+
+
+def _rate_text(rows: int, size: int) -> str:
+    return f"{rows:,} rows/s" if rows else f"{size:,} bytes/s" if size else "none"
+
+
+def _rate_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--snapshot-rate",
+                     help="most the feed's snapshot reads take from the source per second, across all of them: "
+                          "a number is rows, a size (e.g. 20MB) bytes (default 0: no limit; alter changes it on a "
+                          "running feed, from its next batch)")
+    cmd.add_argument("--max-rate", type=int,
+                     help="most changes per second the stream delivers to the sinks (default 0: no limit; alter "
+                          "changes it on a running feed, from its next batch)")
 
 
 def _same(key: str, given: Any, stored: Any) -> bool:
@@ -228,12 +253,21 @@ def cmd_alter(args: argparse.Namespace) -> int:
     from changefeed.control.lifecycle import add_node, add_tables, remove_node
 
     spec, state = _stored(args)
+    rates = _rates(args)
     changes = (args.add_tables, args.add_node, args.remove_node, args.rename_table, args.capture_ddl,
-               args.add_sink, args.remove_sink)
+               args.add_sink, args.remove_sink, rates)
     if sum(map(bool, changes)) != 1:
         raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table, "
-                          "--capture-ddl, --add-sink, --remove-sink", "run one alter per change")
-    if args.add_sink or args.remove_sink:
+                          "--capture-ddl, --add-sink, --remove-sink, or the rates (--snapshot-rate, --max-rate)",
+                          "run one alter per change")
+    if rates:
+        from changefeed.control.lifecycle import set_rates
+
+        changed = set_rates(spec, state, rates)
+        print(f"feed {spec.name}: snapshot rate {_rate_text(changed.snapshot_rate_rows, changed.snapshot_rate_bytes)}, "
+              f"max rate {f'{changed.max_rate:,} changes/s' if changed.max_rate else 'none'} (a running feed takes "
+              "them in at its next batch)")
+    elif args.add_sink or args.remove_sink:
         from changefeed.control.sink_changes import add_sink, remove_sink
 
         if args.add_sink:
@@ -424,6 +458,7 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
                           "column list, PostgreSQL 15+), in the stream, every snapshot and verify; a replica's "
                           "target table gets only them, message sinks send only them; the list must hold the "
                           "table's key (its replica identity); repeatable, one per table (stored on first run)")
+    _rate_options(cmd)
     cmd.add_argument("--sink-lag-budget",
                      help="a feed of several sinks: let the others go on while one fails, for at most this long "
                           "(e.g. 10m) or while the slot keeps at most this much WAL for it (e.g. 5GB, a size ends in "
@@ -542,6 +577,7 @@ def parser() -> argparse.ArgumentParser:
     alter.add_argument("--remove-sink", help="NAME of a sink to stop writing to: its ledger is dropped, the slot no "
                                              "longer waits for it (its delivered data stays)")
     alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
+    _rate_options(alter)
     alter.set_defaults(func=cmd_alter)
 
     snap = sub.add_parser("snapshot", help="read tables' existing rows again, without stopping the stream")

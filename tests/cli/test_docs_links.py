@@ -143,3 +143,16 @@ def test_the_checker_finds_what_is_broken(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(problems) == 3, problems
     assert "no such file nowhere.md" in problems[0]
     assert "#twice-2" in problems[1] and "#not-a-heading" in problems[2]
+
+
+def test_every_option_of_every_command_is_documented() -> None:
+    """Each command's options appear (as `--option`) in the docs or the README."""
+    from changefeed.cli import parser
+
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    sub = next(a for a in parser()._actions if a.dest == "command")
+    missing = sorted({f"{name} {opt}" for name, cmd in sub.choices.items()  # type: ignore[union-attr]
+                      for action in cmd._actions for opt in action.option_strings
+                      if opt.startswith("--") and opt != "--help" and f"`{opt}" not in docs
+                      and f"{opt} " not in docs})
+    assert not missing, f"options not in README.md or docs/: {missing}"

@@ -168,6 +168,14 @@ def capture_ddl(spec: FeedSpec, state: FeedState) -> FeedSpec:
     return on
 
 
+def set_rates(spec: FeedSpec, state: FeedState, rates: dict[str, int]) -> FeedSpec:
+    """Change --snapshot-rate / --max-rate, running or not: a running feed's source reads them from
+    the stored definition as it plans its next batch (spark.source)."""
+    changed = FeedSpec(**{**spec.__dict__, **rates}).validate()
+    state.save(changed)
+    return changed
+
+
 def rename_table(spec: FeedSpec, state: FeedState, old: str, new: str) -> FeedSpec:
     """Follow a table renamed on the source: the stopped feed captures it under its new name (its
     rows before the rename, still in the WAL under the old one, go to it too), and a replica's

@@ -32,6 +32,7 @@ from psycopg import sql
 
 from changefeed.core import change as ch
 from changefeed.core.lsn import parse_lsn
+from changefeed.core.rate import Pace
 from changefeed.core.snapshot import Key
 from changefeed.errors import SourceNotReady, TransientError
 from changefeed.postgres import row_filter
@@ -117,9 +118,10 @@ class ChunkRead:
 
 def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi: Key | None,
                lsn: int, ts: int, result: ChunkRead, rows_per_batch: int,
-               bytes_per_batch: int = 32 << 20, where: str | None = None, columns: list[str] | None = None
-               ) -> Iterator[Any]:
+               bytes_per_batch: int = 32 << 20, where: str | None = None, columns: list[str] | None = None,
+               rate: tuple[float, float, float] = (0, 0, 0)) -> Iterator[Any]:
     """The chunk's rows as Arrow record batches of `r` changes, an `R` row first; fills `result`.
+    `rate`: at most so many (rows, bytes) per second, 0 = no limit, after so many rows at once (core.rate).
 
     `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
     so a replayed batch skips them, and its resolved ts).
@@ -136,10 +138,16 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
         lines: list[bytes] = []
         size = 0
         first = True
+        rows_pace = Pace(rate[0], rate[2]) if rate[0] else None
+        bytes_pace = Pace(rate[1]) if rate[1] else None
         with conn.cursor().copy(query) as copy:
             for data in copy:  # a row of COPY's text format, with its newline (which `after` leaves out)
                 lines.append(bytes(data[:-1]))
                 size += len(data)
+                if rows_pace:
+                    rows_pace.took(1)
+                if bytes_pace:
+                    bytes_pace.took(len(data))
                 if len(lines) >= rows_per_batch or size >= bytes_per_batch:
                     yield _rows(shape, lines, lsn, ts, result.rows, first)
                     result.rows += len(lines)

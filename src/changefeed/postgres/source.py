@@ -216,9 +216,13 @@ def flush_point(conn: psycopg.Connection[Any]) -> tuple[Lsn, int]:
     return parse_lsn(row[0]), int(row[1])
 
 
+_COMMIT, _ROW_MESSAGES = ord("C"), {ord(k) for k in "IUDT"}  # pgoutput message types
+
+
 def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: Lsn, upto: Lsn,
-                      changes: int) -> Lsn:
-    """End LSN of the first commit after `start` by which `changes` messages were decoded, or `upto`.
+                      changes: int, rows_only: bool = False) -> Lsn:
+    """End LSN of the first commit after `start` by which `changes` messages were decoded (with
+    `rows_only`, only inserts, updates, deletes and truncates count: --max-rate), or `upto`.
 
     A commit's end is a record boundary: a window ending there holds that commit.
 
@@ -228,14 +232,14 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
     want = changes
     while True:
         rows = conn.execute(
-            "SELECT lsn - '0/0'::pg_lsn, get_byte(data, 0) = 67 FROM pg_logical_slot_peek_binary_changes("
+            "SELECT lsn - '0/0'::pg_lsn, get_byte(data, 0) FROM pg_logical_slot_peek_binary_changes("
             "%s, %s::pg_lsn, %s, 'proto_version', '1', 'publication_names', %s)",
             (slot, format_lsn(upto), want, publication)).fetchall()
         seen = 0
-        for lsn, is_commit in rows:
+        for lsn, kind in rows:
             if int(lsn) > start:
-                seen += 1
-                if is_commit and seen >= changes:
+                seen += not rows_only or kind in _ROW_MESSAGES
+                if kind == _COMMIT and seen >= changes:
                     return Lsn(min(int(lsn), upto))
         if len(rows) < want:
             return upto  # decoded all there is up to `upto`

@@ -50,13 +50,13 @@ class WalReader:
         raise NotImplementedError
 
     def cut(self, conn: psycopg.Connection[Any], node: SourceNode, start: Lsn, upto: Lsn, *,
-            max_bytes: int = 0, max_changes: int = 0) -> Lsn:
-        """Where a window from `start` ends under a change limit (exact, wins) or a byte limit,
-        at most at `upto` (a flushed position)."""
+            max_bytes: int = 0, max_changes: int = 0, rows_only: bool = False) -> Lsn:
+        """Where a window from `start` ends under a change limit (exact, wins; `rows_only`: counting
+        row changes, not every message) or a byte limit, at most at `upto` (a flushed position)."""
         if upto <= start:
             return upto
         if max_changes:
-            return src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes)
+            return src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes, rows_only)
         if max_bytes and upto - start > max_bytes:
             self._layout = self._layout or src.wal_layout(conn)
             return Lsn(min(upto, src.page_cut(start, max_bytes, self._layout[0])))

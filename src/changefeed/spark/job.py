@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from changefeed.core.offsets import Offset
-from changefeed.sinks.base import Sink
+from changefeed.sinks.base import Sink, task_slots
 from changefeed.sinks.registry import sink_of
 from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log
 from changefeed.spec.definition import FeedSpec
@@ -89,6 +89,11 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("sinks", ",".join(t.name for t in spec.sink_targets))
               .option("row_filters", json.dumps(spec.row_filters))
               .option("column_lists", json.dumps(spec.column_lists))
+              .option("spec_file", str(state.spec_file))
+              .option("snapshot_rate_rows", str(spec.snapshot_rate_rows))
+              .option("snapshot_rate_bytes", str(spec.snapshot_rate_bytes))
+              .option("max_rate", str(spec.max_rate))
+              .option("task_slots", str(task_slots(spark)))
               .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000)))
               .option("resume_offset", json.dumps(resume.to_json()) if resume else "")
               .option("resume_until", json.dumps(until.to_json()) if resume and until else "")

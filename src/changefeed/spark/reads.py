@@ -75,9 +75,11 @@ class ChunkPartition(BatchPartition):
     """One snapshot chunk of a batch: existing rows of one key range of a table on one node."""
 
     def __init__(self, node: SourceNode, chunk: snapshot.Chunk, start: Offset, end: Offset, rows_per_batch: int,
-                 multi_node: bool, where: str | None = None, columns: list[str] | None = None) -> None:
+                 multi_node: bool, where: str | None = None, columns: list[str] | None = None,
+                 rate: tuple[float, float, float] = (0, 0, 0)) -> None:
         super().__init__(node, start, end, rows_per_batch, multi_node)
         self.chunk = chunk
+        self.rate = rate  # its share of --snapshot-rate: (rows, bytes) per second (0 = no limit), rows at once
         self.where = where  # the table's row filter (spec.row_filters)
         self.columns = columns  # its column list (spec.column_lists)
 
@@ -188,7 +190,8 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
         found = snap_pg.ChunkRead()
         # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
         for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
-                                     part.rows_per_batch, SNAPSHOT_PIECE_BYTES, part.where, part.columns):
+                                     part.rows_per_batch, SNAPSHOT_PIECE_BYTES, part.where, part.columns,
+                                     part.rate):
             yield ch.pack(sink_scope.mark(rb, chunk.only))
         yield from _push_through()
     read = {**reader(began), "ended": time.time()}

@@ -46,6 +46,7 @@ from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
 from changefeed.spark.checkpoint import replay_ends
+from changefeed.spark.rates import Rates
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
 from changefeed.spec.definition import (
     DEFAULT_CHUNK_ROWS,
@@ -95,6 +96,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.sinks = set((options.get("sinks") or "").split(","))
         self.row_filters: dict[str, str] = json.loads(options.get("row_filters") or "{}")
         self.column_lists: dict[str, list[str]] = json.loads(options.get("column_lists") or "{}")
+        self.rates = Rates(options)
         self.max_bytes = int(options.get("max_bytes_per_batch") or 0)
         self.max_changes = int(options.get("max_changes_per_batch") or 0)
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
@@ -215,6 +217,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         replayed = next((e for e in self._replay if e.order > start.order), None)
         if replayed is not None:  # what a sink lacks: exactly the batches the others recorded
             return replayed.to_json()
+        self.rates.refresh()
         barrier = bar.read(self.barrier_file) if self.barrier_file else None
         if barrier is not None and barrier.reached(start.lsns):
             return start_json  # a verify compares the sink at exactly here: wait for it
@@ -257,9 +260,15 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _plan_one(self, start: Offset, readings: Readings, limit: ReadLimit, barrier: bar.Barrier | None,
                   cursor: snapshot.Cursor, chunks: tuple[snapshot.Chunk, ...]) -> Offset | None:
-        """A one-node feed's batch: its window cut by the read limit at a page or commit boundary."""
-        lsns = {n: max(start.lsns.get(n, Lsn(0)), self._cut(n, start.lsns.get(n, Lsn(0)), f.lsn, limit))
+        """A one-node feed's batch: its window cut by the read limit at a page or commit boundary,
+        or after the changes --max-rate allows it now (none while that is under a tenth of a second's)."""
+        allowed = self.rates.changes_allowed()
+        if allowed is not None and allowed < max(1, self.rates.max_rate // 10):
+            return None
+        lsns = {n: max(start.lsns.get(n, Lsn(0)), self._cut(n, start.lsns.get(n, Lsn(0)), f.lsn, limit, allowed))
                 for n, f in readings.frontiers.items()}
+        if allowed is not None:
+            self.rates.spent(allowed)
         if barrier is not None:
             lsns = {n: Lsn(at) for n, at in barrier.cap(start.lsns, lsns).items()}
         return Offset(lsns, resolved_ts(start.ts, readings.frontiers), cursor, chunks)
@@ -301,12 +310,15 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             lsns[n] = state.confirmed_flush
         return replace(start, lsns=lsns)
 
-    def _cut(self, node: str, start: Lsn, lsn: Lsn, limit: ReadLimit) -> Lsn:
-        """Where node `node`'s window [start, lsn) ends under the read limit (per node)."""
+    def _cut(self, node: str, start: Lsn, lsn: Lsn, limit: ReadLimit, allowed: int | None = None) -> Lsn:
+        """Where node `node`'s window [start, lsn) ends under the read limit (per node), or after
+        `allowed` row changes (--max-rate)."""
+        max_changes = limit.max_rows if isinstance(limit, ReadMaxRows) else 0
         with self._on(node):
             return self.wal.cut(self.conn(node), self.nodes[node], start, lsn,
                                 max_bytes=limit.max_bytes if isinstance(limit, ReadMaxBytes) else 0,
-                                max_changes=limit.max_rows if isinstance(limit, ReadMaxRows) else 0)
+                                max_changes=max_changes if allowed is None else min(allowed, max_changes or allowed),
+                                rows_only=allowed is not None)
 
     def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
         start, end = Offset.from_json(start_json), Offset.from_json(end_json)
@@ -315,12 +327,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                                        self.wal.name)
                                        for n in sorted(end.lsns) if end.lsns[n] > start.lsns.get(n, 0)
                                        and n in self.nodes]
+        rate = self.rates.per_read(len(end.chunks), len(end.chunks) * self.chunk_rows,  # (--snapshot-rate)
+                                   self.parallel_reads)
         for c in end.chunks:
             node = snapshot.node_of(c.table, DEFAULT_NODE)[0]
             if node in self.nodes:
                 table = snapshot.node_of(c.table, DEFAULT_NODE)[1]
                 parts.append(ChunkPartition(self.nodes[node], c, start, end, self.rows_per_batch, self.multi_node,
-                                            self.row_filters.get(table), self.column_lists.get(table)))
+                                            self.row_filters.get(table), self.column_lists.get(table), rate))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
             seen = self._seen.get(part.node.name)

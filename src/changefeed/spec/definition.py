@@ -103,6 +103,9 @@ class FeedSpec:
     sink_lag_budget_bytes: int = 0  # how much WAL the slot may keep for a sink behind the others; 0, 0 = wait for it
     where: tuple[tuple[str, str], ...] = ()  # (schema.table, predicate): row filters (spec.row_filters)
     columns: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (schema.table, columns): column lists (spec.column_lists)
+    snapshot_rate_rows: int = 0  # --snapshot-rate: rows per second across the snapshot reads (core.rate); 0 = none
+    snapshot_rate_bytes: int = 0  # --snapshot-rate given as a size: bytes per second
+    max_rate: int = 0  # --max-rate: changes per second the stream delivers (core.rate); 0 = no limit
 
     @property
     def sink_targets(self) -> tuple[SinkTarget, ...]:
@@ -252,9 +255,15 @@ class FeedSpec:
                                    ("max-retained-wal", self.max_retained_wal),
                                    ("max-clock-skew", self.max_clock_skew_s),
                                    ("sink-lag-budget", self.sink_lag_budget_s),
-                                   ("sink-lag-budget", self.sink_lag_budget_bytes)) if v < 0]
+                                   ("sink-lag-budget", self.sink_lag_budget_bytes),
+                                   ("snapshot-rate", self.snapshot_rate_rows),
+                                   ("snapshot-rate", self.snapshot_rate_bytes), ("max-rate", self.max_rate)) if v < 0]
         if negative:
             raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
+        if self.max_rate and self.multi_node:
+            raise ConfigError("--max-rate is not available on a feed of several nodes yet (its batches are cut at "
+                              "a point in commit time, not after a number of changes)",
+                              "leave it out, or limit each batch with --max-bytes-per-batch")
         if self.sink_lag_budget and self.multi_node:
             raise ConfigError("--sink-lag-budget is not available on a feed of several nodes yet",
                               "leave it out: every sink then waits for a failing one")

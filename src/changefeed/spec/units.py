@@ -36,3 +36,12 @@ def parse_budget(text: str) -> tuple[float, int]:
         raise ConfigError(f"not a duration or a size: {text!r}",
                           "use e.g. 5m (how long a sink may stay behind) or 2GB (how much WAL the slot may keep "
                           "for it)") from None
+
+
+def parse_snapshot_rate(text: str) -> tuple[int, int]:
+    """'5000' (rows per second) or '20MB' (bytes per second: a size ends in B) -> (rows, bytes), one of them 0."""
+    if text.strip().lower().endswith("b"):
+        return 0, parse_size(text)
+    if not text.strip().isdigit():
+        raise ConfigError(f"not a rate: {text!r}", "use e.g. 5000 (rows per second) or 20MB (bytes per second)")
+    return int(text), 0
