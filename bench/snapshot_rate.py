@@ -8,8 +8,10 @@ pgbench database (scale --scale) on the source. Each of --runs runs measures, in
   unlimited  the same, started once a feed's snapshot of the table is under way (`run --snapshot
              only`, no limit); the feed is killed after pgbench ends;
   limited    the same with `--snapshot-rate --limit` (rows per second); the snapshot's rate over
-             pgbench's window is taken from the replica's record of the chunks it applied (rows
-             of the chunks that landed in the window, over the window).
+             pgbench's window is taken from the replica's record of the chunks it applied: the
+             rows of the batches that landed in the window after the first, over the time from
+             the first to the last. pgbench starts 3 s after the snapshot's first progress line,
+             past the first batches' burst (what the limit saved up while the feed started).
 
 Printed: each mode's TPS as a ratio to `alone` of the same run, and the limited read's rate as a
 ratio to the limit, median [min - max] over the runs. Each run's feeds are removed afterwards.
@@ -60,6 +62,7 @@ def during_snapshot(name: str, source: str, sink: str, bench: str, work: Path, s
         while f"snapshot public.{TABLE}:" not in log_path.read_text():
             assert feed.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
             time.sleep(0.2)
+        time.sleep(3)  # (past the reads' first burst: what a limit saved up while the feed started)
         began = time.time()
         tps = pgbench(bench, seconds)
         ended = time.time()
@@ -67,12 +70,15 @@ def during_snapshot(name: str, source: str, sink: str, bench: str, work: Path, s
         feed.kill()
         feed.wait()
         out.close()
-    with psycopg.connect(sink) as c:
-        rows = c.execute("SELECT coalesce(sum(rows), 0) FROM changefeed.snapshot_chunks WHERE feed = %s AND "
-                         "applied_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)", (name, began, ended)).fetchone()
+    with psycopg.connect(sink) as c:  # batches that landed in the window: rows after the first over their time
+        landed = c.execute("SELECT extract(epoch FROM applied_at), sum(rows) FROM changefeed.snapshot_chunks "
+                           "WHERE feed = %s AND applied_at BETWEEN to_timestamp(%s) AND to_timestamp(%s) "
+                           "GROUP BY 1 ORDER BY 1", (name, began, ended)).fetchall()
     subprocess.run([sys.executable, "-m", "changefeed", "remove", "--name", name, "--state", str(work / "state")],
                    cwd=str(ROOT), capture_output=True, check=False)
-    return tps, int(rows[0]) / (ended - began), ended - began
+    rate = sum(int(n) for _, n in landed[1:]) / (float(landed[-1][0]) - float(landed[0][0])) if len(landed) > 1 \
+        else float("nan")
+    return tps, rate, ended - began
 
 
 def main() -> int:

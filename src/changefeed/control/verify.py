@@ -156,7 +156,7 @@ def _compare(spec: FeedSpec, point: Point, table: str, workers: int, chunk_rows:
                                  "--rename-table)"]
                 return result, []
             described = describe_tables(conn, [table], spec.column_lists)[0]
-            source_cols = cs.Columns(described.columns, described.types) if table in spec.column_lists else source_cols
+            source_cols = cs.Columns(described.columns, described.types)  # what the feed captures
             rows = one_row(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(  # (each node about as many)
                 sql.Identifier(described.schema, described.name))))[0]
         with sessions.on(sink.uri, sink.role, sink.snapshot) as conn:

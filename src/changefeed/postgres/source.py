@@ -44,10 +44,18 @@ class SourceTable:
     columns: tuple[str, ...]
     types: tuple[str, ...]
     key: tuple[str, ...]
+    generated: tuple[tuple[str, str], ...] = ()  # (column, expression) of its stored generated columns
 
     @property
     def qualified(self) -> str:
         return f"{self.schema}.{self.name}"
+
+
+GENERATED_VERSION = 180000  # PostgreSQL publishes stored generated columns from 18 on (publish_generated_columns)
+
+
+def server_version(conn: psycopg.Connection[Any]) -> int:
+    return int(one_row(conn.execute("SHOW server_version_num"))[0])
 
 
 def split_table(qualified: str) -> tuple[str, str]:
@@ -90,10 +98,12 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str],
             raise SourceNotReady(f"table {schema}.{name} does not exist on the source",
                                  "create it, or fix --tables (names are schema.table, case-sensitive); if "
                                  "a captured table was renamed: changefeed alter --rename-table OLD=NEW")
+        # Stored generated columns where the server can publish them: sinks get their values
         cols = conn.execute(
-            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
-            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND attgenerated = '' ORDER BY attnum",
-            (oid,)).fetchall()
+            "SELECT attname, format_type(atttypid, atttypmod), pg_get_expr(d.adbin, d.adrelid) FROM pg_attribute a "
+            "LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum AND a.attgenerated = 's' "
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND (attgenerated = '' OR attgenerated = 's' "
+            "AND %s) ORDER BY attnum", (oid, server_version(conn) >= GENERATED_VERSION)).fetchall()
         key = [r[0] for r in conn.execute(_KEY_SQL, (oid,)).fetchall()]
         if not key:
             raise SourceNotReady(
@@ -103,7 +113,7 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str],
         if listed is not None:
             cols = column_list.keep(conn, f"{schema}.{name}", oid, cols, key, listed)
         out.append(SourceTable(schema, name, tuple(c[0] for c in cols), tuple(c[1] for c in cols),
-                               tuple(dict.fromkeys(key))))
+                               tuple(dict.fromkeys(key)), tuple((c[0], c[2]) for c in cols if c[2] is not None)))
     return out
 
 
@@ -120,7 +130,7 @@ def filled_columns(conn: psycopg.Connection[Any], oid: int) -> set[str]:
     by a table rewrite, which the WAL does not carry (see core.schema_change)."""
     return {r[0] for r in conn.execute(
         "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped "
-        "AND atthasdef AND NOT atthasmissing", (oid,))}
+        "AND atthasdef AND NOT atthasmissing AND attgenerated = ''", (oid,))}
 
 
 def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> RelationInfo:
@@ -174,9 +184,15 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
 
     A partitioned table is published by its root (publish_via_partition_root): its changes arrive
     as the root's, whichever partition they touch, and partitions created later are in it at once.
-    A publication an older changefeed created without it gets it (from that point of the WAL on).
+    On PostgreSQL 18+ stored generated columns are published too (publish_generated_columns), so
+    sinks get their values. A publication an older changefeed created without these gets them
+    (from that point of the WAL on).
     """
-    row = conn.execute("SELECT pubviaroot FROM pg_publication WHERE pubname = %s", (publication,)).fetchone()
+    generated = server_version(conn) >= GENERATED_VERSION
+    row = conn.execute(f"SELECT pubviaroot, {'pubgencols' if generated else 'NULL'} FROM pg_publication "
+                       "WHERE pubname = %s", (publication,)).fetchone()
+    options = sql.SQL("publish_via_partition_root = true" + (", publish_generated_columns = stored" if generated
+                                                              else ""))
 
     def entry(t: SourceTable) -> sql.Composable:
         predicate = (where or {}).get(t.qualified)
@@ -186,12 +202,12 @@ def ensure_publication(conn: psycopg.Connection[Any], publication: str, tables: 
         return sql.SQL("{} WHERE ({})").format(ident, sql.SQL(predicate)) if predicate else ident
 
     if row is None:
-        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish_via_partition_root = true)").format(
-            sql.Identifier(publication), sql.SQL(", ").join(map(entry, tables))))
+        conn.execute(sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH ({})").format(
+            sql.Identifier(publication), sql.SQL(", ").join(map(entry, tables)), options))
         return True
-    if not row[0] and partitioned(conn, [t.qualified for t in tables]):
-        conn.execute(sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)").format(
-            sql.Identifier(publication)))
+    if not row[0] and partitioned(conn, [t.qualified for t in tables]) or \
+            generated and row[1] != "s" and any(t.generated for t in tables):
+        conn.execute(sql.SQL("ALTER PUBLICATION {} SET ({})").format(sql.Identifier(publication), options))
     have = {(r[0], r[1]) for r in conn.execute(
         "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (publication,))}
     missing = [entry(t) for t in tables if (t.schema, t.name) not in have]

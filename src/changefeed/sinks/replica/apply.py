@@ -234,6 +234,8 @@ class BatchApplier:
         if shape.ahead:  # a snapshot's shape: the stream brings the change to the table later
             current = replica_shape.read(self.conn, shape.schema, shape.table)
             columns = tuple(c for c in shape.columns if current is None or c in current.columns)
+        computed = merge.generated_columns(self.conn, shape.schema, shape.table)  # (the replica computes them)
+        columns = tuple(c for c in columns if c not in computed)
         part = merge.Part(shape, staging, sql.SQL("COPY {} FROM STDIN").format(staging),
                      sql.SQL("COPY {} ({}) FROM STDIN").format(
                          merge.ident(shape.schema, shape.table), sql.SQL(", ").join(map(merge.ident, shape.columns))),

@@ -25,9 +25,13 @@ def ident(*names: str) -> sql.Identifier:
 
 
 def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
-    """Create missing target tables with the source's columns, types and key."""
+    """Create missing target tables with the source's columns, types and key; a stored generated
+    column stays generated (the replica computes it from the same expression)."""
     for t in tables:
-        cols = [sql.SQL("{} {}").format(ident(c), sql.SQL(ty)) for c, ty in zip(t.columns, t.types)]
+        generated = dict(t.generated)
+        cols = [sql.SQL("{} {}").format(ident(c), sql.SQL(ty)) if c not in generated else
+                sql.SQL("{} {} GENERATED ALWAYS AS ({}) STORED").format(ident(c), sql.SQL(ty), sql.SQL(generated[c]))
+                for c, ty in zip(t.columns, t.types)]
         cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(ident, t.key))))
         try:
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(ident(t.schema)))
@@ -36,6 +40,14 @@ def ensure_tables(conn: psycopg.Connection[Any], tables: Iterable[Any]) -> None:
         except psycopg.Error as e:
             raise SinkError(f"cannot create target table {t.schema}.{t.name}: {e}".strip(),
                             "create the types it uses on the sink, or create the table yourself") from None
+
+
+def generated_columns(conn: psycopg.Connection[Any], schema: str, table: str) -> set[str]:
+    """The target's generated columns: never written, the replica computes them."""
+    return {r[0] for r in conn.execute(
+        "SELECT a.attname FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped "
+        "AND a.attgenerated <> ''", (schema, table))}
 
 
 @dataclass
