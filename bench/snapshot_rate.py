@@ -71,9 +71,9 @@ def during_snapshot(name: str, source: str, sink: str, bench: str, work: Path, s
         feed.wait()
         out.close()
     with psycopg.connect(sink) as c:  # batches that landed in the window: rows after the first over their time
-        landed = c.execute("SELECT extract(epoch FROM applied_at), sum(rows) FROM changefeed.snapshot_chunks "
+        landed = c.execute("SELECT extract(epoch FROM max(applied_at)), sum(rows) FROM changefeed.snapshot_chunks "
                            "WHERE feed = %s AND applied_at BETWEEN to_timestamp(%s) AND to_timestamp(%s) "
-                           "GROUP BY 1 ORDER BY 1", (name, began, ended)).fetchall()
+                           "GROUP BY batch_id ORDER BY 1", (name, began, ended)).fetchall()
     subprocess.run([sys.executable, "-m", "changefeed", "remove", "--name", name, "--state", str(work / "state")],
                    cwd=str(ROOT), capture_output=True, check=False)
     rate = sum(int(n) for _, n in landed[1:]) / (float(landed[-1][0]) - float(landed[0][0])) if len(landed) > 1 \
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--scale", type=int, default=10, help="pgbench scale")
     ap.add_argument("--limit", type=int, default=5_000, help="--snapshot-rate of the limited mode (rows/s)")
-    ap.add_argument("--seconds", type=int, default=12, help="pgbench's window")
+    ap.add_argument("--seconds", type=int, default=20, help="pgbench's window")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workdir")
     ap.add_argument("--keep", action="store_true")

@@ -67,3 +67,15 @@ def test_a_credit_is_read_at_once_then_the_rate_holds() -> None:
     assert clock.now == 100.0  # the credit: no sleep
     pace.took(100)
     assert abs(clock.now - 101.0) < 1e-9  # then 100 a second
+
+
+def test_the_saved_up_rows_are_split_over_a_batch_s_reads_and_spent() -> None:
+    from changefeed.spark.rates import SNAPSHOT_BURST_S, Rates
+
+    rates = Rates({"snapshot_rate_rows": "1000", "task_slots": "2"})
+    rows, size, credit = rates.per_read(4, 4000, parallel=True)
+    assert (rows, size) == (500, 0)  # two reads at a time share the rate
+    assert credit == 1000 * SNAPSHOT_BURST_S / 4  # the burst, over all four reads
+    _, _, credit = rates.per_read(4, 4000, parallel=False)
+    assert credit == 0  # the first batch spent it, and more: the next reads wait their turn
+    assert rates.per_read(3, 3000, parallel=False)[:2] == (1000, 0)  # one read at a time: the whole rate

@@ -107,7 +107,8 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str],
         key = [r[0] for r in conn.execute(_KEY_SQL, (oid,)).fetchall()]
         if not key:
             raise SourceNotReady(
-                f"table {schema}.{name} has no primary key (nor a replica identity index)",
+                f"table {schema}.{name} has no primary key (nor a replica identity index): changefeed needs one "
+                "to capture a table (REPLICA IDENTITY FULL alone is not enough yet)",
                 f"add one (ALTER TABLE {schema}.{name} ADD PRIMARY KEY (...)), or leave the table out of --tables")
         listed = (columns or {}).get(f"{schema}.{name}")
         if listed is not None:

@@ -65,6 +65,6 @@ class Rates:
         at_once = min(reads, self.slots) if parallel else 1
         credit = 0.0
         if self.snapshot_allowance is not None and reads:
-            credit = self.snapshot_allowance.available() / max(1, at_once)
+            credit = self.snapshot_allowance.available() / reads  # (split over all: sequential reads too)
             self.snapshot_allowance.spend(rows)
         return share(self.rows, at_once, self.slots), share(self.bytes, at_once, self.slots), credit
