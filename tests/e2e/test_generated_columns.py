@@ -13,8 +13,8 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for, writing
 from changefeed.local.kafka import LocalKafka, committed, read_partition
+from conftest import Dbs, assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(600)
 ROWS = 300
