@@ -99,6 +99,15 @@ def first_node(spec: FeedSpec, **kwargs: Any) -> Iterator[psycopg.Connection[Any
         yield conn
 
 
+def shared_ddl(conn: psycopg.Connection[Any], ddl: str) -> None:
+    """Run changefeed's own CREATE ... IF NOT EXISTS statements one runner at a time per server:
+    feeds that start together on one database (a table split over feeds, capture.md) would
+    otherwise race in them, which PostgreSQL does not serialise (a unique violation in the catalog)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed:ddl'))")
+        conn.execute(ddl)
+
+
 def missing(conn: psycopg.Connection[Any], table: str) -> bool:
     """Whether `table` (schema.name) does not exist: readers of changefeed's own tables create nothing."""
     return bool(one_row(conn.execute("SELECT to_regclass(%s) IS NULL", (table,)))[0])

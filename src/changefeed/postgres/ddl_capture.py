@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from changefeed.errors import SourceNotReady
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import one_row, shared_ddl
 
 PREFIX = "changefeed.ddl"
 
@@ -121,7 +121,7 @@ def install(conn: psycopg.Connection[Any], feed: str, publication: str) -> None:
     names = _names(feed)
     try:
         with conn.transaction():
-            conn.execute(_SETUP)
+            shared_ddl(conn, _SETUP)
             conn.execute(_FUNCTION.format(feed=sql.Literal(feed).as_string(conn),
                                           publication=sql.Literal(publication).as_string(conn), **names))
             for trigger, event, function in ((names["trigger"], "ddl_command_end", names["function"]),

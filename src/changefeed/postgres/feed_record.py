@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from changefeed.postgres.connect import missing
+from changefeed.postgres.connect import missing, shared_ddl
 
 DDL = """
 CREATE SCHEMA IF NOT EXISTS changefeed;
@@ -52,7 +52,7 @@ class Stored:
 
 def ensure(conn: psycopg.Connection[Any]) -> None:
     if missing(conn, "changefeed.feeds") or missing(conn, "changefeed.paused"):
-        conn.execute(DDL)
+        shared_ddl(conn, DDL)
 
 
 def store(conn: psycopg.Connection[Any], feed: str, definition: str, by: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from changefeed.postgres.connect import missing
+from changefeed.postgres.connect import missing, shared_ddl
 
 DDL = """
 CREATE SCHEMA IF NOT EXISTS changefeed;
@@ -59,7 +59,7 @@ class Lease:
 def ensure(conn: psycopg.Connection[Any]) -> None:
     """The lease table, made once per source database."""
     if missing(conn, "changefeed.leases"):
-        conn.execute(DDL)
+        shared_ddl(conn, DDL)
 
 
 def current(conn: psycopg.Connection[Any], feed: str) -> Lease | None:

@@ -21,7 +21,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from changefeed.core.requests import Request, SnapshotRequests
-from changefeed.postgres.connect import first_node, missing
+from changefeed.postgres.connect import first_node, missing, shared_ddl
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -72,7 +72,7 @@ class SourceRequests:
         """Queue a request (for the sinks `only`, or all); its number."""
         conn = self.conn()
         if not self._exists(conn) or only and not self._scoped(conn):
-            conn.execute(DDL)
+            shared_ddl(conn, DDL)
             self._made = True
         self._adopt(conn)
         while True:

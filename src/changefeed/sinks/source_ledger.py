@@ -18,7 +18,7 @@ import psycopg
 from changefeed.core.change import BatchProgress
 from changefeed.core.offsets import Offset
 from changefeed.errors import LeaseLost
-from changefeed.postgres.connect import connect, lost_connection, missing, one_row
+from changefeed.postgres.connect import connect, lost_connection, missing, one_row, shared_ddl
 from changefeed.sinks.ledger import FileLedger, _Entry, ends_after
 
 DDL = """
@@ -46,7 +46,7 @@ class SourceLedger(FileLedger):
     def prepare(self, tables: list[Any]) -> None:
         with connect(self.uri, "source") as conn, lost_connection("source"):
             if missing(conn, "changefeed.delivered"):
-                conn.execute(DDL)
+                shared_ddl(conn, DDL)
             if self.legacy and Path(self.legacy).exists() and one_row(conn.execute(
                     "SELECT NOT EXISTS (SELECT FROM changefeed.delivered WHERE feed = %s)", (self.feed,)))[0]:
                 old = FileLedger(self.legacy)._entries()

@@ -139,7 +139,7 @@ class ReplicaLedger:
         together on one replica (a table split over feeds by key ranges, capture.md) would
         otherwise race in CREATE ... IF NOT EXISTS, which PostgreSQL does not serialise."""
         with self.conn.transaction():
-            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed-sink:ddl'))")
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed:ddl'))")  # (as connect.shared_ddl)
             ensure_meta(self.conn)
             ensure_tables(self.conn, tables)
 

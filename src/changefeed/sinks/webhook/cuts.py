@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 
 from changefeed.core import change as ch
 from changefeed.errors import LeaseLost, TransientError
-from changefeed.postgres.connect import connect, lost_connection, missing
+from changefeed.postgres.connect import connect, lost_connection, missing, shared_ddl
 
 DDL = """
 CREATE SCHEMA IF NOT EXISTS changefeed;
@@ -77,7 +77,7 @@ def ensure(uri: str) -> None:
     """The cuts table, made when the feed attaches."""
     with connect(uri, "source") as conn, lost_connection("source"):
         if missing(conn, "changefeed.request_cuts"):
-            conn.execute(DDL)
+            shared_ddl(conn, DDL)
 
 
 class RequestLog:
