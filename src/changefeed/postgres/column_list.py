@@ -13,14 +13,14 @@ from typing import Any
 import psycopg
 
 from changefeed.errors import ConfigError, SourceNotReady
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import one_row, server_version
 
 
 def keep(conn: psycopg.Connection[Any], table: str, oid: int, cols: list[Any], key: list[str],
             listed: Sequence[str]) -> list[Any]:
     """The table's columns a column list keeps, in the table's order, once PostgreSQL would take
     the list for a publication that also publishes UPDATE and DELETE."""
-    version = int(one_row(conn.execute("SHOW server_version_num"))[0])
+    version = server_version(conn)
     if version < 150000:
         raise SourceNotReady(f"--columns needs PostgreSQL 15 or later (publication column lists); the source runs "
                              f"{version // 10000}", "leave --columns out, or capture from a newer server")

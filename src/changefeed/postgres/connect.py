@@ -99,6 +99,11 @@ def first_node(spec: FeedSpec, **kwargs: Any) -> Iterator[psycopg.Connection[Any
         yield conn
 
 
+def server_version(conn: psycopg.Connection[Any]) -> int:
+    """The server's version as a number, e.g. 180001 (what a feature needs is checked against it)."""
+    return int(one_row(conn.execute("SHOW server_version_num"))[0])
+
+
 def shared_ddl(conn: psycopg.Connection[Any], ddl: str) -> None:
     """Run changefeed's own CREATE ... IF NOT EXISTS statements one runner at a time per server:
     feeds that start together on one database (a table split over feeds, capture.md) would

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 
 from changefeed.errors import ConfigError, SourceNotReady
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import one_row, server_version
 from changefeed.spec.row_filters import EXAMPLE
 
 MIN_VERSION = 150000
@@ -36,7 +36,7 @@ def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> No
     one on columns outside the table's replica identity; nothing is left behind."""
     if not where:
         return
-    version = int(one_row(conn.execute("SHOW server_version_num"))[0])
+    version = server_version(conn)
     if version < MIN_VERSION:
         raise SourceNotReady(f"--where needs PostgreSQL 15 or later (publication row filters); the source runs "
                              f"{version // 10000}", "leave --where out, or capture from a newer server")

@@ -20,7 +20,7 @@ from psycopg import sql
 from changefeed.core.lsn import Lsn, format_lsn, parse_lsn
 from changefeed.errors import FeedBusy, SourceNotReady
 from changefeed.postgres import column_list
-from changefeed.postgres.connect import ADVISORY_HELD, one_row
+from changefeed.postgres.connect import ADVISORY_HELD, one_row, server_version
 from changefeed.postgres.decode.pgoutput import RelationInfo
 from changefeed.postgres.slots import slot_errors
 
@@ -52,10 +52,6 @@ class SourceTable:
 
 
 GENERATED_VERSION = 180000  # PostgreSQL publishes stored generated columns from 18 on (publish_generated_columns)
-
-
-def server_version(conn: psycopg.Connection[Any]) -> int:
-    return int(one_row(conn.execute("SHOW server_version_num"))[0])
 
 
 def split_table(qualified: str) -> tuple[str, str]:
