@@ -340,3 +340,20 @@ def test_change_from_row() -> None:
     assert change.before is None and change.old_key is None and change.qualified == "public.all_types"
     message = Change.from_row(CHANGES[-1][1], None)
     assert (message.prefix, message.content, message.transactional) == ("ping", b"beat", False)
+
+
+HISTORY = TableShape("public", "pgbench_history", ("tid", "aid", "delta"), ("integer", "integer", "integer"), (), "f")
+
+
+def test_a_table_without_a_key_gets_null_keys_its_old_row_and_no_tombstone() -> None:
+    insert = Change.from_row(_row("c", HISTORY, 100, 9, 1795326090839070, 470633962756898816,
+                                  [b"1", b"7", b"-5"]), HISTORY)
+    delete = Change.from_row(_row("d", HISTORY, 200, 10, 1795326090839071, 470633962756898817,
+                                  before=[b"1", b"7", b"-5"]), HISTORY)
+    for change in (insert, delete):
+        [record] = JsonFormat().records(change)
+        assert record.key is None
+        value = json.loads(record.value or b"")
+        assert value["before"] == (None if change.op == "c" else {"tid": 1, "aid": 7, "delta": -5}), value
+    [deleted] = DebeziumFormat("golden", "golden").records(delete)  # no tombstone: it would have no key
+    assert deleted.key is None and json.loads(deleted.value or b"")["before"]["aid"] == 7

@@ -26,14 +26,16 @@ def rows_of(chunk: Chunk, keys: list[int]) -> list[int]:
 
 
 @given(st.dictionaries(st.sampled_from(["s.a", "s.b", "s.c"]), st.sets(st.integers(0, 500)), min_size=1),
-       st.integers(1, 40), st.integers(1, 5))
-def test_chunks_cover_every_key_once_in_order(data: dict[str, set[int]], rows: int, per_batch: int) -> None:
+       st.integers(1, 40), st.integers(1, 5), st.sets(st.sampled_from(["s.a", "s.b", "s.c"])))
+def test_chunks_cover_every_key_once_in_order(data: dict[str, set[int]], rows: int, per_batch: int,
+                                              alone: set[str]) -> None:
     tables = {t: sorted(k) for t, k in data.items()}
     cursor = Cursor(pending=tuple(tables))
     chunks: list[Chunk] = []
     while cursor.pending:
-        planned, after = cursor.plan(boundary_over(tables), per_batch, rows)
+        planned, after = cursor.plan(boundary_over(tables), per_batch, rows, alone.__contains__)
         assert 1 <= len(planned) <= per_batch
+        assert len(planned) == 1 or not alone & {c.table for c in planned}  # (a table alone: one chunk a batch)
         chunks += planned
         cursor = Cursor.from_offset({"snap": after.to_json()})  # through the offset JSON, as Spark keeps it
     assert [c.no for c in chunks] == list(range(len(chunks)))
@@ -80,3 +82,20 @@ def test_a_request_for_some_sinks_alone_plans_chunks_for_them() -> None:
     chunks, done = after.plan(boundary, 4, 10)
     assert [(c.table, c.only) for c in chunks] == [("s.b", ("lake",))]
     assert done.to_json() == Cursor(next_no=3).to_json() | {"req": 1}
+
+
+def test_held_back_leaves_out_the_changes_of_tables_whose_snapshot_is_to_come() -> None:
+    from changefeed.core import change as ch
+    from changefeed.core.snapshot import held_back
+
+    ops = ["R", "c", "u", "d", "t", "c", "R", "P"]
+    tables = ["h", "h", "h", "h", "h", "k", "k", None]
+    n = len(ops)
+    rows = ch.record_batch({"op": ops, "schema": [None if t is None else "s" for t in tables], "table": tables,
+                            "lsn": [1] * n, "seq": list(range(n)), "xid": [0] * n, "commit_time": [None] * n,
+                            "commit_ts": [0] * n, "after": [None] * n, "before": [None] * n, "old_key": [None] * n,
+                            "unchanged": [None] * n, "meta": [None] * n})
+    kept = held_back(rows, frozenset({"s.h"}))
+    assert kept.column("op").to_pylist() == ["R", "c", "R", "P"]
+    assert kept.column("table").to_pylist() == ["h", "k", "k", None]
+    assert held_back(rows, frozenset()) is rows

@@ -33,7 +33,7 @@ from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.outbox import check_outbox_table
 from changefeed.postgres.requests import SourceRequests
 from changefeed.sinks.ledger import Ledger
-from changefeed.sinks.registry import open_ledger, validated
+from changefeed.sinks.registry import check_keys, open_ledger, validated
 from changefeed.spec.definition import FeedSpec, SourceNode
 from changefeed.spec.secrets import same as same_secret
 from changefeed.spec.state import FeedState
@@ -178,6 +178,7 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
     with about(spec, node):
         src.check_wal_level(conn)
         tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
+        check_keys(spec, tables)
         row_filter.check(conn, spec.row_filters, spec.name)
         if spec.outbox_spec is not None:
             check_outbox_table(conn, spec.outbox_spec)

@@ -26,7 +26,7 @@ from changefeed.postgres import ddl_capture, feed_record, lease, requests, slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, first_node, redact
 from changefeed.postgres.source import split_table
-from changefeed.sinks.registry import open_ledger, sinks_of
+from changefeed.sinks.registry import check_keys, open_ledger, sinks_of
 from changefeed.spec.definition import FeedSpec, SourceNode
 from changefeed.spec.state import FeedState
 
@@ -118,6 +118,7 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
                  for node in spec.sources]
         # on every node first
         described = [src.describe_tables(conn, list(grown.tables), grown.column_lists) for _, conn in conns]
+        check_keys(grown, described[0])
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
@@ -267,6 +268,12 @@ def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) 
     if unknown:
         raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
                           "add them first with changefeed alter --add-tables")
+    with first_node(spec) as conn:
+        keyless = [t.qualified for t in src.describe_tables(conn, list(tables), spec.column_lists) if not t.key]
+    if keyless:
+        raise ConfigError(f"table {', '.join(keyless)} has no key: its rows sent again could not be told from new "
+                          "equal rows by the sinks, which hold its rows already",
+                          "leave it out of --tables; to start a sink over, remove the feed and create it again")
     return _request(spec, state, tables)
 
 

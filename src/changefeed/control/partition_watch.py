@@ -20,7 +20,7 @@ from psycopg import sql
 
 from changefeed.control.attach import Prepared
 from changefeed.errors import UnfollowableChange
-from changefeed.postgres.source import partitioned, split_table
+from changefeed.postgres.source import describe_tables, partitioned, split_table
 
 Leaves = dict[str, dict[str, list[str]]]  # node -> partitioned table -> its leaf partitions, schema.name
 
@@ -57,6 +57,13 @@ class PartitionWatch:
                 gone += [(node, root, leaf) for leaf in before if leaf not in leaves]
                 if any(self._has_rows(node, leaf) for leaf in leaves if leaf not in before):
                     joined.add(root)
+        keyless = sorted(r for r in joined if not self._keyed(r))
+        if keyless:
+            raise UnfollowableChange(
+                f"a partition holding rows joined {', '.join(keyless)}, a table without a key: its rows arrived "
+                "without INSERTs in the WAL, and reading the table again would repeat the rows the sinks hold",
+                "send the partition's rows to the sinks yourself, or capture the table in a new feed; the feed "
+                "has taken note of the partitions it has now and goes on when run again")
         if joined:
             self.prepared.requests.add(sorted(joined))
             report(f"feed {self.prepared.spec.name}: a partition holding rows joined {', '.join(sorted(joined))}; "
@@ -70,6 +77,10 @@ class PartitionWatch:
                 "delete them on the sinks (a replica: changefeed verify --name "
                 f"{self.prepared.spec.name} --tables {', '.join(sorted({r for _, r, _ in gone}))} --repair), "
                 "then run the feed again: it has taken note of the partitions it has now")
+
+    def _keyed(self, root: str) -> bool:
+        conn = next(iter(self.prepared.sources.values()))
+        return bool(describe_tables(conn, [root], self.prepared.spec.column_lists)[0].key)
 
     def _leaves(self) -> Leaves:
         return {node: {root: [r[0] for r in self.prepared.sources[node].execute(_LEAVES, split_table(root))]

@@ -19,7 +19,7 @@ from changefeed.postgres import requests
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import first_node, lost_connection
 from changefeed.sinks.fan_out import named
-from changefeed.sinks.registry import sinks_of, validated
+from changefeed.sinks.registry import check_keys, sinks_of, validated
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.sinks import SinkTarget, parse_sink
 from changefeed.spec.state import FeedState
@@ -37,6 +37,13 @@ def add_sink(spec: FeedSpec, state: FeedState, given: str, *, snapshot: bool = T
     [(_, view, sink)] = [s for s in sinks_of(grown) if s[0] == target]
     with first_node(spec) as conn:
         tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
+    check_keys(grown, tables)
+    keyless = [t.qualified for t in tables if not t.key]
+    if snapshot and keyless:  # (the others go on taking its changes meanwhile: core.snapshot.held_back holds all)
+        raise ConfigError(f"table {', '.join(keyless)} has no key: a sink added to a running feed cannot be given its "
+                          "existing rows without some of its changes twice",
+                          f"add the sink with --no-snapshot (changes from now on), or capture {keyless[0]} in a "
+                          "feed of its own")
     with named(name), lost_connection("sink"), closing(sink.open_ledger(view, state)) as ledger:
         ledger.check()
         if ledger.checkpoint() is not None:

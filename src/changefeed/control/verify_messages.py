@@ -22,7 +22,7 @@ from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.consistent_point import ConsistentPoint
 from changefeed.postgres.source import describe_tables, split_table
 from changefeed.sinks.kafka.options import KafkaOptions
-from changefeed.sinks.kafka.readback import high_marks, read_rows, reading
+from changefeed.sinks.kafka.readback import bag_key, high_marks, read_rows, reading, row_identity
 from changefeed.spec.definition import FeedSpec
 
 Rows = dict[str, dict[str, Any]]
@@ -80,7 +80,7 @@ def _rows(conn: Any, schema: str, name: str, columns: Sequence[str], types: Sequ
             line = bytes(data)
             values = split_line(line[:-1] if line.endswith(b"\n") else line)
             row = json.loads(json.dumps({c: to_json(v, t) for c, t, v in zip(columns, types, values)}))
-            out[json.dumps([row[k] for k in key])] = row
+            out[json.dumps([row[k] for k in key]) if key else bag_key(out, row_identity(row))] = row
     return out
 
 
@@ -89,5 +89,7 @@ def _texts(row: Mapping[str, Any]) -> dict[str, str | None]:
 
 
 def _shown_key(key: str) -> str:
-    """A key as verify shows keys: (v1,v2)."""
+    """A key as verify shows keys: (v1,v2); a row of a table without a key by its values."""
+    if key.startswith("{"):  # (readback.bag_key: the row's identity, then which copy)
+        return "(" + ",".join(str(v) for v in json.loads(key.rsplit("#", 1)[0]).values()) + ")"
     return "(" + ",".join(str(v) for v in json.loads(key)) + ")"

@@ -237,10 +237,10 @@ class JsonFormat:
 
     def _record(self, change: Change, op: str, key: list[Any], after: dict[str, Any] | None) -> Record:
         value: dict[str, Any] = {"after": after}
-        if self.diff:
+        if self.diff or not change.table_shape.key:  # (without a key, the old row is what says which row)
             value["before"] = _before(change)
         value.update(key=key, op=op, updated=str(change.commit_ts), table=change.qualified)
-        return Record(_dumps(key), _dumps(value))
+        return Record(_dumps(key) if change.table_shape.key else None, _dumps(value))  # (no key: a null one)
 
 
 # -- debezium -------------------------------------------------------------------------------
@@ -258,10 +258,11 @@ class DebeziumFormat:
         key = self._key(change)
         if change.op == "d":
             deleted = self._event(change, "d", {"before": _before(change), "after": None})
-            return [Record(key, deleted), Record(key, None)]
+            return [Record(key, deleted), Record(key, None)] if key is not None else [Record(None, deleted)]
         if change.old_key is None:
             return [Record(key, self._event(change, change.op, {"before": _before(change), "after": _after(change)}))]
         old_key = self._key(change, old=True)
+        assert key is not None and old_key is not None  # (a key changed: the table has one)
         return [
             Record(old_key, self._event(change, "d", {"before": _before(change), "after": None}),
                    (("__debezium.newkey", key),)),
@@ -270,7 +271,10 @@ class DebeziumFormat:
                    (("__debezium.oldkey", old_key),)),
         ]
 
-    def _key(self, change: Change, old: bool = False) -> bytes:
+    def _key(self, change: Change, old: bool = False) -> bytes | None:
+        """The record's key; None for a table without one (and no tombstone after its deletes)."""
+        if not change.table_shape.key:
+            return None
         return _dumps(dict(zip(change.table_shape.key, _key_values(change, old))))
 
     def _event(self, change: Change, op: str, rows: dict[str, Any] | None = None,

@@ -99,11 +99,19 @@ class Cursor:
         return replace(self, pending=tuple(pending), requests=max(self.requests, upto),
                        only=tuple(targets) if any(targets) else ())
 
-    def plan(self, boundary: Boundary, chunks: int, rows: int) -> tuple[list[Chunk], "Cursor"]:
-        """The next `chunks` chunks of about `rows` rows each, and the cursor after them."""
+    def waiting(self, node: str) -> list[tuple[str, bool]]:
+        """Node `node`'s tables still to be read, each with whether it is read for every sink."""
+        return [(node_of(t, node)[1], not s) for t, s in zip(self.pending, self._targets())
+                if node_of(t, node)[0] == node]
+
+    def plan(self, boundary: Boundary, chunks: int, rows: int,
+             alone: Callable[[str], bool] = lambda entry: False) -> tuple[list[Chunk], "Cursor"]:
+        """The next `chunks` chunks of about `rows` rows each, and the cursor after them. A chunk
+        of a table `alone` says so of is the only chunk of its batch (a table without a key:
+        its batch is read again exactly as before, see spark.source.partitions)."""
         out: list[Chunk] = []
         pending, targets, after, no = list(self.pending), self._targets(), self.after, self.next_no
-        while pending and len(out) < chunks:
+        while pending and len(out) < chunks and not (out and (alone(pending[0]) or alone(out[-1].table))):
             hi = boundary(pending[0], after, rows)
             out.append(Chunk(no, pending[0], after, hi, tuple(targets[0].split(",")) if targets[0] else ()))
             no += 1
@@ -114,3 +122,19 @@ class Cursor:
             else:
                 after = hi
         return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else ())
+
+
+def held_back(rows: Any, tables: frozenset[str]) -> Any:
+    """`rows` (a record batch of a WAL window) without the changes to `tables`: tables without a
+    key whose snapshot is still to come when the window starts. Their snapshot is turned back to
+    the end of the window it travels in (postgres.keyless_cut), so their changes start there:
+    delivered as well, a change before it would be in the sinks twice, once in the snapshot's
+    rows. `R` and `P` rows stay."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not tables or not len(rows):
+        return rows
+    names = pc.binary_join_element_wise(rows.column("schema"), rows.column("table"), ".")
+    held = pc.and_(pc.is_in(names, pa.array(sorted(tables))), pc.is_in(rows.column("op"), pa.array(list("cudt"))))
+    return rows.filter(pc.invert(pc.fill_null(held, False)))

@@ -23,6 +23,7 @@ found, tries again with a new snapshot.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from changefeed.core.lsn import parse_lsn
 from changefeed.core.rate import Pace
 from changefeed.core.snapshot import Key
 from changefeed.errors import SourceNotReady, TransientError
-from changefeed.postgres import row_filter
+from changefeed.postgres import keyless_cut, row_filter
 from changefeed.postgres.connect import one_row
 from changefeed.postgres.source import SourceTable, describe_tables, missing_values, split_table
 
@@ -58,20 +59,28 @@ def _range(table: SourceTable, lo: Key | None, hi: Key | None, where: str | None
     return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(parts) if parts else sql.SQL("")
 
 
-def _order(table: SourceTable) -> sql.Composable:
-    return sql.SQL(", ").join(map(sql.Identifier, table.key))
+def _order(table: SourceTable, selected: sql.Composable) -> sql.Composable:
+    """`selected` in key order; as it comes for a table without one (read whole, as one chunk:
+    postgres.keyless_cut orders it where it matters)."""
+    if not table.key:
+        return selected
+    return selected + sql.SQL(" ORDER BY ") + sql.SQL(", ").join(map(sql.Identifier, table.key))
 
 
 def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key | None, rows: int,
                    where: str | None = None) -> Key | None:
     """The key of the `rows`-th row after `after` in key order, None if no row follows that one
-    (the last chunk then runs to the end: a table of exactly n chunks gets no empty n+1st)."""
-    found = conn.execute(sql.SQL("SELECT {} FROM {}{} ORDER BY {} OFFSET {} LIMIT 2").format(
+    (the last chunk then runs to the end: a table of exactly n chunks gets no empty n+1st). A table
+    without a key is one chunk: no order splits it so that a row is read exactly once."""
+    if not table.key:
+        return None
+    keys = sql.SQL("SELECT {} FROM {}{}").format(
         # aliased: ORDER BY a bare name would pick the text output column and sort as text
         sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
                            for i, k in enumerate(table.key)),
-        sql.Identifier(table.schema, table.name), _range(table, after, None, where), _order(table),
-        sql.Literal(rows - 1))).fetchall()  # (no parameters: a row filter may hold %)
+        sql.Identifier(table.schema, table.name), _range(table, after, None, where))
+    found = conn.execute(sql.SQL("{} OFFSET {} LIMIT 2").format(
+        _order(table, keys), sql.Literal(rows - 1))).fetchall()  # (no parameters: a row filter may hold %)
     return list(found[0]) if len(found) == 2 else None
 
 
@@ -107,6 +116,16 @@ def _stable_snapshot(conn: psycopg.Connection[Any]) -> None:
                          "check synchronous replication on the source; the feed retries from its checkpoint")
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A batch's window end on a node, with the node's slots (its own, then its lag slot) and
+    publication (postgres.keyless_cut)."""
+
+    slots: tuple[str, ...]
+    publication: str
+    window_end: int
+
+
 @dataclass
 class ChunkRead:
     """What reading a chunk found: its rows, and a WAL position by which every commit its
@@ -119,22 +138,35 @@ class ChunkRead:
 def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi: Key | None,
                lsn: int, ts: int, result: ChunkRead, rows_per_batch: int,
                bytes_per_batch: int = 32 << 20, where: str | None = None, columns: list[str] | None = None,
-               rate: tuple[float, float, float] = (0, 0, 0)) -> Iterator[Any]:
+               rate: tuple[float, float, float] = (0, 0, 0), cut: Cut | None = None) -> Iterator[Any]:
     """The chunk's rows as Arrow record batches of `r` changes, an `R` row first; fills `result`.
     `rate`: at most so many (rows, bytes) per second, 0 = no limit, after so many rows at once (core.rate).
+    `cut`: where the batch's window ends, and the slot that tells what changed since; a table
+    without a key is turned back to it (postgres.keyless_cut). Without it (or with a key), rows
+    are as the snapshot saw them.
 
     `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
     so a replayed batch skips them, and its resolved ts).
     """
     tables = describe_tables(conn, [qualified], {qualified: columns} if columns else None)
     table = tables[0]
+    cut_slot = f"cfcut_{uuid.uuid4().hex[:16]}" if cut is not None and not table.key else None
+    if cut is not None and cut_slot is not None:
+        keyless_cut.prepare_copy(conn, cut.slots, cut_slot, cut.window_end)
     _stable_snapshot(conn)
     try:
-        result.read_lsn = parse_lsn(one_row(conn.execute("SELECT pg_current_wal_lsn()::text"))[0])
+        # (where WAL is inserted, not written: under synchronous_commit off a commit is visible
+        # before its record is written out, and it must lie before read_lsn all the same)
+        result.read_lsn = parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])
+        undo = None if cut is None or cut_slot is None else keyless_cut.undo(
+            conn, cut_slot, cut.publication, qualified, len(table.columns), cut.window_end, result.read_lsn,
+            keyless_cut.seen(conn))
         shape = _shape(conn, table)
-        query = sql.SQL("COPY (SELECT {} FROM {}{} ORDER BY {}) TO STDOUT").format(
+        selected: sql.Composable = sql.SQL("SELECT {} FROM {}{}").format(
             sql.SQL(", ").join(map(sql.Identifier, table.columns)), sql.Identifier(table.schema, table.name),
-            _range(table, lo, hi, where), _order(table))
+            _range(table, lo, hi, where))
+        selected = _order(table, selected) if undo is None else keyless_cut.ordered(selected, table, undo)
+        query = sql.SQL("COPY ({}) TO STDOUT").format(selected)
         lines: list[bytes] = []
         size = 0
         first = True
@@ -142,7 +174,10 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
         bytes_pace = Pace(rate[1]) if rate[1] else None
         with conn.cursor().copy(query) as copy:
             for data in copy:  # a row of COPY's text format, with its newline (which `after` leaves out)
-                lines.append(bytes(data[:-1]))
+                line = bytes(data[:-1])
+                if undo is not None and not undo.keeps(line):
+                    continue
+                lines.append(line)
                 size += len(data)
                 if rows_pace:
                     rows_pace.took(1)
@@ -152,6 +187,8 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
                     yield _rows(shape, lines, lsn, ts, result.rows, first)
                     result.rows += len(lines)
                     lines, size, first = [], 0, False
+        if undo is not None:
+            undo.check_done(qualified)
         if lines or first:
             yield _rows(shape, lines, lsn, ts, result.rows, first)
             result.rows += len(lines)
@@ -162,6 +199,9 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
     finally:
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.execute("ROLLBACK")
+        if cut_slot is not None:  # (temporary: gone with the session anyway)
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
+                         (cut_slot,))
 
 
 def _rows(shape: ch.TableShape, lines: list[bytes], lsn: int, ts: int, seq0: int, describe: bool) -> Any:

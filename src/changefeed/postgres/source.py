@@ -85,7 +85,8 @@ def partitioned(conn: psycopg.Connection[Any], tables: list[str]) -> list[str]:
 def describe_tables(conn: psycopg.Connection[Any], tables: list[str],
                     columns: Mapping[str, Sequence[str]] | None = None) -> list[SourceTable]:
     """Columns, SQL types and key of each table, only the listed ones of a table in `columns`
-    (a feed's column lists); typed errors for missing or keyless tables and bad column lists."""
+    (a feed's column lists); typed errors for missing tables, bad column lists and tables without
+    a key, but for one under REPLICA IDENTITY FULL: its key is () (sinks.registry.check_keys)."""
     out = []
     for qualified in tables:
         schema, name = split_table(qualified)
@@ -101,11 +102,13 @@ def describe_tables(conn: psycopg.Connection[Any], tables: list[str],
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped AND (attgenerated = '' OR attgenerated = 's' "
             "AND %s) ORDER BY attnum", (oid, server_version(conn) >= GENERATED_VERSION)).fetchall()
         key = [r[0] for r in conn.execute(_KEY_SQL, (oid,)).fetchall()]
-        if not key:
+        full = one_row(conn.execute("SELECT relreplident::text FROM pg_class WHERE oid = %s", (oid,)))[0] == "f"
+        if not key and not full:  # (keyless under REPLICA IDENTITY FULL: for sinks that append, check_keys)
             raise SourceNotReady(
-                f"table {schema}.{name} has no primary key (nor a replica identity index): changefeed needs one "
-                "to capture a table (REPLICA IDENTITY FULL alone is not enough yet)",
-                f"add one (ALTER TABLE {schema}.{name} ADD PRIMARY KEY (...)), or leave the table out of --tables")
+                f"table {schema}.{name} has no primary key (nor a replica identity index)",
+                f"add one (ALTER TABLE {schema}.{name} ADD PRIMARY KEY (...)); for sinks that only append (Kafka, "
+                f"webhooks, a Delta change log) ALTER TABLE {schema}.{name} REPLICA IDENTITY FULL also does; "
+                "or leave the table out of --tables")
         listed = (columns or {}).get(f"{schema}.{name}")
         if listed is not None:
             cols = column_list.keep(conn, f"{schema}.{name}", oid, cols, key, listed)
@@ -139,7 +142,9 @@ def column_catalog(conn: psycopg.Connection[Any], rel: Any) -> RelationInfo:
         ([c.type_oid for c in rel.columns], [c.typmod for c in rel.columns])).fetchall()
     names = [c.name for c in rel.columns]
     key = [r[0] for r in conn.execute(_KEY_SQL, (rel.oid,)).fetchall()]
-    key_idx = tuple(names.index(k) for k in dict.fromkeys(key) if k in names) or rel.key_indexes
+    key_idx = tuple(names.index(k) for k in dict.fromkeys(key) if k in names)
+    if not key_idx and rel.replica_identity != "f":  # (FULL, no key: the table has none, as describe_tables says)
+        key_idx = rel.key_indexes
     return RelationInfo(tuple(t[0] for t in types), key_idx, tuple(missing.get(n) for n in names),
                         tuple(n in filled for n in names))
 

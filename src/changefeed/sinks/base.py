@@ -53,6 +53,11 @@ class Sink:
     def check_feed(self, spec: "FeedSpec") -> None:
         """Refuse (ConfigError) a feed this sink cannot serve (its URI is valid)."""
 
+    def needs_key(self, uri: str) -> bool:
+        """Whether this sink applies changes by key, so that a table without one (captured under
+        REPLICA IDENTITY FULL) cannot go to it. Message sinks and a change log only append."""
+        return False
+
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         raise NotImplementedError
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from importlib import import_module
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from changefeed.errors import ConfigError
 from changefeed.spec.sinks import kind_of
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from changefeed.sinks.base import Sink
     from changefeed.sinks.ledger import Ledger
     from changefeed.spec.definition import FeedSpec
@@ -55,6 +57,18 @@ def validated(spec: "FeedSpec") -> "FeedSpec":
         raise ConfigError("--outbox needs a message sink (kafka://, webhook-https://)",
                           "a replica copies the outbox table like any other: leave --outbox out")
     return spec
+
+
+def check_keys(spec: "FeedSpec", tables: "Sequence[Any]") -> None:
+    """Refuse a table without a key (postgres.source.describe_tables: REPLICA IDENTITY FULL, no
+    primary key) for a sink that applies changes by key."""
+    keyless = [t.qualified for t in tables if not t.key]
+    by_key = [target.name for target, view, sink in sinks_of(spec) if sink.needs_key(view.sink)]
+    if keyless and by_key:
+        raise ConfigError(f"table {', '.join(keyless)} has no primary key (REPLICA IDENTITY FULL only): sink "
+                          f"{', '.join(by_key)} applies each change to the row of its key",
+                          f"ALTER TABLE {keyless[0]} ADD PRIMARY KEY (...); or capture the table in a feed whose "
+                          "sinks only append (Kafka, webhooks, a Delta change log: delta://...?mode=changelog)")
 
 
 def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":

@@ -68,7 +68,10 @@ class BatchPartition(InputPartition):
 
 
 class WindowPartition(BatchPartition):
-    """One node's share of a batch: what starts in its WAL [start, end)."""
+    """One node's share of a batch: what starts in its WAL [start, end), but the changes to
+    `held` (core.snapshot.held_back)."""
+
+    held: frozenset[str] = frozenset()
 
 
 class ChunkPartition(BatchPartition):
@@ -149,7 +152,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                 blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, ahead))
             with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
                 for rb in builder.batches(blocks, partition.rows_per_batch):
-                    yield ch.pack(rb)
+                    yield ch.pack(snapshot.held_back(rb, partition.held))
                     yield from _push_through()
                     faults.reach("read")
             if builder.undecided:
@@ -186,12 +189,13 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
     chunk, node, began = part.chunk, part.node, time.time()
     role = node_role(node.name, part.positions is not None)
     table = snapshot.node_of(chunk.table, node.name)[1]
+    cut = snap_pg.Cut((node.slot, node.lag_slot), node.publication, part.end_lsn)
     with connect(node.uri, role) as conn, lost_connection(role):
         found = snap_pg.ChunkRead()
         # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
         for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
                                      part.rows_per_batch, SNAPSHOT_PIECE_BYTES, part.where, part.columns,
-                                     part.rate):
+                                     part.rate, cut):
             yield ch.pack(sink_scope.mark(rb, chunk.only))
         yield from _push_through()
     read = {**reader(began), "ended": time.time()}

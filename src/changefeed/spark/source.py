@@ -192,10 +192,25 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _boundary_key(self, entry: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         with self._on(node):
-            if (node, table) not in self._tables:
-                self._tables[(node, table)] = src.describe_tables(self.conn(node), [table], self.column_lists)[0]
-            return snap_pg.chunk_boundary(self.conn(node), self._tables[(node, table)], after, rows,
+            return snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows,
                                           self.row_filters.get(table))
+
+    def _described(self, node: str, table: str) -> src.SourceTable:
+        if (node, table) not in self._tables:
+            with self._on(node):
+                self._tables[(node, table)] = src.describe_tables(self.conn(node), [table], self.column_lists)[0]
+        return self._tables[(node, table)]
+
+    def _held_back(self, start: Offset, node: str) -> frozenset[str]:
+        """Node `node`'s tables without a key whose snapshot (for every sink) is still to come at
+        the batch's start: their changes wait for it (core.snapshot.held_back)."""
+        return frozenset(t for t, every in start.cursor.waiting(node) if every and not self._described(node, t).key)
+
+    def _sequential(self, end: Offset) -> bool:
+        """Whether the batch must be read in one task, its window before its chunks: it carries a
+        table without a key, whose rows a sink told apart by their place in the batch only (a
+        webhook's idempotency keys) must find where they were when the batch is read again."""
+        return any(self._keyless(c.table) for c in end.chunks)
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
@@ -204,7 +219,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     not set(only) <= self.sinks:
                 break  # a node or sink added since this query started: its next query takes the request in
             cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no, only)
-        return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows)
+        return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows, self._keyless)
+
+    def _keyless(self, entry: str) -> bool:
+        node, table = snapshot.node_of(entry, DEFAULT_NODE)
+        return not self._described(node, table).key
 
     @carried("source")
     @lost_connection("source")
@@ -337,12 +356,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                             self.row_filters.get(table), self.column_lists.get(table), rate))
         for i, part in enumerate(parts):
             part.part, part.parts = i, len(parts)
+            if isinstance(part, WindowPartition):
+                part.held = self._held_back(start, part.node.name)
             seen = self._seen.get(part.node.name)
             if isinstance(part, WindowPartition) and not self.multi_node and part.wal == "peek" and seen:
                 frontier, fixed = seen
                 part.ahead = read_ahead.predict(part.end_lsn, frontier, 0 if self.max_changes else self.max_bytes,
                                                 self.wal.block_size, fixed)
-        return parts if self.parallel_reads or len(parts) < 2 else [GroupPartition(parts)]
+        return parts if self.parallel_reads and not self._sequential(end) or len(parts) < 2 else [GroupPartition(parts)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return read_partition(partition)

@@ -40,6 +40,11 @@ class DeltaSink(Sink):
             raise ConfigError("a feed of several source nodes cannot write to the Delta sink yet",
                               "use a replica, Kafka or webhook sink for it")
 
+    def needs_key(self, uri: str) -> bool:
+        from changefeed.sinks.delta.options import DeltaOptions
+
+        return DeltaOptions.parse(uri).mode != "changelog"  # a mirror and a history place rows by key
+
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from changefeed.sinks.delta.ledger import DeltaLedger
         from changefeed.sinks.delta.options import DeltaOptions

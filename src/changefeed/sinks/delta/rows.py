@@ -9,7 +9,8 @@ in the order of the table's latest shape; a column added later reads as null in 
   `_lsn`, `_xid`, `_seq`, `_batch`, and `_unchanged` (the columns whose TOASTed value the update
   left unchanged: null in the row, never a placeholder). A key change is two rows: the delete of
   the old key, then the update (`_seq` orders the rows of a transaction: 2 × the change's
-  position, +1 for the second half). With `diff`, `_before` holds the old row where sent.
+  position, +1 for the second half). With `diff`, `_before` holds the old row where sent (for a
+  table without a key always: rows.with_before).
 * `mirror`: a bucket's rows after the batch (`apply_mirror`): each key's last change wins, a
   delete deletes, a truncate empties, snapshot rows (`r`, read at or after the window's end)
   come after the window's changes, an unchanged TOASTed value is kept from the row before.
@@ -52,10 +53,16 @@ def table_schema(mode: str, shape: ch.TableShape, diff: bool = False) -> pa.Sche
     """The Delta table's schema in `mode` for a source table of `shape` (partition column included)."""
     source = source_schema(shape)
     if mode == "changelog":
-        before = [pa.field("_before", pa.struct(list(source)))] if diff else []
+        before = [pa.field("_before", pa.struct(list(source)))] if with_before(shape, diff) else []
         return pa.schema([*source, *CHANGELOG_META, *before])
 
     return pa.schema([*source, *(VALIDITY if mode == "history" else []), pa.field(BUCKET, pa.int32())])
+
+
+def with_before(shape: ch.TableShape, diff: bool) -> bool:
+    """Whether a change log has `_before`: with `diff`, and always for a table without a key,
+    whose update says which row it replaced only by its old row (as the JSON envelope's `before`)."""
+    return diff or not shape.key
 
 
 def fills(shape: ch.TableShape) -> dict[str, Any]:
@@ -128,7 +135,7 @@ def changelog(parts: Sequence[tuple[ch.TableShape, Any]], batch_id: int, diff: b
                 unchanged_names(rows.column("unchanged").to_pylist(), shape.columns)]
         arrays = [*typed(lines, shape), *meta]
         names = [*shape.columns, *CHANGELOG_META.names]
-        if diff:
+        if with_before(shape, diff):
             before = typed(rows.column("before"), shape)
             arrays.append(pa.StructArray.from_arrays(before, names=list(shape.columns),
                                                      mask=rows.column("before").is_null().combine_chunks()))

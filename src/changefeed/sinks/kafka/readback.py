@@ -7,7 +7,7 @@ the transaction markers, sinks.kafka.log), and folded as the json and debezium
 envelopes ask a consumer to (core.envelope): per key, an `after` merged into the row held (a
 TOASTed value left unchanged is left out of it), a delete (after null) or tombstone removes it, a
 truncate removes every row last changed before it (by commit timestamp: partitions have no order
-among themselves).
+among themselves). A table without a key is folded by whole rows: `before` removes, `after` adds.
 """
 from __future__ import annotations
 
@@ -85,6 +85,14 @@ def fold(held: dict[str, tuple[int, dict[str, Any]]], truncated: list[int], key:
     if event.get("op") == "t":
         truncated.append(ts)
         return
+    if not key_columns:  # a table without a key (REPLICA IDENTITY FULL): a row is known by all its values
+        if event.get("before") is not None:
+            copies = _copies(held, row_identity(event["before"]))
+            if copies:
+                held.pop(copies[-1])
+        if event.get("after") is not None:
+            held[bag_key(held, row_identity(event["after"]))] = (ts, event["after"])
+        return
     if key is None:
         return
     k = _key(key, fmt, key_columns)
@@ -92,6 +100,24 @@ def fold(held: dict[str, tuple[int, dict[str, Any]]], truncated: list[int], key:
         held.pop(k, None)
     else:
         held[k] = (ts, {**held.get(k, (0, {}))[1], **event["after"]})
+
+
+def row_identity(row: Mapping[str, Any]) -> str:
+    """What tells a row of a table without a key from the others: all its values."""
+    return json.dumps(row, sort_keys=True)
+
+
+def bag_key(held: Mapping[str, Any], identity: str) -> str:
+    """The key of one more copy of a row of a table without a key (it may hold equal rows): its
+    identity and how many copies came before it."""
+    return f"{identity}#{len(_copies(held, identity))}"
+
+
+def _copies(held: Mapping[str, Any], identity: str) -> list[str]:
+    n = 0
+    while f"{identity}#{n}" in held:
+        n += 1
+    return [f"{identity}#{i}" for i in range(n)]
 
 
 def _key(key: bytes, fmt: str, columns: Sequence[str]) -> str:

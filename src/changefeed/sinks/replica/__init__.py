@@ -23,6 +23,9 @@ class ReplicaSink(Sink):
     def resumable(self, uri: str) -> bool:
         return True  # its ledger commits with each batch, and it has a fence
 
+    def needs_key(self, uri: str) -> bool:
+        return True  # an update or delete is applied to the row of its key
+
     def open_ledger(self, spec: "FeedSpec", state: "FeedState") -> "Ledger":
         from changefeed.postgres.connect import connect
         from changefeed.sinks.replica.ledger import ReplicaLedger
