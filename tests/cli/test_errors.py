@@ -240,7 +240,7 @@ def test_wal_level_not_logical(dbs: Dbs, tmp_path: Path) -> None:
     ("nosuchschema.items", ["nosuchschema.items", "does not exist"]),
     ("public.nokey", ["public.nokey", "primary key"]),
     ("public.items,public.nokey", ["public.nokey", "primary key"]),
-    ("public.fullident", ["public.fullident", "primary key"]),  # REPLICA IDENTITY FULL is no key
+    ("public.fullident", ["public.fullident", "primary key", "sink replica"]),  # FULL: for appending sinks only
 ], ids=["missing", "good+missing", "wrong-case", "missing-schema", "no-key", "good+no-key", "identity-full"])
 def test_source_table_problems(fresh: Dbs, tmp_path: Path, tables: str, problem: list[str]) -> None:
     state = tmp_path / "state"

@@ -102,19 +102,19 @@ rows = st.sampled_from([b"a\t1", b"a\t1", b"b\t2", b"c\t\\N", b"d\t4"])
 def test_undoing_what_transactions_did_gives_back_the_rows_before_them(
         start: list[bytes], ops: list[tuple[str, bytes, int]], per_txn: int) -> None:
     held: Counter[bytes] = Counter(start)
-    changes: list[tuple[int, list[bytes]]] = []
+    changes: list[tuple[int, bytes]] = []
     for op, row, pick in ops:
         present = sorted(held.elements())
         if op == "i" or not present:
             held[row] += 1
-            changes.append((1, [row]))
+            changes.append((1, row))
             continue
         old = present[pick % len(present)]
         held[old] -= 1
-        changes.append((-1, [old]))
+        changes.append((-1, old))
         if op == "u":
             held[row] += 1
-            changes.append((1, [row]))
+            changes.append((1, row))
     undo = keyless_cut.Undo()
     for i in range(0, len(changes), per_txn):
         keyless_cut._count(undo, changes[i:i + per_txn])

@@ -36,8 +36,11 @@ from changefeed.postgres.connect import one_row
 from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.source import SourceTable
 
+PEEK_FETCH = 5000  # decoded messages fetched at once
 FLUSH_WAIT_S = 30.0  # how long the WAL may take to be flushed up to the snapshot's position
 _XID_MASK = 0xFFFFFFFF
+_WANTED = frozenset(b"BCRIUDT")  # what says which transaction, table and rows (not Type, Origin, ...)
+_ROWS = frozenset(b"IUDT")
 
 
 @dataclass
@@ -132,41 +135,45 @@ def undo(conn: psycopg.Connection[Any], copy: str, publication: str, qualified: 
     (a commit that does not wait for its flush, synchronous_commit off, is visible before it)."""
     _wait_flushed(conn, upto)
     out, relations = Undo(), {}
-    txn: list[tuple[int, list[bytes]]] = []  # the open transaction's changes to the table: (+1 | -1, line)
+    txn: list[tuple[int, bytes]] = []  # the open transaction's changes to the table: (+1 | -1 | 0 truncate, row)
     begin: po.Begin | None = None
-    rows = conn.execute(
-        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
-        "'proto_version', '1', 'publication_names', %s)", (copy, format_lsn(upto), publication)).fetchall()
-    for (data,) in rows:
-        msg = po.decode(bytes(data))
-        if isinstance(msg, po.Begin):
-            begin, txn = msg, []
-        elif isinstance(msg, po.Relation):
-            relations[msg.oid] = f"{msg.schema}.{msg.name}"
-        elif isinstance(msg, (po.Insert, po.Update, po.Delete)):
-            if relations.get(msg.relation_oid) == qualified:
-                txn.extend(_signed(msg, qualified, columns))
-        elif isinstance(msg, po.Truncate):
-            if any(relations.get(o) == qualified for o in msg.relation_oids):
-                txn.append((0, []))  # everything before it is gone from what the snapshot read
-        elif isinstance(msg, po.Commit) and begin is not None:
-            if begin.final_lsn >= window_end and snapshot.sees(begin.xid):
-                _count(out, txn)
-            begin, txn = None, []
+    with conn.transaction(), conn.cursor(name="changefeed_keyless_cut", binary=True) as cur:  # (a savepoint in
+        # the snapshot's transaction)
+        cur.itersize = PEEK_FETCH
+        cur.execute("SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
+                    "'proto_version', '1', 'publication_names', %s)", (copy, format_lsn(upto), publication))
+        for (data,) in cur:
+            if data[0] not in _WANTED or data[0] in _ROWS and begin is not None and begin.final_lsn < window_end:
+                continue  # (a change in the window itself, or a message that names no row: not decoded)
+            msg = po.decode(bytes(data))
+            if isinstance(msg, po.Begin):
+                begin, txn = msg, []
+            elif isinstance(msg, po.Relation):
+                relations[msg.oid] = f"{msg.schema}.{msg.name}"
+            elif isinstance(msg, (po.Insert, po.Update, po.Delete)):
+                if relations.get(msg.relation_oid) == qualified:
+                    txn.extend(_signed(msg, qualified, columns))
+            elif isinstance(msg, po.Truncate):
+                if any(relations.get(o) == qualified for o in msg.relation_oids):
+                    txn.append((0, b""))  # everything before it is gone from what the snapshot read
+            elif isinstance(msg, po.Commit) and begin is not None:
+                if begin.final_lsn >= window_end and snapshot.sees(begin.xid):
+                    _count(out, txn)
+                begin, txn = None, []
     return out
 
 
-def _signed(msg: po.Insert | po.Update | po.Delete, qualified: str, columns: int) -> list[tuple[int, list[bytes]]]:
+def _signed(msg: po.Insert | po.Update | po.Delete, qualified: str, columns: int) -> list[tuple[int, bytes]]:
     """A change as rows it added (+1) and removed (-1)."""
     if isinstance(msg, po.Insert):
-        return [(1, [_line(msg.new, None, qualified, columns)])]
+        return [(1, _line(msg.new, None, qualified, columns))]
     if msg.old is None or msg.old_is_key:
         raise SourceNotReady(f"table {qualified} has no key and its old rows do not come whole: its REPLICA "
                              "IDENTITY is no longer FULL", f"ALTER TABLE {qualified} REPLICA IDENTITY FULL")
     old = _line(msg.old, None, qualified, columns)
     if isinstance(msg, po.Delete):
-        return [(-1, [old])]
-    return [(-1, [old]), (1, [_line(msg.new, msg.old, qualified, columns)])]
+        return [(-1, old)]
+    return [(-1, old), (1, _line(msg.new, msg.old, qualified, columns))]
 
 
 def _line(values: list[po.Value], old: list[po.Value] | None, qualified: str, columns: int) -> bytes:
@@ -174,7 +181,8 @@ def _line(values: list[po.Value], old: list[po.Value] | None, qualified: str, co
     if len(values) != columns:
         raise SourceNotReady(f"the columns of {qualified} (a table without a key) changed while its snapshot was "
                              "read: its rows cannot be turned back to the batch's window end",
-                             f"take the snapshot again: changefeed snapshot --name FEED --tables {qualified}")
+                             "run the feed again once the change is done; if this repeats, remove the feed and create "
+                             "it again (the table's rows are read anew)")
     filled: list[bytes | None] = []
     for i, v in enumerate(values):
         v = old[i] if v is po.UNCHANGED and old is not None else v
@@ -185,24 +193,23 @@ def _line(values: list[po.Value], old: list[po.Value] | None, qualified: str, co
     return join_line(filled)
 
 
-def _count(out: Undo, txn: list[tuple[int, list[bytes]]]) -> None:
+def _count(out: Undo, txn: list[tuple[int, bytes]]) -> None:
     """Undo a transaction the snapshot saw: what it added is left out, what it removed put back
     (a truncate: the rows before it are no longer in the read, so nothing before it is undone)."""
     last_truncate = max((i for i, (sign, _) in enumerate(txn) if sign == 0), default=-1)
     if last_truncate >= 0:
         out.drop.clear()
         out.add.clear()
-    for sign, lines in txn[last_truncate + 1:]:
-        for line in lines:
-            if sign > 0:
-                if out.add[line] > 0:
-                    out.add[line] -= 1
-                else:
-                    out.drop[line] += 1
-            elif out.drop[line] > 0:
-                out.drop[line] -= 1
+    for sign, line in txn[last_truncate + 1:]:
+        if sign > 0:
+            if out.add[line] > 0:
+                out.add[line] -= 1
             else:
-                out.add[line] += 1
+                out.drop[line] += 1
+        elif out.drop[line] > 0:
+            out.drop[line] -= 1
+        else:
+            out.add[line] += 1
 
 
 def _wait_flushed(conn: psycopg.Connection[Any], upto: int) -> None:

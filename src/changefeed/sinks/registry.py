@@ -9,7 +9,7 @@ from contextlib import nullcontext
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from changefeed.errors import ConfigError
+from changefeed.errors import ConfigError, SourceNotReady
 from changefeed.spec.sinks import kind_of
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def check_keys(spec: "FeedSpec", tables: "Sequence[Any]") -> None:
     keyless = [t.qualified for t in tables if not t.key]
     by_key = [target.name for target, view, sink in sinks_of(spec) if sink.needs_key(view.sink)]
     if keyless and by_key:
-        raise ConfigError(f"table {', '.join(keyless)} has no primary key (REPLICA IDENTITY FULL only): sink "
+        raise SourceNotReady(f"table {', '.join(keyless)} has no primary key (REPLICA IDENTITY FULL only): sink "
                           f"{', '.join(by_key)} applies each change to the row of its key",
                           f"ALTER TABLE {keyless[0]} ADD PRIMARY KEY (...); or capture the table in a feed whose "
                           "sinks only append (Kafka, webhooks, a Delta change log: delta://...?mode=changelog)")
