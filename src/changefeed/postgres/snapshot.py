@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,9 +200,10 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
     finally:
         if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
             conn.execute("ROLLBACK")
-        if cut_slot is not None:  # (temporary: gone with the session anyway)
-            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = %s",
-                         (cut_slot,))
+        if cut_slot is not None:
+            with suppress(psycopg.Error):  # (temporary: gone with the session anyway, a lost one too)
+                conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                             "WHERE slot_name = %s", (cut_slot,))
 
 
 def _rows(shape: ch.TableShape, lines: list[bytes], lsn: int, ts: int, seq0: int, describe: bool) -> Any:
