@@ -11,6 +11,7 @@ from changefeed.errors import ConfigError
 from changefeed.postgres import row_filter
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
+from changefeed.postgres.decode import pgoutput as po
 from conftest import Dbs
 
 
@@ -81,3 +82,23 @@ def test_a_partitioned_table_is_published_by_its_root_also_in_an_older_publicati
             assert via_root.fetchone() == (True,)
         finally:
             conn.execute("DROP PUBLICATION IF EXISTS changefeed_pt_probe")
+
+
+def test_a_filter_replaced_applies_from_its_commit_on(tables: Dbs) -> None:
+    with tables.src() as conn:
+        conn.execute("CREATE PUBLICATION rf_switch FOR TABLE rf_keyed WHERE (id < 100)")
+        conn.execute("SELECT pg_create_logical_replication_slot('rf_switch', 'pgoutput')")
+        try:
+            conn.execute("INSERT INTO rf_keyed VALUES (1, 'a'), (500, 'b')")  # the old filter: 1 only
+            row_filter.replace_filter(conn, "rf_switch", "public.rf_keyed", "id >= 100")
+            conn.execute("INSERT INTO rf_keyed VALUES (2, 'c'), (600, 'd')")  # the new one: 600 only
+            row_filter.replace_filter(conn, "rf_switch", "public.rf_keyed", None)
+            conn.execute("INSERT INTO rf_keyed VALUES (3, 'e')")  # none: every row
+            conn.execute("SELECT pg_switch_wal()")  # (flushed: the peek decodes what is)
+            messages = [po.decode(bytes(d)) for (d,) in conn.execute(
+                "SELECT data FROM pg_logical_slot_peek_binary_changes('rf_switch', NULL, NULL, 'proto_version', "
+                "'1', 'publication_names', 'rf_switch')")]
+            assert [m.new[0] for m in messages if isinstance(m, po.Insert)] == [b"1", b"600", b"3"]
+        finally:
+            conn.execute("SELECT pg_drop_replication_slot('rf_switch')")
+            conn.execute("DROP PUBLICATION rf_switch")

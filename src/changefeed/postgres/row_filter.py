@@ -11,6 +11,7 @@ that is rolled back.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -60,6 +61,25 @@ def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> No
                 f"--where {table}: the filter uses {', '.join(outside)}, outside the table's replica identity "
                 f"({', '.join(identity or ())}): PostgreSQL would refuse every UPDATE and DELETE of the table",
                 f"filter on those columns only, or ALTER TABLE {table} REPLICA IDENTITY FULL")
+
+
+def replace_filter(conn: psycopg.Connection[Any], publication: str, table: str, predicate: str | None,
+                   columns: Sequence[str] | None = None) -> None:
+    """Give `table` in `publication` the row filter `predicate` (None: none), keeping its column
+    list `columns`: the table is dropped from the publication and added back in one transaction,
+    so decoding switches filters exactly at that transaction's commit (each change is filtered by
+    the publication as it stood where the change is in the WAL). The filter must have passed
+    check() first."""
+    schema, name = table.split(".", 1)
+    entry: sql.Composable = sql.Identifier(schema, name)
+    if columns:
+        entry = sql.SQL("{} ({})").format(entry, sql.SQL(", ").join(map(sql.Identifier, columns)))
+    if predicate:
+        entry = sql.SQL("{} WHERE ({})").format(entry, sql.SQL(predicate))  # (the user's SQL, checked)
+    with conn.transaction():
+        conn.execute(sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
+            sql.Identifier(publication), sql.Identifier(schema, name)))
+        conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(sql.Identifier(publication), entry))
 
 
 def _columns_used(conn: psycopg.Connection[Any], publication: str) -> list[str]:
