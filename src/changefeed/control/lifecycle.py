@@ -269,7 +269,7 @@ def request_snapshot(spec: FeedSpec, state: FeedState, tables: tuple[str, ...]) 
         raise ConfigError(f"feed {spec.name} does not capture {', '.join(unknown)}",
                           "add them first with changefeed alter --add-tables")
     with first_node(spec) as conn:
-        keyless = [t.qualified for t in src.describe_tables(conn, list(tables), spec.column_lists) if not t.key]
+        keyless = src.keyless(src.describe_tables(conn, list(tables), spec.column_lists))
     if keyless:
         raise ConfigError(f"table {', '.join(keyless)} has no key: its rows sent again could not be told from new "
                           "equal rows by the sinks, which hold its rows already",

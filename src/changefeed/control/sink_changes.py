@@ -38,7 +38,7 @@ def add_sink(spec: FeedSpec, state: FeedState, given: str, *, snapshot: bool = T
     with first_node(spec) as conn:
         tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
     check_keys(grown, tables)
-    keyless = [t.qualified for t in tables if not t.key]
+    keyless = src.keyless(tables)
     if snapshot and keyless:  # (the others go on taking its changes meanwhile: core.snapshot.held_back holds all)
         raise ConfigError(f"table {', '.join(keyless)} has no key: a sink added to a running feed cannot be given its "
                           "existing rows without some of its changes twice",

@@ -54,6 +54,11 @@ class SourceTable:
 GENERATED_VERSION = 180000  # PostgreSQL publishes stored generated columns from 18 on (publish_generated_columns)
 
 
+def keyless(tables: Sequence[SourceTable]) -> list[str]:
+    """The tables without a key among `tables` (REPLICA IDENTITY FULL: for sinks that append)."""
+    return [t.qualified for t in tables if not t.key]
+
+
 def split_table(qualified: str) -> tuple[str, str]:
     schema, _, name = qualified.rpartition(".")
     return (schema or "public"), name

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from changefeed.errors import ConfigError, SourceNotReady
 from changefeed.spec.sinks import kind_of
@@ -15,6 +15,7 @@ from changefeed.spec.sinks import kind_of
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from changefeed.postgres.source import SourceTable
     from changefeed.sinks.base import Sink
     from changefeed.sinks.ledger import Ledger
     from changefeed.spec.definition import FeedSpec
@@ -59,16 +60,18 @@ def validated(spec: "FeedSpec") -> "FeedSpec":
     return spec
 
 
-def check_keys(spec: "FeedSpec", tables: "Sequence[Any]") -> None:
+def check_keys(spec: "FeedSpec", tables: "Sequence[SourceTable]") -> None:
     """Refuse a table without a key (postgres.source.describe_tables: REPLICA IDENTITY FULL, no
     primary key) for a sink that applies changes by key."""
-    keyless = [t.qualified for t in tables if not t.key]
+    from changefeed.postgres.source import keyless
+
+    without = keyless(tables)
     by_key = [target.name for target, view, sink in sinks_of(spec) if sink.needs_key(view.sink)]
-    if keyless and by_key:
-        raise SourceNotReady(f"table {', '.join(keyless)} has no primary key (REPLICA IDENTITY FULL only): sink "
-                          f"{', '.join(by_key)} applies each change to the row of its key",
-                          f"ALTER TABLE {keyless[0]} ADD PRIMARY KEY (...); or capture the table in a feed whose "
-                          "sinks only append (Kafka, webhooks, a Delta change log: delta://...?mode=changelog)")
+    if without and by_key:
+        raise SourceNotReady(f"table {', '.join(without)} has no primary key (REPLICA IDENTITY FULL only): sink "
+                             f"{', '.join(by_key)} applies each change to the row of its key",
+                             f"ALTER TABLE {without[0]} ADD PRIMARY KEY (...); or capture the table in a feed whose "
+                             "sinks only append (Kafka, webhooks, a Delta change log: delta://...?mode=changelog)")
 
 
 def open_ledger(spec: "FeedSpec", state: "FeedState") -> "Ledger":
