@@ -255,12 +255,14 @@ def cmd_alter(args: argparse.Namespace) -> int:
     spec, state = _stored(args)
     rates = _rates(args)
     changes = (args.add_tables, args.add_node, args.remove_node, args.rename_table, args.capture_ddl,
-               args.add_sink, args.remove_sink, rates)
+               args.add_sink, args.remove_sink, rates, args.where)
     if sum(map(bool, changes)) != 1:
         raise ConfigError("alter takes one of --add-tables, --add-node, --remove-node, --rename-table, "
-                          "--capture-ddl, --add-sink, --remove-sink, or the rates (--snapshot-rate, --max-rate)",
-                          "run one alter per change")
-    if rates:
+                          "--capture-ddl, --add-sink, --remove-sink, --where, or the rates (--snapshot-rate, "
+                          "--max-rate)", "run one alter per change")
+    if args.where:
+        _alter_where(spec, state, args.where, snapshot=not args.no_snapshot)
+    elif rates:
         from changefeed.control.lifecycle import set_rates
 
         changed = set_rates(spec, state, rates)
@@ -309,6 +311,20 @@ def cmd_alter(args: argparse.Namespace) -> int:
               f"{', '.join(gone) or 'nothing (node ' + args.remove_node + ' had no slot or publication)'}; "
               "its rows stay on the replica")
     return 0
+
+
+def _alter_where(spec: FeedSpec, state: FeedState, given: list[str], *, snapshot: bool) -> None:
+    from changefeed.control.filter_change import change_filter
+
+    if len(given) != 1:
+        raise ConfigError("alter takes one --where at a time", "run one alter per table")
+    ((table, predicate),) = parse_where(given, removal=True)
+    _, left = change_filter(spec, state, table, predicate, snapshot=snapshot)
+    now = f"the row filter {predicate!r}" if predicate else "no row filter"
+    gone = sum(left.values())
+    print(f"feed {spec.name}: {table} now has {now}; {gone:,} row{'' if gone == 1 else 's'} that left it reach the "
+          "sinks as deletes" + ("" if not snapshot or not left else "; the rows it lets in follow (snapshot "
+                                "requested)") + " (a running feed restarts its query at its next report)")
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -576,6 +592,11 @@ def parser() -> argparse.ArgumentParser:
                                           "go on undisturbed")
     alter.add_argument("--remove-sink", help="NAME of a sink to stop writing to: its ledger is dropped, the slot no "
                                              "longer waits for it (its delivered data stays)")
+    alter.add_argument("--where", action="append",
+                       help="SCHEMA.TABLE=PREDICATE: change a captured table's row filter (SCHEMA.TABLE= removes "
+                            "it), running or not: rows the new filter keeps out reach the sinks as deletes where "
+                            "it changed, the rows it lets in with a snapshot of the table (not with --no-snapshot); "
+                            "writers of the table wait while it changes; a table with a key only")
     alter.add_argument("--no-snapshot", action="store_true", help="changes only, not the existing rows")
     _rate_options(alter)
     alter.set_defaults(func=cmd_alter)

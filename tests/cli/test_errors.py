@@ -518,9 +518,19 @@ def test_alter_and_snapshot_requests_refuse_bad_tables(fresh: Dbs, tmp_path: Pat
     from changefeed.spec.state import FeedState
 
     state = FeedState(tmp_path / "state", fresh.name)
-    state.save(FeedSpec(fresh.name, fresh.source, fresh.sink, ("public.items",)))
+    state.save(FeedSpec(fresh.name, fresh.source, fresh.sink, ("public.items", "public.fullident")))
     before_src, before_dst = source_snapshot(fresh.source), sink_snapshot(fresh.sink)
     base = ["--name", fresh.name, "--state", str(tmp_path / "state")]
+    for where, code, words in [
+            ("public.other=id > 0", EX_USAGE, ["does not capture", "public.other"]),
+            ("public.items=idd > 0", EX_USAGE, ["PostgreSQL refuses", "idd"]),
+            ("public.items=v = 'x'", EX_USAGE, ["outside the table's replica identity", "REPLICA IDENTITY FULL"]),
+            ("public.fullident=id > 0", EX_USAGE, ["has no key", "public.fullident"]),
+            ("items", EX_USAGE, ["SCHEMA.TABLE=PREDICATE"])]:
+        proc = cli("alter", *base, "--where", where, cwd=tmp_path)
+        assert_clean_failure(proc, code, *words)
+    proc = cli("alter", *base, "--where", "public.items=id > 0", "--where", "public.items=id > 1", cwd=tmp_path)
+    assert_clean_failure(proc, EX_USAGE, "one --where at a time")
     proc = cli("alter", *base, "--add-tables", "public.nosuch", cwd=tmp_path)
     assert_clean_failure(proc, EX_DEFINITE, "public.nosuch", "does not exist")
     proc = cli("alter", *base, "--add-tables", "public.items", cwd=tmp_path)
@@ -531,7 +541,8 @@ def test_alter_and_snapshot_requests_refuse_bad_tables(fresh: Dbs, tmp_path: Pat
                    cwd=tmp_path)
     assert_clean_failure(proc, EX_USAGE, "no feed", "nosuch")
     assert source_snapshot(fresh.source) == before_src and sink_snapshot(fresh.sink) == before_dst
-    assert state.load().tables == ("public.items",)  # type: ignore[union-attr]
+    assert state.load().tables == ("public.items", "public.fullident")  # type: ignore[union-attr]
+    assert state.load().where == ()  # type: ignore[union-attr]
     import psycopg
 
     from changefeed.postgres.requests import SourceRequests

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,8 +60,8 @@ def test_requests_are_numbered_and_read_in_order(tmp_path) -> None:  # type: ign
     reqs = SnapshotRequests(tmp_path / "requests")
     assert reqs.after(0) == []
     assert reqs.add(["s.a"]) == 1 and reqs.add(["s.b", "s.c"]) == 2
-    assert reqs.after(0) == [(1, ["s.a"], ()), (2, ["s.b", "s.c"], ())]
-    assert reqs.after(1) == [(2, ["s.b", "s.c"], ())]
+    assert reqs.after(0) == [(1, ["s.a"], (), ()), (2, ["s.b", "s.c"], (), ())]
+    assert reqs.after(1) == [(2, ["s.b", "s.c"], (), ())]
     assert not [p for p in (tmp_path / "requests").iterdir() if p.suffix == ".tmp"]
 
 
@@ -99,3 +100,10 @@ def test_held_back_leaves_out_the_changes_of_tables_whose_snapshot_is_to_come() 
     assert kept.column("op").to_pylist() == ["R", "c", "R", "P"]
     assert kept.column("table").to_pylist() == ["h", "k", "k", None]
     assert held_back(rows, frozenset()) is rows
+
+
+def test_a_request_file_keeps_the_positions_it_waits_for(tmp_path: Path) -> None:
+    reqs = SnapshotRequests(tmp_path / "requests")
+    reqs.add(["s.a"], after={"source": 1234})
+    (got,) = reqs.after(0)
+    assert got.after == (("source", 1234),) and not got.due({"source": 1233}) and got.due({"source": 1234})

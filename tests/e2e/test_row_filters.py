@@ -6,15 +6,18 @@ same way) finds it equal. Predicates PostgreSQL would refuse are refused before 
 created."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
 import threading
+import uuid
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from changefeed.local.kafka import LocalKafka, committed, read_partition
 from conftest import Dbs, changefeed_cli, kill_running, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(600)
@@ -81,6 +84,52 @@ def test_a_row_filter_keeps_the_replica_equal_to_the_filtered_source(dbs: Dbs, t
     got = _rows(dbs.sink)
     assert got and all(r[1] == "eu" and int(str(r[2])) >= 0 for r in got)
     assert any(r[3] == "moved" for r in got), "no row moved into the filter"
+
+
+NEW_FILTER = "region = 'us'"
+
+
+def test_a_filter_changed_on_a_running_feed_sends_the_rows_that_left_as_deletes(dbs: Dbs, tmp_path: Path,
+                                                                               kafka: LocalKafka) -> None:
+    """`alter --where` under the writer: the rows the new filter keeps out leave the replica and
+    reach Kafka as deletes, the rows it lets in arrive by a snapshot; the runner is SIGKILLed
+    right after it restarts on the new filter; both sinks end equal to the newly filtered source."""
+    _orders(dbs)
+    state, log = tmp_path / "state", tmp_path / "run.log"
+    prefix = f"w{uuid.uuid4().hex[:8]}."
+    feed = ["--name", dbs.name, "--state", str(state)]
+    define = ["--source", dbs.source, "--sink", f"replica={dbs.sink}", "--sink",
+              f"events=kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={prefix}progress"
+              "&topic_partitions=1", "--tables", "public.orders", "--where", f"public.orders={FILTER}",
+              "--snapshot-chunk-rows", "5000"]
+    runner = start_changefeed("run", *feed, *define, log=log)
+    written = [0]
+    try:
+        with writing(_moving, dbs.source, written):
+            wait_for("the first snapshot", lambda: "snapshot public.orders: done" in log.read_text(), log, timeout=240)
+            altered = changefeed_cli("alter", *feed, "--where", f"public.orders={NEW_FILTER}")
+            assert altered.returncode == 0, altered.stderr[-3000:]
+            assert "reach the sinks as deletes" in altered.stdout and "Traceback" not in altered.stderr
+            wait_for("the restart on the new filter", lambda: "its row filters changed" in log.read_text(), log)
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait(timeout=60)
+            runner = start_changefeed("run", *feed, log=log)
+            at = written[0]
+            wait_for("changes after the restart", lambda: written[0] > at + 200, log, timeout=120)
+        wait_for("the replica equal to the newly filtered source",
+                 lambda: _rows(dbs.sink) == _rows(dbs.source, NEW_FILTER), log, timeout=180)
+        for sink in ("replica", "events"):
+            verified = changefeed_cli("verify", *feed, "--sink", sink)
+            assert verified.returncode == 0, (sink, verified.stdout[-2000:], verified.stderr[-2000:])
+    finally:
+        kill_running([runner])
+    ops: dict[str, set[int]] = {}
+    for r in committed(read_partition(kafka.bootstrap, f"{prefix}public.orders", 0, timeout=60)):
+        if r.key is not None and r.value is not None:
+            ops.setdefault(json.loads(r.value)["op"], set()).add(json.loads(r.key)[0])
+    old_eu = {g for g in range(1, ROWS + 1) if g % 3 == 0 and g % 11 - 2 >= 0}
+    assert len(ops.get("d", set()) & old_eu) > len(old_eu) // 2, "the rows that left reached Kafka as deletes"
+    assert {g for g in range(1, 2000) if g % 3} & ops.get("r", set()), "the rows let in came by a snapshot"
 
 
 @pytest.mark.parametrize("where, words", [

@@ -179,7 +179,9 @@ def _check_node(spec: FeedSpec, node: SourceNode, stack: ExitStack, report: Call
         src.check_wal_level(conn)
         tables = src.describe_tables(conn, list(spec.tables), spec.column_lists)
         check_keys(spec, tables)
-        row_filter.check(conn, spec.row_filters, spec.name)
+        printed = row_filter.check(conn, spec.row_filters, spec.name)
+        row_filter.check_published(conn, node.publication, list(spec.tables), spec.row_filters, printed,
+                                   spec.name)
         if spec.outbox_spec is not None:
             check_outbox_table(conn, spec.outbox_spec)
         slot = slots.slot_state(conn, node.slot)

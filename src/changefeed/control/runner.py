@@ -164,6 +164,8 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                 if spec.nodes != before.nodes:
                     report(f"feed {spec.name}: its nodes are now {', '.join(n.name for n in spec.sources)}: "
                            "restarting the query to read them")
+                if spec.where != before.where:
+                    report(f"feed {spec.name}: its row filters changed: restarting the query to follow them")
                 if spec.sink_targets != before.sink_targets:
                     report(f"feed {spec.name}: its sinks are now {', '.join(t.name for t in spec.sink_targets)}: "
                            "restarting the query to write to them")
@@ -343,8 +345,9 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
                     break
                 stored = state.load()
                 defined = prepared.definition
-                if stored is not None and (stored.nodes, stored.sink_targets) != (defined.nodes, defined.sink_targets):
-                    raise Redefined(stored)  # changefeed alter --add-node, --add-sink, ...
+                if stored is not None and (stored.nodes, stored.sink_targets, stored.where) != \
+                        (defined.nodes, defined.sink_targets, defined.where):
+                    raise Redefined(stored)  # changefeed alter --add-node, --add-sink, --where, ...
                 if stored is not None and stored != published:  # altered: what a standby would run
                     feed_record.store(prepared.source_conn, spec.name, stored.to_json(), lease.me())
                     published = stored

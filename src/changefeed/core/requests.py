@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
@@ -21,11 +21,19 @@ class Request(NamedTuple):
     no: int
     tables: list[str]
     only: tuple[str, ...] = ()  # the sinks it is for (a sink added to the feed: spec.sinks); () = all
+    # per node, a WAL position its batch must start at or after (a row filter changed there: its
+    # snapshot must not land before the change, see postgres.filter_switch); () = any batch
+    after: tuple[tuple[str, int], ...] = ()
+
+    def due(self, start: Mapping[str, int]) -> bool:
+        """Whether a batch starting at `start` (per node) may take the request in."""
+        return all(start.get(node, 0) >= lsn for node, lsn in self.after)
 
 
 class Requests(Protocol):
-    def add(self, tables: Sequence[str], only: Sequence[str] = ()) -> int:
-        """Queue a request of `tables` (for the sinks `only`, or all); its number (one above the last)."""
+    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None) -> int:
+        """Queue a request of `tables` (for the sinks `only`, or all; for a batch from `after` on);
+        its number (one above the last)."""
         ...
 
     def after(self, taken: int) -> list[Request]:
@@ -44,13 +52,14 @@ class SnapshotRequests:
             return []
         return sorted(int(p.stem) for p in self.folder.glob("*.json") if p.stem.isdigit())
 
-    def add(self, tables: Sequence[str], only: Sequence[str] = ()) -> int:
+    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None) -> int:
         """Queue a request; returns its number."""
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
             no = (self._numbers() or [0])[-1] + 1
             tmp = self.folder / f".{no:06d}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps({"tables": list(tables), **({"only": list(only)} if only else {})}))
+            tmp.write_text(json.dumps({"tables": list(tables), **({"only": list(only)} if only else {}),
+                                       **({"after": dict(after)} if after else {})}))
             try:
                 os.link(tmp, self.folder / f"{no:06d}.json")  # fails if another request took `no`
                 return no
@@ -62,4 +71,5 @@ class SnapshotRequests:
     def after(self, taken: int) -> list[Request]:
         """Requests numbered above `taken`, in order."""
         found = [(no, json.loads((self.folder / f"{no:06d}.json").read_text())) for no in self._numbers() if no > taken]
-        return [Request(no, d["tables"], tuple(d.get("only", ()))) for no, d in found]
+        return [Request(no, d["tables"], tuple(d.get("only", ())), tuple(d.get("after", {}).items()))
+                for no, d in found]

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from changefeed.core.requests import Request, SnapshotRequests
@@ -34,7 +35,9 @@ CREATE TABLE IF NOT EXISTS changefeed.snapshot_requests (
     made_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (feed, no)
 );
-ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS only_sinks jsonb"""
+ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS only_sinks jsonb;
+ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS after_lsns jsonb"""
+_COLUMNS = ("only_sinks", "after_lsns")  # added after the table's first version
 
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
@@ -47,7 +50,7 @@ def forget(conn: psycopg.Connection[Any], feed: str) -> None:
 def void(conn: psycopg.Connection[Any], feed: str, sink: str) -> None:
     """Sink `sink` is removed from the feed: its requests read nothing (they keep their numbers,
     so that no later request takes one a checkpoint counts as taken in)."""
-    if not missing(conn, "changefeed.snapshot_requests") and _scope_column(conn):
+    if not missing(conn, "changefeed.snapshot_requests") and "only_sinks" in _later_columns(conn):
         conn.execute("UPDATE changefeed.snapshot_requests SET tables = '[]' WHERE feed = %s AND only_sinks = %s",
                      (feed, Jsonb([sink])))
 
@@ -66,22 +69,27 @@ class SourceRequests:
     def __init__(self, conn: Callable[[], psycopg.Connection[Any]], feed: str, legacy: Path | str | None = None
                  ) -> None:
         self.conn, self.feed, self.legacy = conn, feed, legacy
-        self._adopted = self._made = self._has_scope = False
+        self._adopted = self._made = False
+        self._present: set[str] = set()
 
-    def add(self, tables: Sequence[str], only: Sequence[str] = ()) -> int:
-        """Queue a request (for the sinks `only`, or all); its number."""
+    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None) -> int:
+        """Queue a request (for the sinks `only`, or all; for a batch from `after` on); its number."""
         conn = self.conn()
-        if not self._exists(conn) or only and not self._scoped(conn):
+        extra = {"only_sinks": Jsonb(list(only)) if only else None, "after_lsns": Jsonb(dict(after)) if after else None}
+        extra = {k: v for k, v in extra.items() if v is not None}
+        if not self._exists(conn) or not set(extra) <= self._columns(conn):
             shared_ddl(conn, DDL)
-            self._made = True
+            self._made, self._present = True, set(_COLUMNS)
         self._adopt(conn)
+        names = sql.SQL("").join(sql.SQL(", {}").format(sql.Identifier(k)) for k in extra)
+        values = sql.SQL("").join(sql.SQL(", {}").format(sql.Placeholder(k)) for k in extra)
         while True:
             try:
-                row = conn.execute(
-                    "INSERT INTO changefeed.snapshot_requests (feed, no, tables" + (", only_sinks" if only else "")
-                    + ") SELECT %(feed)s, coalesce(max(no), 0) + 1, %(tables)s" + (", %(only)s" if only else "")
-                    + " FROM changefeed.snapshot_requests WHERE feed = %(feed)s RETURNING no",
-                    {"feed": self.feed, "tables": Jsonb(list(tables)), "only": Jsonb(list(only))}).fetchone()
+                row = conn.execute(sql.SQL(
+                    "INSERT INTO changefeed.snapshot_requests (feed, no, tables{}) SELECT %(feed)s, "
+                    "coalesce(max(no), 0) + 1, %(tables)s{} FROM changefeed.snapshot_requests WHERE feed = %(feed)s "
+                    "RETURNING no").format(names, values),
+                    {"feed": self.feed, "tables": Jsonb(list(tables)), **extra}).fetchone()
                 assert row is not None, "an INSERT ... RETURNING of one row"
                 return int(row[0])
             except psycopg.errors.UniqueViolation:
@@ -93,17 +101,19 @@ class SourceRequests:
         if not self._exists(conn):
             return self._old().after(taken) if self.legacy else []
         self._adopt(conn)
-        scoped = self._scoped(conn)
-        return [Request(int(no), list(tables), tuple(only or ())) for no, tables, only in conn.execute(
-            f"SELECT no, tables, {'only_sinks' if scoped else 'NULL'} FROM changefeed.snapshot_requests "
-            "WHERE feed = %s AND no > %s ORDER BY no", (self.feed, taken))]
+        present = self._columns(conn)
+        chosen = sql.SQL(", ").join(sql.Identifier(c) if c in present else sql.NULL for c in _COLUMNS)
+        return [Request(int(no), list(tables), tuple(only or ()), tuple((after or {}).items()))
+                for no, tables, only, after in conn.execute(sql.SQL(
+                    "SELECT no, tables, {} FROM changefeed.snapshot_requests WHERE feed = %s AND no > %s "
+                    "ORDER BY no").format(chosen), (self.feed, taken))]
 
-    def _scoped(self, conn: psycopg.Connection[Any]) -> bool:
-        """Whether the table has the column of requests for some sinks alone (an older one was
-        made without it: the first such request adds it)."""
-        if not self._has_scope:
-            self._has_scope = _scope_column(conn)
-        return self._has_scope
+    def _columns(self, conn: psycopg.Connection[Any]) -> set[str]:
+        """Which of the later columns the table has (an older one was made without them: the first
+        request that needs one adds them)."""
+        if len(self._present) < len(_COLUMNS):
+            self._present = _later_columns(conn)
+        return self._present
 
     def _exists(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether the table exists; asked until it does (it is read at every batch's planning)."""
@@ -128,6 +138,7 @@ class SourceRequests:
         self._adopted = True
 
 
-def _scope_column(conn: psycopg.Connection[Any]) -> bool:
-    return bool(conn.execute("SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('changefeed.snapshot_requests') "
-                             "AND attname = 'only_sinks' AND NOT attisdropped").fetchone())
+def _later_columns(conn: psycopg.Connection[Any]) -> set[str]:
+    return {str(r[0]) for r in conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass('changefeed.snapshot_requests') "
+        "AND attname = ANY(%s) AND NOT attisdropped", (list(_COLUMNS),))}

@@ -32,11 +32,13 @@ def clause(predicate: str | None) -> sql.Composable:
     return sql.SQL("({})").format(sql.SQL(predicate)) if predicate else sql.SQL("TRUE")
 
 
-def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> None:
+def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> dict[str, str]:
     """ConfigError (SourceNotReady before PostgreSQL 15) for a filter PostgreSQL would refuse, or
-    one on columns outside the table's replica identity; nothing is left behind."""
+    one on columns outside the table's replica identity; nothing is left behind. Returns each
+    filter as the server prints it back (what `published` reads once it is the publication's)."""
     if not where:
-        return
+        return {}
+    printed: dict[str, str] = {}
     version = server_version(conn)
     if version < MIN_VERSION:
         raise SourceNotReady(f"--where needs PostgreSQL 15 or later (publication row filters); the source runs "
@@ -51,6 +53,7 @@ def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> No
                     sql.SQL(predicate)))  # (the user's SQL: what is tried here)
                 used = _columns_used(conn, f"changefeed_check_{feed}")
                 identity = _replica_identity(conn, schema, name)
+                printed[table] = str(published(conn, f"changefeed_check_{feed}", table)[1])
         except psycopg.Error as e:
             reason = (e.diag.message_primary or str(e)).strip()
             raise ConfigError(f"--where {table}: PostgreSQL refuses {predicate!r} as a row filter: {reason}",
@@ -61,6 +64,23 @@ def check(conn: psycopg.Connection[Any], where: dict[str, str], feed: str) -> No
                 f"--where {table}: the filter uses {', '.join(outside)}, outside the table's replica identity "
                 f"({', '.join(identity or ())}): PostgreSQL would refuse every UPDATE and DELETE of the table",
                 f"filter on those columns only, or ALTER TABLE {table} REPLICA IDENTITY FULL")
+    return printed
+
+
+def check_published(conn: psycopg.Connection[Any], publication: str, tables: list[str], where: dict[str, str],
+                    printed: dict[str, str], feed: str) -> None:
+    """ConfigError when the publication filters a table other than the feed's definition says
+    (`where`, as check printed it back): an `alter --where` stopped half way, which running it
+    again finishes."""
+    if server_version(conn) < MIN_VERSION:
+        return
+    for table in tables:
+        held, now = published(conn, publication, table)
+        if held and now != printed.get(table):
+            wanted = where.get(table, "")
+            raise ConfigError(f"the publication {publication} filters {table} by {now or 'nothing'}, the feed {feed} "
+                              f"by {wanted or 'nothing'}: a changefeed alter --where did not finish",
+                              f"run it again: changefeed alter --name {feed} --where \"{table}={wanted}\"")
 
 
 def replace_filter(conn: psycopg.Connection[Any], publication: str, table: str, predicate: str | None,
@@ -80,6 +100,17 @@ def replace_filter(conn: psycopg.Connection[Any], publication: str, table: str, 
         conn.execute(sql.SQL("ALTER PUBLICATION {} DROP TABLE {}").format(
             sql.Identifier(publication), sql.Identifier(schema, name)))
         conn.execute(sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(sql.Identifier(publication), entry))
+
+
+def published(conn: psycopg.Connection[Any], publication: str, table: str) -> tuple[bool, str | None]:
+    """(whether `publication` holds `table`, its row filter as the server prints it or None): what
+    the stream filters by, read in the caller's snapshot (before PostgreSQL 15: no filters)."""
+    if server_version(conn) < MIN_VERSION:
+        return False, None
+    schema, name = table.split(".", 1)
+    row = conn.execute("SELECT rowfilter FROM pg_publication_tables WHERE pubname = %s AND schemaname = %s "
+                       "AND tablename = %s", (publication, schema, name)).fetchone()
+    return (False, None) if row is None else (True, row[0])
 
 
 def _columns_used(conn: psycopg.Connection[Any], publication: str) -> list[str]:

@@ -156,6 +156,9 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
         keyless_cut.prepare_copy(conn, cut.slots, cut_slot, cut.window_end)
     _stable_snapshot(conn)
     try:
+        if cut is not None:  # the filter the stream applies where this snapshot reads (alter --where changes it)
+            held, published = row_filter.published(conn, cut.publication, qualified)
+            where = published if held else where
         # (where WAL is inserted, not written: under synchronous_commit off a commit is visible
         # before its record is written out, and it must lie before read_lsn all the same)
         result.read_lsn = parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])

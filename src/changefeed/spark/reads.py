@@ -145,7 +145,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                                     parts=partition.parts, node=node.name, positions=partition.positions,
                                     read={**reader(began), "ahead": spooled is not None},
                                     prepared=partition.prepared, undecided=partition.pending,
-                                    offset=partition.end.to_json())
+                                    offset=partition.end.to_json(), publication=node.publication)
             blocks = spooled or wal_reader(partition.wal).window(conn, node, role, start, end)
             ahead = partition.ahead
             if ahead is not None and _outlives_task():  # the next window, once the server answered this one

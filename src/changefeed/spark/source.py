@@ -214,11 +214,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
-        for no, tables, only in self.requests.after(cursor.requests):
-            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in tables) or \
-                    not set(only) <= self.sinks:
+        for r in self.requests.after(cursor.requests):
+            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in r.tables) or \
+                    not set(r.only) <= self.sinks:
                 break  # a node or sink added since this query started: its next query takes the request in
-            cursor = cursor.request(snapshot.entries(tables, list(self.nodes)), no, only)
+            if not r.due(start.lsns):
+                break  # a row filter changed past this batch's start: the batch after that takes it in
+            cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only)
         return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows, self._keyless)
 
     def _keyless(self, entry: str) -> bool:

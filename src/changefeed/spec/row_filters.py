@@ -13,13 +13,14 @@ from changefeed.spec.units import parse_tables
 EXAMPLE = "e.g. --where \"public.orders=region = 'eu'\""
 
 
-def parse_where(given: list[str]) -> tuple[tuple[str, str], ...]:
-    """`--where` values (split at the first `=`) as (schema.table, predicate) pairs, each table once."""
+def parse_where(given: list[str], *, removal: bool = False) -> tuple[tuple[str, str], ...]:
+    """`--where` values (split at the first `=`) as (schema.table, predicate) pairs, each table once;
+    with `removal` (alter), an empty predicate stands for no filter."""
     out: list[tuple[str, str]] = []
     for text in given:
         table, sep, predicate = text.partition("=")
         names = parse_tables(table)
-        if not sep or len(names) != 1 or not predicate.strip():
+        if not sep or len(names) != 1 or not (removal or predicate.strip()):
             raise ConfigError(f"--where takes SCHEMA.TABLE=PREDICATE, got {text!r}", EXAMPLE)
         if names[0] in (t for t, _ in out):
             raise ConfigError(f"--where names {names[0]} twice", "join the predicates with AND in one --where")

@@ -34,6 +34,8 @@ from changefeed.errors import TornTransaction
 from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.decode import tuple_block as tb
 from changefeed.postgres.decode.columns import Txn, record_batch
+from changefeed.postgres.decode.leaving import PREFIX as LEAVE_PREFIX
+from changefeed.postgres.decode.leaving import Leaving
 from changefeed.postgres.decode.pgoutput import RelationInfo, change_layout
 from changefeed.postgres.decode.rows import Chunk, Rows
 from changefeed.postgres.decode.tuple_lines import copy_line, copy_tuple, last_tuple
@@ -82,8 +84,9 @@ class ChangeBuilder:
                  catalog: Catalog = offline_catalog, *, part: int = 0, parts: int = 1, node: str = "n1",
                  positions: Mapping[str, int] | None = None, read: dict[str, Any] | None = None,
                  prepared: dict[int, tuple[str, int]] | None = None, undecided: list[str] | None = None,
-                 offset: dict[str, Any] | None = None) -> None:
+                 offset: dict[str, Any] | None = None, publication: str | None = None) -> None:
         self.offset = offset  # the batch's end offset, for the P row
+        self.publication = publication  # the feed's on this node: rows leaving its filter (decode.leaving)
         self.start_lsn, self.end_lsn, self.end_ts = start_lsn, end_lsn, end_ts
         self.part, self.parts, self.node, self.positions, self.read = part, parts, node, positions, read
         self.last_ts = start_ts
@@ -259,6 +262,10 @@ class ChangeBuilder:
     def _message(self, msg: po.Message) -> None:
         if msg.prefix == HEARTBEAT_PREFIX:
             return
+        if msg.prefix == LEAVE_PREFIX:
+            if msg.transactional and self._begin is not None:
+                self._leaving(Leaving.decode(msg.content))
+            return
         if msg.transactional and self._begin is not None:
             self._append_message(msg)
         elif not msg.transactional and self._begin is not None:
@@ -267,6 +274,18 @@ class ChangeBuilder:
             self._set_mark()
             self._append_message(msg)
             self._close(msg.lsn, 0, self.last_ts, None)
+
+    def _leaving(self, leaving: Leaving) -> None:
+        """Rows the feed's row filter let through until this transaction changed it: deletes of
+        the table (a message for another feed's publication is not this feed's)."""
+        if leaving.publication != self.publication:
+            return
+        rel = leaving.relation
+        if rel.oid not in self.relations:  # no change of the table decoded yet: as pgoutput would describe it
+            self.relations[rel.oid] = rel
+            self._table_of[rel.oid] = self._table_id(rel.schema, rel.name)
+        for line in leaving.lines:
+            self._row(rel.oid, _DELETE, None, line)
 
     def _append_message(self, msg: po.Message) -> None:
         self._sparse["meta"][len(self._rows)] = json.dumps({"prefix": msg.prefix})
