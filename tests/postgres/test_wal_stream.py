@@ -115,6 +115,11 @@ def test_the_stream_gives_the_windows_the_peek_gives(table: Dbs, steps: list[tup
             assert streamed == peeked, (start, cut)
             assert slots.slot_state(conn, slot).confirmed_flush == start  # type: ignore[union-attr]
             conn.commit()
+            if kind == "changes":  # --max-rate's cut: it says how many row changes its window holds
+                rows_cut = reader.cut(conn, node, start, end, max_changes=limit, rows_only=True)
+                conn.commit()
+                held = [r for r in _rows(conn, node, "peek", start, rows_cut) if r["op"] in "cudt"]
+                assert reader.counted == len(held) and (len(held) >= limit or rows_cut == end), (limit, rows_cut)
             start, windows = cut, windows + 1
         assert windows >= 1
     finally:

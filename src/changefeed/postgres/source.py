@@ -239,13 +239,14 @@ def flush_point(conn: psycopg.Connection[Any]) -> tuple[Lsn, int]:
     return parse_lsn(row[0]), int(row[1])
 
 
-_COMMIT, _ROW_MESSAGES = ord("C"), {ord(k) for k in "IUDT"}  # pgoutput message types
+_BEGIN, _COMMIT, _ROW_MESSAGES = ord("B"), ord("C"), {ord(k) for k in "IUDT"}  # pgoutput message types
 
 
 def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str, start: Lsn, upto: Lsn,
-                      changes: int, rows_only: bool = False) -> Lsn:
+                      changes: int, rows_only: bool = False) -> tuple[Lsn, int]:
     """End LSN of the first commit after `start` by which `changes` messages were decoded (with
-    `rows_only`, only inserts, updates, deletes and truncates count: --max-rate), or `upto`.
+    `rows_only`, only inserts, updates, deletes and truncates count: --max-rate), or `upto`; and
+    how many were decoded before it (more than `changes` when a transaction ends past them).
 
     A commit's end is a record boundary: a window ending there holds that commit.
 
@@ -258,14 +259,23 @@ def lsn_after_changes(conn: psycopg.Connection[Any], slot: str, publication: str
             "SELECT lsn - '0/0'::pg_lsn, get_byte(data, 0) FROM pg_logical_slot_peek_binary_changes("
             "%s, %s::pg_lsn, %s, 'proto_version', '1', 'publication_names', %s)",
             (slot, format_lsn(upto), want, publication)).fetchall()
-        seen = 0
+        seen, txn = 0, None  # txn: what the open transaction counts so far
         for lsn, kind in rows:
-            if int(lsn) > start:
-                seen += not rows_only or kind in _ROW_MESSAGES
-                if kind == _COMMIT and seen >= changes:
-                    return Lsn(min(int(lsn), upto))
+            counts = int(not rows_only or kind in _ROW_MESSAGES)
+            if kind == _BEGIN:
+                txn = counts
+            elif txn is None:  # a message outside a transaction
+                seen += counts if int(lsn) > start else 0
+            else:
+                txn += counts
+                if kind == _COMMIT:
+                    # (a commit's LSN here is its record's end: past `start` iff it is in the window,
+                    # whatever the LSNs of its changes, which may lie before `start`)
+                    seen, txn = seen + (txn if int(lsn) > start else 0), None
+                    if seen >= changes:
+                        return Lsn(min(int(lsn), upto)), seen
         if len(rows) < want:
-            return upto  # decoded all there is up to `upto`
+            return upto, seen  # decoded all there is up to `upto`
         want *= 2
 
 

@@ -36,6 +36,7 @@ class WalReader:
 
     def __init__(self) -> None:
         self._layout: tuple[int, int] | None = None  # the server's WAL page and segment size, once asked
+        self.counted = 0  # changes in the window the last cut under a change limit made
 
     @property
     def block_size(self) -> int:
@@ -52,11 +53,16 @@ class WalReader:
     def cut(self, conn: psycopg.Connection[Any], node: SourceNode, start: Lsn, upto: Lsn, *,
             max_bytes: int = 0, max_changes: int = 0, rows_only: bool = False) -> Lsn:
         """Where a window from `start` ends under a change limit (exact, wins; `rows_only`: counting
-        row changes, not every message) or a byte limit, at most at `upto` (a flushed position)."""
+        row changes, not every message) or a byte limit, at most at `upto` (a flushed position).
+        Under a change limit, `counted` is then how many the window holds (a transaction stays
+        whole, so it may be more than the limit: --max-rate charges what was taken)."""
+        self.counted = 0
         if upto <= start:
             return upto
         if max_changes:
-            return src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes, rows_only)
+            end, self.counted = src.lsn_after_changes(conn, node.slot, node.publication, start, upto, max_changes,
+                                                      rows_only)
+            return end
         if max_bytes and upto - start > max_bytes:
             self._layout = self._layout or src.wal_layout(conn)
             return Lsn(min(upto, src.page_cut(start, max_bytes, self._layout[0])))

@@ -289,7 +289,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         lsns = {n: max(start.lsns.get(n, Lsn(0)), self._cut(n, start.lsns.get(n, Lsn(0)), f.lsn, limit, allowed))
                 for n, f in readings.frontiers.items()}
         if allowed is not None:
-            self.rates.spent(allowed)
+            self.rates.spent(self.wal.counted)  # (what the window holds: whole transactions may pass the allowance)
         if barrier is not None:
             lsns = {n: Lsn(at) for n, at in barrier.cap(start.lsns, lsns).items()}
         return Offset(lsns, resolved_ts(start.ts, readings.frontiers), cursor, chunks)
