@@ -103,3 +103,25 @@ def test_a_publication_left_with_another_filter_than_the_feeds_is_named_at_attac
                                            row_filter.check(conn, {"public.fq": "id > 0"}, "probe"), "probe")
         finally:
             conn.execute("DROP PUBLICATION fp_pub")
+
+
+def test_a_leaving_rows_key_is_spelled_as_a_delete_of_it_would_be(dbs: Dbs) -> None:
+    """Keys whose cast to text differs from their output (bool, char(n), with a tab and a
+    backslash): the delete a switch makes equals the delete PostgreSQL publishes for the row."""
+    with dbs.src() as conn:
+        conn.execute("CREATE TABLE fk (flag bool, code char(6), n int, PRIMARY KEY (flag, code))")
+        conn.execute("INSERT INTO fk VALUES (true, E'a\\tb', 1), (false, E'c\\\\', 2), (true, 'keep', 3)")
+        conn.execute("CREATE PUBLICATION fk_pub FOR TABLE fk")
+        conn.execute("SELECT pg_create_logical_replication_slot('fk_slot', 'pgoutput')")
+        try:
+            table = src.describe_tables(conn, ["public.fk"])[0]
+            left, _ = filter_switch.switch(conn, "fk_pub", table, "code = 'keep'", listed=False)
+            assert left == 2
+            filter_switch.switch(conn, "fk_pub", table, None, listed=False)  # every row again
+            conn.execute("DELETE FROM fk WHERE NOT (code = 'keep')")  # what PostgreSQL publishes for them
+            got = _decoded(conn, "fk_slot", "fk_pub", "fk_pub")
+            switched, deleted = [v for op, _, v in got if op == "d"][:2], [v for op, _, v in got if op == "d"][2:]
+            assert sorted(switched) == sorted(deleted) and len(deleted) == 2, got
+        finally:
+            conn.execute("SELECT pg_drop_replication_slot('fk_slot')")
+            conn.execute("DROP PUBLICATION fk_pub")

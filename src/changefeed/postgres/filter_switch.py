@@ -19,20 +19,25 @@ agrees with the stream. Running it again is harmless: the rows it finds leaving 
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.abc import Buffer
+from psycopg.adapt import Loader
 
+from changefeed.core.copytext import join_line
 from changefeed.core.lsn import parse_lsn
 from changefeed.errors import SourceNotReady, TransientError
 from changefeed.postgres import row_filter
 from changefeed.postgres.connect import one_row
 from changefeed.postgres.decode import pgoutput as po
-from changefeed.postgres.decode.leaving import PREFIX, pieces
+from changefeed.postgres.decode.leaving import LINES_PER_MESSAGE, PREFIX, pieces
 from changefeed.postgres.source import SourceTable, table_oid
 
 LOCK_TIMEOUT = "60s"  # how long the switch waits for the table's writers before it gives up
+TEXT_OID = 25
 
 
 def switch(conn: psycopg.Connection[Any], publication: str, table: SourceTable, new: str | None,
@@ -49,15 +54,17 @@ def switch(conn: psycopg.Connection[Any], publication: str, table: SourceTable, 
             conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(sql.Identifier(table.schema, table.name)))
             _, old = row_filter.published(conn, publication, table.qualified)
             relation = _relation(conn, oid, table)
-            lines = _leaving(conn, table, relation, old, new)
-            for piece in pieces(publication, relation, lines):
-                conn.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (PREFIX, piece.encode()))
+            left = 0
+            for lines in _leaving(conn, table, relation, old, new):
+                for piece in pieces(publication, relation, lines):
+                    conn.execute("SELECT pg_logical_emit_message(true, %s, %s::bytea)", (PREFIX, piece.encode()))
+                left += len(lines)
             row_filter.replace_filter(conn, publication, table.qualified, new, table.columns if listed else None)
     except psycopg.errors.LockNotAvailable:
         raise TransientError(f"table {table.qualified} stayed locked by writers for {LOCK_TIMEOUT}: its row filter "
                              "was not changed", "run the same changefeed alter again (a long transaction may "
                              "hold it: see pg_stat_activity)") from None
-    return len(lines), parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])
+    return left, parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])
 
 
 def _relation(conn: psycopg.Connection[Any], oid: int, table: SourceTable) -> po.Relation:
@@ -76,11 +83,23 @@ def _relation(conn: psycopg.Connection[Any], oid: int, table: SourceTable) -> po
 
 
 def _leaving(conn: psycopg.Connection[Any], table: SourceTable, relation: po.Relation, old: str | None,
-             new: str | None) -> list[bytes]:
-    """The old tuples (as a DELETE would carry them) of the rows `old` lets through and `new` does not."""
-    values = [sql.Identifier(c.name) if c.is_key else sql.SQL("NULL") for c in relation.columns]
-    query = sql.SQL("COPY (SELECT {} FROM {} WHERE ({}) IS TRUE AND ({}) IS NOT TRUE) TO STDOUT").format(
+             new: str | None) -> Iterator[list[bytes]]:
+    """The old tuples (as a DELETE would carry them: COPY text lines) of the rows `old` lets through
+    and `new` does not, a message's worth at a time, through a cursor (however many rows leave)."""
+    values = [sql.Identifier(c.name) if c.is_key else sql.SQL("NULL::text") for c in relation.columns]
+    query = sql.SQL("SELECT {} FROM {} WHERE ({}) IS TRUE AND ({}) IS NOT TRUE").format(
         sql.SQL(", ").join(values), sql.Identifier(table.schema, table.name),
         row_filter.clause(old), row_filter.clause(new))
-    with conn.cursor().copy(query) as copy:
-        return [bytes(row[:-1]) for row in copy]
+    with conn.cursor(name="changefeed_leaving") as cur:
+        for oid in {c.type_oid for c in relation.columns} | {TEXT_OID}:
+            cur.adapters.register_loader(oid, _OutputText)  # each value as its type's output text
+        cur.execute(query)
+        while rows := cur.fetchmany(LINES_PER_MESSAGE):
+            yield [join_line(row) for row in rows]
+
+
+class _OutputText(Loader):
+    """A value as the server sent it (its type's output function): what pgoutput sends too."""
+
+    def load(self, data: Buffer) -> bytes:
+        return bytes(data)

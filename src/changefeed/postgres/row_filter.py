@@ -80,7 +80,8 @@ def check_published(conn: psycopg.Connection[Any], publication: str, tables: lis
             wanted = where.get(table, "")
             raise ConfigError(f"the publication {publication} filters {table} by {now or 'nothing'}, the feed {feed} "
                               f"by {wanted or 'nothing'}: a changefeed alter --where did not finish",
-                              f"run it again: changefeed alter --name {feed} --where \"{table}={wanted}\"")
+                              f"run it again with the filter you want, e.g. the feed's: changefeed alter --name {feed} "
+                              f"--where \"{table}={wanted}\"")
 
 
 def replace_filter(conn: psycopg.Connection[Any], publication: str, table: str, predicate: str | None,
