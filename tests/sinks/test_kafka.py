@@ -241,3 +241,60 @@ def test_an_unreachable_cluster_is_a_connection_error() -> None:
     assert f"127.0.0.1:{port}" in str(e.value) and "hint:" in str(e.value)
     with pytest.raises(TransientError):
         KafkaBatch(opts, "f", "q", 0).open()  # init_transactions times out: the feed retries on a rerun
+
+
+def test_a_claim_fenced_by_a_leftover_producer_is_tried_again(kafka: LocalKafka,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-attaching runner's claim races a task of its stopped query, whose producer (same
+    transactional id) starts after the claim's: the claim is fenced, tries again, and lands."""
+    from confluent_kafka import Producer
+
+    from changefeed.sinks.kafka import batch as kafka_batch
+
+    opts, feed = opts_for(kafka, topic_partitions="1"), unique("f")
+    topic = opts.topic("public", "t")
+    assert write(opts, feed, "q1", 0, [(topic, rec(0))], end_lsn=100) is not None
+    opened, leftovers = [0], []
+    real_open = KafkaBatch.open
+
+    def open_then_fenced(self: KafkaBatch) -> ProgressRecord | None:
+        done = real_open(self)
+        opened[0] += 1
+        if opened[0] == 1:  # the leftover task's producer starts now: it fences the claim's
+            leftover = Producer(opts.producer_config(feed))
+            leftover.init_transactions(10)
+            leftovers.append(leftover)
+        return done
+
+    monkeypatch.setattr(KafkaBatch, "open", open_then_fenced)
+    kafka_batch.claim(opts, feed, 7)
+    assert opened[0] == 2, "the fenced claim was not tried again"
+    found = committed_progress(opts, feed)
+    assert found is not None and (found.epoch, found.claimed, found.query, found.batch) == (7, True, "q1", 0)
+    leftovers.clear()  # never close() a fenced producer (Tansu does not answer its abort)
+
+
+def test_a_claim_fenced_every_time_gives_up_with_a_typed_error(kafka: LocalKafka,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import Producer
+
+    from changefeed.sinks.kafka import batch as kafka_batch
+    from changefeed.sinks.kafka.failures import ProducerFenced
+
+    opts, feed = opts_for(kafka, topic_partitions="1"), unique("f")
+    leftovers = []
+    real_open = KafkaBatch.open
+
+    def open_then_fenced(self: KafkaBatch) -> ProgressRecord | None:
+        done = real_open(self)
+        leftover = Producer(opts.producer_config(feed))
+        leftover.init_transactions(10)
+        leftovers.append(leftover)
+        return done
+
+    monkeypatch.setattr(KafkaBatch, "open", open_then_fenced)
+    monkeypatch.setattr(kafka_batch, "CLAIM_TRIES", 2)
+    with pytest.raises(ProducerFenced) as e:
+        kafka_batch.claim(opts, feed, 3)
+    assert len(leftovers) == 2 and "claiming the feed for lease term 3" in str(e.value) and "hint:" in str(e.value)
+    leftovers.clear()

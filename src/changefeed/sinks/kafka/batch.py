@@ -25,6 +25,7 @@ and one whose transaction was open at the claim is fenced by the claim's init_tr
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,11 @@ from typing import Any
 from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
 from changefeed.errors import ChangefeedError, LeaseLost, SinkError, TransientError
-from changefeed.sinks.kafka.failures import kafka_error
+from changefeed.sinks.kafka.failures import ProducerFenced, kafka_error
 from changefeed.sinks.kafka.options import KafkaOptions
 
 POLL_S = 0.05
+CLAIM_TRIES = 8  # a claim fenced by a leftover task of the runner's stopped query is tried again this often
 CLAIM = "(claim)"  # the query a claim opens its transaction as: no Spark query id looks like it
 
 
@@ -153,6 +155,11 @@ class KafkaBatch:
             self._in_txn = False
         except KafkaException as e:
             raise self._fail(kafka_error(e, f"claiming the feed for lease term {epoch}", self.opts)) from None
+        except ProducerFenced as e:
+            raise self._fail(ProducerFenced(f"claiming the feed for lease term {epoch}: {e.message}", e.hint,
+                                            component="sink")) from None
+        except ChangefeedError as e:
+            raise self._fail(e) from None
         finally:
             if not self._in_txn:
                 self._producer = None
@@ -241,7 +248,12 @@ class KafkaBatch:
     def _flush(self) -> None:
         """Wait until every message sent was acknowledged: each one is, or fails, within the delivery
         timeout (message.timeout.ms), so a flush that long plus one step ends with a verdict."""
-        left = self._producer.flush(self.opts.timeouts.delivery_ms / 1000 + self.opts.timeout_s)
+        try:
+            left = self._producer.flush(self.opts.timeouts.delivery_ms / 1000 + self.opts.timeout_s)
+        except SystemError:  # the binding's answer to a fatal error (a fenced producer)
+            self._fatal()
+            self._check()
+            raise
         self._check()
         if left:
             raise TransientError(f"Kafka {self.opts.bootstrap}: {left} messages of batch {self.batch} not "
@@ -260,17 +272,36 @@ class KafkaBatch:
     # -- errors -----------------------------------------------------------------------------------
     def _on_delivery(self, err: Any, msg: Any) -> None:
         if err is not None and not self._failed:
-            self._failed.append((err, msg.topic()))
+            try:
+                topic = msg.topic()
+            except Exception:  # noqa: BLE001 - the binding may call back with an error of its own pending
+                topic = ""
+            self._failed.append((err, topic))
 
     def _on_error(self, err: Any) -> None:
-        """librdkafka's global errors: only fatal ones end the batch (the others it retries itself)."""
-        if err.fatal() and not self._failed:
-            self._failed.append((err, ""))
+        """librdkafka's global errors: only fatal ones end the batch (the others it retries itself).
+        A fatal one is the cause of whatever deliveries failed with it (purged): it goes first."""
+        if err.fatal() and not any(e.fatal() for e, _ in self._failed):
+            self._failed.insert(0, (err, ""))
+
+    def _fatal(self) -> None:
+        """The producer's fatal error first among the failures: the deliveries it purged name only
+        that; a transaction's abort fails at once with the cause itself."""
+        from confluent_kafka import KafkaException
+
+        if self.exactly_once and not any(e.fatal() for e, _ in self._failed):
+            try:
+                self._producer.abort_transaction(self.opts.timeout_s)
+            except KafkaException as e:
+                if e.args and e.args[0].fatal():
+                    self._failed.insert(0, (e.args[0], ""))
 
     def _check(self) -> None:
         if self._failed:
-            from confluent_kafka import KafkaException
+            from confluent_kafka import KafkaError, KafkaException
 
+            if self._failed[0][0].code() == KafkaError._PURGE_QUEUE:  # purged by a fatal error, maybe
+                self._fatal()
             err, topic = self._failed[0]
             raise kafka_error(KafkaException(err), f"delivering batch {self.batch}" + (f" to {topic}" if topic else ""),
                               self.opts)
@@ -291,7 +322,16 @@ class KafkaBatch:
         self._in_txn = False
 
 
-
 def claim(opts: KafkaOptions, feed: str, epoch: int) -> None:
-    """Claim the feed's Kafka sink for lease term `epoch` (see the module doc)."""
-    KafkaBatch(opts, feed, CLAIM, -1, epoch=epoch).claim()
+    """Claim the feed's Kafka sink for lease term `epoch` (see the module doc). A claim fenced in
+    turn is tried again: a later term's runner would have claimed with its own term, which the next
+    try reads and leaves be; otherwise the fencer is a task of this runner's query just stopped
+    (a re-attach), still starting a batch's transaction, and the next try fences it."""
+    for attempt in range(CLAIM_TRIES):
+        try:
+            KafkaBatch(opts, feed, CLAIM, -1, epoch=epoch).claim()
+            return
+        except ProducerFenced:
+            if attempt == CLAIM_TRIES - 1:
+                raise
+            time.sleep(min(0.1 * 2 ** attempt, 2.0))

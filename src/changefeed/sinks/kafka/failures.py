@@ -7,6 +7,11 @@ from changefeed.errors import AuthenticationFailed, ChangefeedError, SinkError, 
 from changefeed.sinks.kafka.options import KafkaOptions
 
 
+class ProducerFenced(TransientError):
+    """A newer producer of the feed's transactional id ended this one: another runner's, or a
+    leftover task of this runner's own stopped query."""
+
+
 def kafka_error(e: BaseException, doing: str, opts: KafkaOptions) -> ChangefeedError:
     """A librdkafka error as our typed error: transient ones (timeouts, brokers down) come back on a rerun."""
     from confluent_kafka import KafkaError, KafkaException
@@ -26,7 +31,7 @@ def kafka_error(e: BaseException, doing: str, opts: KafkaOptions) -> ChangefeedE
         return SinkError(what, "raise message.max.bytes (producer) and max.message.bytes (topic), or use --format "
                                "json without --diff for smaller messages")
     if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
-        return TransientError(what, "another producer took over the transactional id changefeed-FEED (a second "
+        return ProducerFenced(what, "another producer took over the transactional id changefeed-FEED (a second "
                                     "runner of this feed, or a leftover task); run the feed again")
     if code == KafkaError._INVALID_ARG:  # librdkafka refused the settings (run's checks name them first)
         return opts.refused(err.str())
