@@ -134,9 +134,16 @@ class Change:
 
 
 class Formatter(Protocol):
-    """What sinks call: the messages for one change, in the order they must be sent."""
+    """What sinks call: the messages for one change, in the order they must be sent; `columnar`:
+    whether runs of plain changes may be built by columns instead (core.envelope_columns, with
+    `dumps` for the values it converts one by one)."""
+
+    @property
+    def columnar(self) -> bool: ...
 
     def records(self, change: Change) -> list[Record]: ...
+
+    def dumps(self, value: Any) -> bytes: ...
 
 
 def formatter(name: str, feed: str, diff: bool = False, database: str = "") -> Formatter:
@@ -223,6 +230,13 @@ def _message(change: Change) -> dict[str, str]:
 class JsonFormat:
     diff: bool = False
 
+    @property
+    def columnar(self) -> bool:
+        return not self.diff
+
+    def dumps(self, value: Any) -> bytes:
+        return _dumps(value)
+
     def records(self, change: Change) -> list[Record]:
         updated = str(change.commit_ts)
         if change.op == "m":
@@ -249,6 +263,10 @@ class DebeziumFormat:
     feed: str
     database: str = ""
     version: str = f"changefeed-{__version__}"
+    columnar = False  # (row by row: a class attribute, not a field)
+
+    def dumps(self, value: Any) -> bytes:
+        return _dumps(value)
 
     def records(self, change: Change) -> list[Record]:
         if change.op == "m":
@@ -344,6 +362,11 @@ def _literal(value: bytes, type_name: str) -> bytes:
 
 @dataclass(frozen=True)
 class TextFormat:
+    columnar = False
+
+    def dumps(self, value: Any) -> bytes:
+        return _dumps(value)
+
     def records(self, change: Change) -> list[Record]:
         return [Record(_json_key(change), self.line(change))]
 

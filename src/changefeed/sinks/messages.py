@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from changefeed.core import change as ch
+from changefeed.core import envelope_columns
 from changefeed.core.envelope import Change, Formatter, Record
 from changefeed.core.outbox import OutboxEvent, OutboxRouter, OutboxSpec
 from changefeed.errors import SinkError
@@ -48,6 +49,40 @@ class MessageStream:
         self._progress: list[ch.Progress] = []
 
     def messages(self, rb: Any) -> Iterator[Message]:
+        """The batch's messages in its order: runs of plain changes of one table built by columns
+        where the format can (core.envelope_columns), every other row one by one."""
+        kinds = envelope_columns.kinds(rb) if self.formatter.columnar else None
+        if kinds is None or not kinds.any():
+            yield from self._each(rb)
+            return
+        schemas, tables = rb.column("schema").to_pylist(), rb.column("table").to_pylist()
+        i, n = 0, rb.num_rows
+        while i < n:
+            j, kind, table = i + 1, kinds[i], (schemas[i], tables[i])
+            while j < n and kinds[j] == kind and (kind == envelope_columns.OTHER or (schemas[j], tables[j]) == table):
+                j += 1
+            run = rb.slice(i, j - i)
+            if kind == envelope_columns.OTHER:
+                yield from self._each(run)
+            else:
+                yield from self._by_columns(run, *table, deleted=kind == envelope_columns.DELETE)
+            i = j
+
+    def _by_columns(self, rows: Any, schema: str, table: str, *, deleted: bool) -> Iterator[Message]:
+        shape = self._shapes.get((schema, table))
+        built = None
+        if shape is not None and shape.key and not (self.outbox is not None and self.outbox.owns(schema, table)):
+            built = envelope_columns.json_records(rows, shape, self.formatter.dumps, deleted=deleted)
+        if built is None:
+            yield from self._each(rows)
+            return
+        topic = self.topic_of(schema or "", table or "")
+        for key, value in zip(*built):
+            yield Message(topic, Record(key, value))
+            if deleted and self.tombstones:
+                yield Message(topic, Record(key, None))
+
+    def _each(self, rb: Any) -> Iterator[Message]:
         names = rb.schema.names  # rows from column lists: faster than RecordBatch.to_pylist
         for row in (dict(zip(names, values)) for values in zip(*(c.to_pylist() for c in rb.columns))):
             op = row["op"]
