@@ -88,15 +88,19 @@ class FeedThread:
             raise self.failure[0]
 
 
-def transfers_while_feeding(source: str, feed: FeedThread, writers: int, seconds: float, started: str) -> int:
+def transfers_while_feeding(source: str, feed: FeedThread, writers: int, seconds: float, started: str,
+                            first_batch: Callable[[], bool] | None = None) -> int:
     """Once the feed's slot exists, fill the accounts and run `writers` transfer writers for
-    `seconds`; the source's WAL position after the last transfer."""
+    `seconds` (counted once `first_batch()` holds: the feed's start is not the workload's time);
+    the source's WAL position after the last transfer."""
     with psycopg.connect(source, autocommit=True) as c:
         while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (feed.spec.slot,)).fetchone():
             feed.check("start")
             time.sleep(0.2)
         c.execute("INSERT INTO accounts (id, owner, balance, tags) SELECT g, 'owner ' || g, 1000, "
                   "ARRAY['demo', 'n' || g %% 7] FROM generate_series(1, %s) g", (ACCOUNTS,))
+    if first_batch is not None:
+        wait_until(first_batch, feed)
     print(f"demo: {started}; {writers} writers run transfers for {seconds:.0f} s")
     stop, counts = threading.Event(), [0] * writers
     threads = [threading.Thread(target=writer, args=(source, i, stop, counts)) for i in range(writers)]
