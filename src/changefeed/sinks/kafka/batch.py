@@ -251,7 +251,8 @@ class KafkaBatch:
         try:
             left = self._producer.flush(self.opts.timeouts.delivery_ms / 1000 + self.opts.timeout_s)
         except SystemError:  # the binding's answer to a fatal error (a fenced producer)
-            self._fatal()
+            if not self._failed:  # (else _check asks for the cause when the deliveries were purged)
+                self._fatal()
             self._check()
             raise
         self._check()
