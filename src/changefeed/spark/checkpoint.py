@@ -10,6 +10,7 @@ import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from changefeed.core import snapshot
 from changefeed.core.offsets import Offset
@@ -43,6 +44,35 @@ def planned_ends(state: FeedState, after: Offset) -> list[Offset]:
     the other sinks recorded, with the same timestamps."""
     ends = (_end_of(state, n) for n in _logged(state))
     return [e for e in ends if e is not None and e.order > after.order]
+
+
+START_FILE = "changefeed-start.json"  # in the checkpoint folder: moved aside or deleted with it
+
+
+def recorded_start(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The start of a query's first batch and where that batch ends (or None), as `record_start`
+    kept them in its checkpoint; None while no batch is in its offset log (the first one is then
+    planned anew, from where the runner says).
+
+    Spark logs each batch's end, never the first batch's start: run again before that batch was
+    logged as committed, it asks the source's initialOffset anew. A query started from a sink's
+    ledger (spark.checkpoint.resume) or behind the others (control.lag_budget) must then start
+    where it did, not at its slot with no timestamp and its snapshot ahead: the batch's commit
+    timestamps count from its start's, and a table without a key waits for a snapshot to come."""
+    if not any(p.name.isdigit() for p in (checkpoint / "offsets").glob("*")):
+        return None
+    try:
+        found = json.loads((checkpoint / START_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return found["start"], found.get("until")
+
+
+def record_start(checkpoint: Path, start: dict[str, Any], until: dict[str, Any] | None) -> None:
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoint / f".{START_FILE}.tmp"
+    tmp.write_text(json.dumps({"start": start, "until": until}))
+    tmp.replace(checkpoint / START_FILE)
 
 
 def replay_ends(path: Path) -> list[Offset]:

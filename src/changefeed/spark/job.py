@@ -97,7 +97,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("max_clock_skew_us", str(int(spec.max_clock_skew_s * 1_000_000)))
               .option("resume_offset", json.dumps(resume.to_json()) if resume else "")
               .option("resume_until", json.dumps(until.to_json()) if resume and until else "")
-              .option("replay_file", str(state.replay_file)))
+              .option("replay_file", str(state.replay_file))
+              .option("checkpoint", str(state.checkpoint)))
     targets = []
     for target in spec.sink_targets:
         one = spec.for_sink(target)

@@ -45,7 +45,7 @@ from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
-from changefeed.spark.checkpoint import replay_ends
+from changefeed.spark.checkpoint import record_start, recorded_start, replay_ends
 from changefeed.spark.rates import Rates
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
 from changefeed.spec.definition import (
@@ -75,7 +75,8 @@ class ChangefeedSource(DataSource):
     (where its first batch then ends: the furthest of several sinks, sinks.ledgers), row_filters
     (JSON: per table the predicate its snapshot reads apply, as its publication's row filter does
     to its changes: spec.row_filters), replay_file (a JSON list of batch ends a sink behind the
-    others is caught up by: control.lag_budget)."""
+    others is caught up by: control.lag_budget), checkpoint (the query's checkpoint folder, which
+    keeps where its first batch starts: spark.checkpoint.recorded_start)."""
 
     @classmethod
     def name(cls) -> str:
@@ -114,6 +115,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.resume = Offset.from_json(options["resume_offset"]) if options.get("resume_offset") else None
         self.resume_until = Offset.from_json(options["resume_until"]) if options.get("resume_until") else None
         self._replay = replay_ends(Path(options["replay_file"])) if options.get("replay_file") else []
+        self.checkpoint = Path(options["checkpoint"]) if options.get("checkpoint") else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -143,7 +145,20 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @lost_connection("source")
     def initialOffset(self) -> dict[str, Any]:
         """A new feed starts at its slots and its snapshot; a feed whose runner has no checkpoint of
-        it (`resume_offset`, spark.checkpoint.resume) where its sink's last batch ended."""
+        it (`resume_offset`, spark.checkpoint.resume) where its sink's last batch ended; a query
+        run again before its first batch was committed where it started (spark.checkpoint.recorded_start)."""
+        recorded = recorded_start(self.checkpoint) if self.checkpoint else None
+        if recorded is not None:
+            start, until = recorded
+            if until is not None and Offset.from_json(until) not in self._replay:
+                self._replay = sorted([*self._replay, Offset.from_json(until)], key=lambda e: e.order)
+            return start
+        offset = self._initial()
+        if self.checkpoint:
+            record_start(self.checkpoint, offset, self.resume_until.to_json() if self.resume_until else None)
+        return offset
+
+    def _initial(self) -> dict[str, Any]:
         lsns = {}
         for name, node in self.nodes.items():
             with self._on(name):
