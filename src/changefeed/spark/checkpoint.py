@@ -24,7 +24,7 @@ from changefeed.spec.state import FeedState
 def logged_end(state: FeedState) -> tuple[Offset | None, bool]:
     """(The end offset of the last batch in the checkpoint's offset log, None before the first;
     whether Spark logged that batch as committed downstream too)."""
-    logged = _logged(state)
+    logged = _batches(state.checkpoint)
     if not logged:
         return None, False
     last = logged[-1]
@@ -34,7 +34,7 @@ def logged_end(state: FeedState) -> tuple[Offset | None, bool]:
 def committed_end(state: FeedState) -> Offset | None:
     """The end of the last batch Spark logged as committed downstream (every sink of its query had
     it then); None before the first."""
-    done = [n for n in _logged(state) if (state.checkpoint / "commits" / str(n)).exists()]
+    done = [n for n in _batches(state.checkpoint) if (state.checkpoint / "commits" / str(n)).exists()]
     return _end_of(state, done[-1]) if done else None
 
 
@@ -42,7 +42,7 @@ def planned_ends(state: FeedState, after: Offset) -> list[Offset]:
     """The ends of the batches in the checkpoint's offset log past `after`, in order: the bounds a
     sink that lacks them is given them by (control.lag_budget), so that each batch it gets is one
     the other sinks recorded, with the same timestamps."""
-    ends = (_end_of(state, n) for n in _logged(state))
+    ends = (_end_of(state, n) for n in _batches(state.checkpoint))
     return [e for e in ends if e is not None and e.order > after.order]
 
 
@@ -59,7 +59,7 @@ def recorded_start(checkpoint: Path) -> tuple[dict[str, Any], dict[str, Any] | N
     ledger (spark.checkpoint.resume) or behind the others (control.lag_budget) must then start
     where it did, not at its slot with no timestamp and its snapshot ahead: the batch's commit
     timestamps count from its start's, and a table without a key waits for a snapshot to come."""
-    if not any(p.name.isdigit() for p in (checkpoint / "offsets").glob("*")):
+    if not _batches(checkpoint):
         return None
     try:
         found = json.loads((checkpoint / START_FILE).read_text())
@@ -83,9 +83,9 @@ def replay_ends(path: Path) -> list[Offset]:
         return []
 
 
-def _logged(state: FeedState) -> list[int]:
-    """The batch numbers in the checkpoint's offset log, in order."""
-    return sorted(int(p.name) for p in (state.checkpoint / "offsets").glob("*") if p.name.isdigit())
+def _batches(checkpoint: Path) -> list[int]:
+    """The batch numbers in `checkpoint`'s offset log, in order."""
+    return sorted(int(p.name) for p in (checkpoint / "offsets").glob("*") if p.name.isdigit())
 
 
 def _end_of(state: FeedState, batch: int) -> Offset | None:

@@ -148,15 +148,16 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         it (`resume_offset`, spark.checkpoint.resume) where its sink's last batch ended; a query
         run again before its first batch was committed where it started (spark.checkpoint.recorded_start)."""
         recorded = recorded_start(self.checkpoint) if self.checkpoint else None
-        if recorded is not None:
+        if recorded is None:
+            start = self._initial()
+            until = self.resume_until.to_json() if self.resume and self.resume_until else None
+            if self.checkpoint:
+                record_start(self.checkpoint, start, until)
+        else:
             start, until = recorded
-            if until is not None and Offset.from_json(until) not in self._replay:
-                self._replay = sorted([*self._replay, Offset.from_json(until)], key=lambda e: e.order)
-            return start
-        offset = self._initial()
-        if self.checkpoint:
-            record_start(self.checkpoint, offset, self.resume_until.to_json() if self.resume_until else None)
-        return offset
+        if until is not None and Offset.from_json(until) not in self._replay:  # (the first batch ends there)
+            self._replay = sorted([*self._replay, Offset.from_json(until)], key=lambda e: e.order)
+        return start
 
     def _initial(self) -> dict[str, Any]:
         lsns = {}
@@ -173,8 +174,6 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                "were released without reaching the sink (a sink restored from a backup?)",
                                start_over_hint(self.feed))
         if self.resume is not None:  # (a node the sink's last batch did not read yet: from its slot)
-            if self.resume_until is not None:
-                self._replay = sorted([*self._replay, self.resume_until], key=lambda e: e.order)
             return replace(self.resume, lsns={**lsns, **self.resume.lsns}).to_json()
         return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
 
