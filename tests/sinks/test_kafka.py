@@ -202,6 +202,26 @@ def test_headers_keys_and_tombstones_arrive_as_sent(kafka: LocalKafka) -> None:
         (b'{"id":1}', b'{"op":"d"}', [("__debezium.newkey", b'{"id":2}')]), (b'{"id":1}', None, [])]
 
 
+def test_a_run_of_messages_arrives_in_order_between_single_ones_with_its_tombstones(kafka: LocalKafka) -> None:
+    """send_run (messages built by columns) keeps the batch's order with send, counts each
+    message and tombstone, and fails on an earlier delivery's error like send."""
+    opts, feed = opts_for(kafka, topic_partitions="1"), unique("f")
+    topic = opts.topic("public", "t")
+    out = KafkaBatch(opts, feed, "q", 0)
+    assert out.open() is None
+    out.send(topic, rec(0))
+    out.send_run(topic, [b"[1]", b"[2]"], [rec(i).value or b"" for i in (1, 2)])
+    out.send_run(topic, [b"[3]"], [b'{"op":"d"}'], tombstones=True)
+    out.send(topic, rec(4))
+    done = out.close(progress(100, 6))
+    assert done.messages == 6 and type(done.messages) is int
+    got = committed(read_partition(kafka.bootstrap, topic))
+    assert [(r.key, r.value) for r in got] == [(rec(0).key, rec(0).value), (rec(1).key, rec(1).value),
+                                               (rec(2).key, rec(2).value), (rec(3).key, b'{"op":"d"}'),
+                                               (rec(3).key, None), (rec(4).key, rec(4).value)]
+    assert committed_progress(opts, feed) == done
+
+
 def test_the_ledger_creates_topics_and_the_compacted_progress_topic(kafka: LocalKafka, tmp_path: Path) -> None:
     from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 

@@ -42,11 +42,7 @@ def fragments(texts: pa.Array, type_name: str, dumps: Callable[[Any], bytes]) ->
     elif name == "boolean":
         fast = pc.if_else(pc.equal(texts, "t"), "true", "false")
     elif name in _TIMESTAMPS:
-        utc = pc.match_substring_regex(texts, _TS + r"\+00$")
-        plain = pc.match_substring_regex(texts, _TS + "$")
-        fast = pc.if_else(utc, pc.replace_substring_regex(texts, _TS + r"\+00$", r'"\1-\2T\3Z"'),
-                          pc.replace_substring_regex(texts, _TS + "$", r'"\1-\2T\3"'))
-        ok = pc.or_(utc, plain)
+        fast, ok = _timestamps(texts, name == "timestamp with time zone")
     elif name == "date":
         ok = pc.match_substring_regex(texts, r"^\d{4}-\d\d-\d\d$")
         fast = _quoted(texts)
@@ -63,6 +59,23 @@ def fragments(texts: pa.Array, type_name: str, dumps: Callable[[Any], bytes]) ->
             values = [dumps(conv(t)).decode("utf-8") for t in pc.filter(texts, slow).to_pylist()]
             fast = pc.replace_with_mask(fast, slow, pa.array(values, pa.string()))
     return pc.fill_null(fast, "null")
+
+
+_UTC = (_TS + r"\+00$", r'"\1-\2T\3Z"')
+_PLAIN = (_TS + "$", r'"\1-\2T\3"')
+
+
+def _timestamps(texts: pa.Array, zoned: bool) -> tuple[pa.Array, pa.Array | None]:
+    """(JSON texts, where they hold) for timestamps: when every value has the type's common form
+    (UTC for timestamptz, the session's zone being UTC), one match and one rewrite; else both forms."""
+    common = _UTC if zoned else _PLAIN
+    matched = pc.match_substring_regex(texts, common[0])
+    if pc.all(matched).as_py():  # (nulls skipped)
+        return pc.replace_substring_regex(texts, *common), None
+    other = _PLAIN if zoned else _UTC
+    rewritten = pc.if_else(matched, pc.replace_substring_regex(texts, *common),
+                           pc.replace_substring_regex(texts, *other))
+    return rewritten, pc.or_(matched, pc.match_substring_regex(texts, other[0]))
 
 
 def _quoted(texts: pa.Array) -> pa.Array:

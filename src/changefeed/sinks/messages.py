@@ -30,6 +30,21 @@ class Message(NamedTuple):
     event: bool = False  # an outbox event, not a change envelope
 
 
+class Run(NamedTuple):
+    """Messages built by columns, all to one topic: each key with its value, followed by a
+    tombstone of the key when `tombstones` (a run of deletes for log compaction)."""
+    topic: str
+    keys: list[bytes]
+    values: list[bytes]
+    tombstones: bool = False
+
+    def messages(self) -> Iterator[Message]:
+        for key, value in zip(self.keys, self.values):
+            yield Message(self.topic, Record(key, value))
+            if self.tombstones:
+                yield Message(self.topic, Record(key, None))
+
+
 def no_topic(schema: str, table: str) -> str:
     return ""
 
@@ -49,6 +64,14 @@ class MessageStream:
         self._progress: list[ch.Progress] = []
 
     def messages(self, rb: Any) -> Iterator[Message]:
+        """The batch's messages in its order, one by one."""
+        for part in self.parts(rb):
+            if isinstance(part, Run):
+                yield from part.messages()
+            else:
+                yield part
+
+    def parts(self, rb: Any) -> Iterator[Message | Run]:
         """The batch's messages in its order: runs of plain changes of one table built by columns
         where the format can (core.envelope_columns), every other row one by one."""
         kinds = envelope_columns.kinds(rb) if self.formatter.columnar else None
@@ -61,26 +84,22 @@ class MessageStream:
             j, kind, table = i + 1, kinds[i], (schemas[i], tables[i])
             while j < n and kinds[j] == kind and (kind == envelope_columns.OTHER or (schemas[j], tables[j]) == table):
                 j += 1
-            run = rb.slice(i, j - i)
+            rows = rb.slice(i, j - i)
             if kind == envelope_columns.OTHER:
-                yield from self._each(run)
+                yield from self._each(rows)
             else:
-                yield from self._by_columns(run, *table, deleted=kind == envelope_columns.DELETE)
+                yield from self._by_columns(rows, *table, deleted=bool(kind == envelope_columns.DELETE))
             i = j
 
-    def _by_columns(self, rows: Any, schema: str, table: str, *, deleted: bool) -> Iterator[Message]:
+    def _by_columns(self, rows: Any, schema: str, table: str, *, deleted: bool) -> Iterator[Message | Run]:
         shape = self._shapes.get((schema, table))
         built = None
         if shape is not None and shape.key and not (self.outbox is not None and self.outbox.owns(schema, table)):
             built = envelope_columns.json_records(rows, shape, self.formatter.dumps, deleted=deleted)
         if built is None:
             yield from self._each(rows)
-            return
-        topic = self.topic_of(schema or "", table or "")
-        for key, value in zip(*built):
-            yield Message(topic, Record(key, value))
-            if deleted and self.tombstones:
-                yield Message(topic, Record(key, None))
+        else:
+            yield Run(self.topic_of(schema or "", table or ""), *built, deleted and self.tombstones)
 
     def _each(self, rb: Any) -> Iterator[Message]:
         names = rb.schema.names  # rows from column lists: faster than RecordBatch.to_pylist

@@ -15,7 +15,7 @@ from changefeed.sinks.batch_input import BatchInput
 from changefeed.sinks.kafka.batch import KafkaBatch
 from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.message_writer import Delivered, MessageWriter
-from changefeed.sinks.messages import MessageStream, outbox_spec
+from changefeed.sinks.messages import MessageStream, Run, outbox_spec
 
 
 class KafkaWriter(MessageWriter):
@@ -35,10 +35,15 @@ class KafkaWriter(MessageWriter):
         if done is not None:  # committed before a crash: Spark replays it, Kafka has it
             return Delivered(done.progress, began, time.time())
         try:
+            mark = 0
             for rb in batch.in_order():
-                for message in stream.messages(rb):
-                    out.send(message.topic, message.record)
-                    if out.sent % 1000 == 0:
+                for part in stream.parts(rb):
+                    if isinstance(part, Run):
+                        out.send_run(*part)
+                    else:
+                        out.send(part.topic, part.record)
+                    if out.sent >= mark + 1000:
+                        mark = out.sent
                         faults.reach("sink_write")  # crash tests: in the middle of a transaction
             progress = stream.progress()
             if opts.emit_resolved:
