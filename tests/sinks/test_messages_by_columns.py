@@ -39,7 +39,8 @@ def shapes(draw: Any) -> ch.TableShape:
     types = draw(st.lists(st.sampled_from(TYPES), min_size=1, max_size=6))
     columns = tuple(f"c{i}" if i % 2 else f'"odd {i}"' for i in range(len(types)))
     key = tuple(draw(st.sets(st.sampled_from(columns[:3]), max_size=2)))
-    return ch.TableShape("s", draw(st.sampled_from(["t", "u"])), columns, tuple(types), key, "f" if not key else "d")
+    identity = "f" if not key else draw(st.sampled_from("dfi"))
+    return ch.TableShape("s", draw(st.sampled_from(["t", "u"])), columns, tuple(types), key, identity)
 
 
 @st.composite
@@ -53,9 +54,17 @@ def batches(draw: Any) -> Any:
         values = [draw(st.one_of(st.none(), VALUES[t])) if c not in shape.key else draw(VALUES[t])
                   for c, t in zip(shape.columns, shape.types)]
         line = join_line(None if v is None else v.encode() for v in values)
-        row = {"op": op, "schema": shape.schema, "table": shape.table, "lsn": 100 + i, "seq": i, "xid": 7,
-               "commit_time": 1_700_000_000_000_000, "commit_ts": (5 << 16) + i,
-               "after": line if op in "cur" else None, "before": line if op == "d" else None}
+        # the old row of a delete: the identity's columns, others left out (NULL), unless FULL
+        old = line if shape.replica_identity == "f" else join_line(
+            None if v is None or c not in shape.key else v.encode() for c, v in zip(shape.columns, values))
+        snapshot = op == "r"
+        row = {"op": op, "schema": shape.schema, "table": shape.table, "lsn": 100 + i, "seq": i,
+               "xid": 0 if snapshot else draw(st.sampled_from([7, 2**32 + 5])),
+               "commit_time": None if snapshot else draw(st.sampled_from([1_700_000_000_123_456, -5_000_001])),
+               "commit_ts": (draw(st.sampled_from([5, 1_700_000_000_123])) << 16) + i,
+               "after": line if op in "cur" else None, "before": old if op == "d" else None}
+        if op == "u" and shape.replica_identity == "f" and draw(st.booleans()):
+            row["before"] = line  # an update with its old row
         if op == "u" and draw(st.booleans()) and shape.key:  # a key change, or an unchanged TOAST value
             if draw(st.booleans()):
                 row["old_key"] = join_line(v.encode() for v in (draw(VALUES[shape.types[shape.columns.index(k)]])
@@ -68,10 +77,12 @@ def batches(draw: Any) -> Any:
 
 
 @settings(max_examples=300, deadline=None)
-@given(batches(), st.booleans(), st.booleans())
-def test_by_columns_the_messages_are_those_row_by_row(rb: Any, diff: bool, tombstones: bool) -> None:
-    fast = MessageStream(formatter("json", "f", diff), lambda s, t: f"{s}.{t}", tombstones)
-    slow = MessageStream(formatter("json", "f", diff), lambda s, t: f"{s}.{t}", tombstones)
+@given(batches(), st.sampled_from(["json", "json-diff", "debezium"]), st.booleans())
+def test_by_columns_the_messages_are_those_row_by_row(rb: Any, fmt: str, tombstones: bool) -> None:
+    name, diff = fmt.split("-")[0], fmt.endswith("-diff")
+    tombstones = tombstones and name != "debezium"  # (the sink's: debezium makes its own)
+    fast = MessageStream(formatter(name, "feed \"x\"", diff, "db"), lambda s, t: f"{s}.{t}", tombstones)
+    slow = MessageStream(formatter(name, "feed \"x\"", diff, "db"), lambda s, t: f"{s}.{t}", tombstones)
     assert list(fast.messages(rb)) == list(slow._each(rb))
     assert fast.progress() == slow.progress()
 
@@ -84,5 +95,14 @@ def test_a_run_of_inserts_is_built_by_columns() -> None:
     rows = ch.record_batch({n: [{"op": "c", "after": b"1\tx", "commit_ts": 3, "schema": "s", "table": "t"}.get(n)]
                             for n in ch.NAMES})
     assert envelope_columns.kinds(rows).tolist() == [envelope_columns.PLAIN]
-    assert envelope_columns.json_records(rows, shape, formatter("json", "f").dumps) == (
-        [b"[1]"], [b'{"after":{"id":1,"v":"x"},"key":[1],"op":"c","updated":"3","table":"s.t"}'])
+    assert formatter("json", "f").by_columns(rows, shape, deleted=False) == (
+        [b"[1]"], [b'{"after":{"id":1,"v":"x"},"key":[1],"op":"c","updated":"3","table":"s.t"}'], False)
+    deleted = ch.record_batch({n: [{"op": "d", "before": b"1\t\\N", "commit_ts": 3 << 18, "commit_time": 3000, "xid": 9,
+                                    "lsn": 77, "schema": "s", "table": "t"}.get(n)] for n in ch.NAMES})
+    assert envelope_columns.kinds(deleted).tolist() == [envelope_columns.DELETE]
+    built = formatter("debezium", "f", database="db").by_columns(deleted, shape, deleted=True)
+    assert built is not None and built.keys == [b'{"id":1}'] and built.tombstones
+    assert built.values[0].startswith(b'{"before":{"id":1},"after":null,"source":{"version":"changefeed-')
+    assert built.values[0].endswith(b'"connector":"postgresql","name":"f","ts_ms":3,"ts_us":3000,"ts_ns":3000000,'
+                                    b'"snapshot":"false","db":"db","schema":"s","table":"t","txId":9,"lsn":77,'
+                                    b'"xmin":null},"op":"d","ts_ms":3,"ts_us":3000,"ts_ns":3000000,"transaction":null}')

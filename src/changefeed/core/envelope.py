@@ -67,6 +67,8 @@ from typing import Any, NamedTuple, Protocol
 from changefeed import __version__
 from changefeed.core.change import TableShape
 from changefeed.core.copytext import split_line
+from changefeed.core.debezium_columns import debezium_records
+from changefeed.core.envelope_columns import json_records
 from changefeed.core.hlc import physical_ms
 from changefeed.core.pgvalue import Convert, base_name, converter
 from changefeed.errors import ConfigError
@@ -134,16 +136,24 @@ class Change:
 
 
 class Formatter(Protocol):
-    """What sinks call: the messages for one change, in the order they must be sent; `columnar`:
-    whether runs of plain changes may be built by columns instead (core.envelope_columns, with
-    `dumps` for the values it converts one by one)."""
+    """What sinks call: the messages for one change, in the order they must be sent. `columnar`:
+    whether runs of plain changes (core.envelope_columns.kinds) may be built by columns instead,
+    by `by_columns` (None: that run goes change by change)."""
 
     @property
     def columnar(self) -> bool: ...
 
     def records(self, change: Change) -> list[Record]: ...
 
-    def dumps(self, value: Any) -> bytes: ...
+    def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None: ...
+
+
+class Columnar(NamedTuple):
+    """A run's messages built by columns: keys[i] with values[i], each followed by a tombstone of
+    its key when `tombstones` (the format's own, after a delete)."""
+    keys: list[bytes]
+    values: list[bytes]
+    tombstones: bool = False
 
 
 def formatter(name: str, feed: str, diff: bool = False, database: str = "") -> Formatter:
@@ -234,8 +244,9 @@ class JsonFormat:
     def columnar(self) -> bool:
         return not self.diff
 
-    def dumps(self, value: Any) -> bytes:
-        return _dumps(value)
+    def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
+        built = json_records(rows, shape, _dumps, deleted=deleted)
+        return None if built is None else Columnar(*built)
 
     def records(self, change: Change) -> list[Record]:
         updated = str(change.commit_ts)
@@ -263,10 +274,11 @@ class DebeziumFormat:
     feed: str
     database: str = ""
     version: str = f"changefeed-{__version__}"
-    columnar = False  # (row by row: a class attribute, not a field)
+    columnar = True  # (a class attribute, not a field)
 
-    def dumps(self, value: Any) -> bytes:
-        return _dumps(value)
+    def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
+        built = debezium_records(rows, shape, _dumps, (self.version, self.feed, self.database), deleted=deleted)
+        return None if built is None else Columnar(*built, tombstones=deleted)
 
     def records(self, change: Change) -> list[Record]:
         if change.op == "m":
@@ -364,8 +376,8 @@ def _literal(value: bytes, type_name: str) -> bytes:
 class TextFormat:
     columnar = False
 
-    def dumps(self, value: Any) -> bytes:
-        return _dumps(value)
+    def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
+        return None
 
     def records(self, change: Change) -> list[Record]:
         return [Record(_json_key(change), self.line(change))]

@@ -11,7 +11,7 @@ joined row-wise. Pure: Arrow only.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -105,27 +105,42 @@ def json_records(rows: pa.RecordBatch, shape: TableShape, dumps: Callable[[Any],
     """(keys, values) of the json format (no `diff`) for `rows`, plain changes of a keyed table
     (see the module doc), deletes if `deleted`; None when they cannot be built by columns (the
     caller goes row by row)."""
-    values = columns(rows.column("before" if deleted else "after"), shape)
-    if values is None:
+    frags = values_by_column(rows, shape, dumps, shape.key if deleted else shape.columns, deleted=deleted)
+    if frags is None:
         return None
-    wanted = set(shape.key) if deleted else set(shape.columns)
-    frags = {c: fragments(v, t, dumps) for c, v, t in zip(shape.columns, values, shape.types) if c in wanted}
     key: list[Any] = ["["]
     for i, k in enumerate(shape.key):
         key += [","] * bool(i) + [frags[k]]
     key_text = pc.binary_join_element_wise(*key, "]", "")
     after: list[Any] = ['{"after":null']
     if not deleted:
-        after = ['{"after":{']
-        for i, c in enumerate(shape.columns):
-            after += [("," if i else "") + dumps(c).decode("utf-8") + ":", frags[c]]
-        after.append("}")
+        after = ['{"after":', *object_pieces(frags, shape.columns, dumps)]
     op = rows.column("op").cast(pa.string())
     updated = rows.column("commit_ts").cast(pa.string())
     table = dumps(f"{shape.schema}.{shape.table}").decode("utf-8")
     value = pc.binary_join_element_wise(*after, ',"key":', key_text, ',"op":"', op, '","updated":"', updated,
                                         '","table":' + table + "}", "")
     return (key_text.cast(pa.binary()).to_pylist(), value.cast(pa.binary()).to_pylist())
+
+
+def values_by_column(rows: pa.RecordBatch, shape: TableShape, dumps: Callable[[Any], bytes], wanted: Iterable[str],
+                     *, deleted: bool) -> dict[str, pa.Array] | None:
+    """The JSON text of the `wanted` columns' values of `rows` (their old rows if `deleted`), by
+    column name; None when a line does not hold every column."""
+    values = columns(rows.column("before" if deleted else "after"), shape)
+    if values is None:
+        return None
+    wanted = set(wanted)
+    return {c: fragments(v, t, dumps) for c, v, t in zip(shape.columns, values, shape.types) if c in wanted}
+
+
+def object_pieces(frags: dict[str, pa.Array], names: Iterable[str], dumps: Callable[[Any], bytes]) -> list[Any]:
+    """The pieces of a JSON object of these columns, in this order, for binary_join_element_wise."""
+    pieces: list[Any] = ["{"]
+    for i, c in enumerate(names):
+        pieces += [("," if i else "") + dumps(c).decode("utf-8") + ":", frags[c]]
+    pieces.append("}")
+    return pieces
 
 
 def kinds(rows: pa.RecordBatch) -> Any:

@@ -95,11 +95,12 @@ class MessageStream:
         shape = self._shapes.get((schema, table))
         built = None
         if shape is not None and shape.key and not (self.outbox is not None and self.outbox.owns(schema, table)):
-            built = envelope_columns.json_records(rows, shape, self.formatter.dumps, deleted=deleted)
+            built = self.formatter.by_columns(rows, shape, deleted=deleted)
         if built is None:
             yield from self._each(rows)
         else:
-            yield Run(self.topic_of(schema or "", table or ""), *built, deleted and self.tombstones)
+            yield Run(self.topic_of(schema or "", table or ""), built.keys, built.values,
+                      built.tombstones or (deleted and self.tombstones))
 
     def _each(self, rb: Any) -> Iterator[Message]:
         names = rb.schema.names  # rows from column lists: faster than RecordBatch.to_pylist
