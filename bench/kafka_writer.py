@@ -6,7 +6,8 @@ characters, `c timestamptz`) goes through what the writer task does with it: the
 into a local Tansu broker this script starts. Scenarios:
   inserts  N inserts (json)
   mixed    70% inserts, 20% updates, 10% deletes in runs of 1,000, json with tombstones
-  debezium the inserts in the debezium format (built one by one)
+  debezium the inserts in the debezium format
+  text     the inserts in the text format
 Each run is a fresh process per source tree (`--against DIR`: another checkout's `src`), the trees
 taking turns at going first. Prints wall and CPU microseconds per change, medians and spreads per
 tree, and the per-run ratios other / this tree (above 1: this tree is faster).
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 SRC = Path(__file__).resolve().parent.parent / "src"
-SCENARIOS = {"inserts": ("json", 200_000), "mixed": ("json", 200_000), "debezium": ("debezium", 50_000)}
+SCENARIOS = {"inserts": ("json", 200_000), "mixed": ("json", 200_000), "debezium": ("debezium", 50_000),
+             "text": ("text", 50_000)}
 
 
 def batch(scenario: str, n: int) -> Any:

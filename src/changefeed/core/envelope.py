@@ -71,6 +71,7 @@ from changefeed.core.debezium_columns import debezium_records
 from changefeed.core.envelope_columns import json_records
 from changefeed.core.hlc import physical_ms
 from changefeed.core.pgvalue import Convert, base_name, converter
+from changefeed.core.text_columns import UNQUOTED_TYPES, text_records
 from changefeed.errors import ConfigError
 
 FORMATS = ("json", "debezium", "text")
@@ -349,7 +350,6 @@ where window with xmlattributes xmlconcat xmlelement xmlexists xmlforest xmlname
 xmlserialize xmltable
 """.split())
 _IDENT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")
-_UNQUOTED_TYPES = frozenset(("smallint", "integer", "bigint", "oid", "real", "double precision", "numeric"))
 
 
 def quote_identifier(name: str) -> str:
@@ -363,7 +363,7 @@ def quote_identifier(name: str) -> str:
 def _literal(value: bytes, type_name: str) -> bytes:
     """As test_decoding's print_literal(): numbers bare, booleans as words, bits as B'..', the
     rest single-quoted with quotes doubled."""
-    if type_name in _UNQUOTED_TYPES:
+    if type_name in UNQUOTED_TYPES:
         return value
     if type_name == "boolean":
         return b"true" if value == b"t" else b"false"
@@ -374,10 +374,13 @@ def _literal(value: bytes, type_name: str) -> bytes:
 
 @dataclass(frozen=True)
 class TextFormat:
-    columnar = False
+    columnar = True
 
     def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
-        return None
+        header = f"table {quote_identifier(shape.schema)}.{quote_identifier(shape.table)}:"
+        labels = [f" {quote_identifier(c)}[{base_name(t)}]:" for c, t in zip(shape.columns, shape.types)]
+        built = text_records(rows, shape, _dumps, header, labels, deleted=deleted)
+        return None if built is None else Columnar(*built)
 
     def records(self, change: Change) -> list[Record]:
         return [Record(_json_key(change), self.line(change))]

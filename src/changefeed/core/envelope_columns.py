@@ -1,6 +1,8 @@
 """Envelopes built by columns: the `json` format's messages for a run of plain changes of one table
-(inserts, snapshot reads, updates; no TOAST value left unchanged, no key changed), made from the
-batch's Arrow columns with Arrow compute instead of a Python dict per change.
+(inserts, snapshot reads, updates; no TOAST value left unchanged, no key changed; deletes), made
+from the batch's Arrow columns with Arrow compute instead of a Python dict per change. The pieces
+here (a line's values, their JSON text, keys, objects) serve the other formats' builders too
+(core.debezium_columns, core.text_columns).
 
 The bytes are exactly those core.envelope writes for each change (a property test holds the two
 together): every value becomes its JSON text by column (PostgreSQL's integer text is already a
@@ -85,7 +87,11 @@ def _quoted(texts: pa.Array) -> pa.Array:
 def columns(lines: pa.Array, shape: TableShape) -> list[pa.Array] | None:
     """The values of COPY text `lines` (all of `shape`'s columns), one string array per column
     (null for NULL); None when a line does not hold them all."""
-    parts = pc.split_pattern(lines.cast(pa.string()), "\t")
+    try:
+        texts = lines.cast(pa.string())
+    except pa.ArrowInvalid:  # not UTF-8 (a SQL_ASCII database): as the per-change path takes it
+        return None
+    parts = pc.split_pattern(texts, "\t")
     if not pc.all(pc.equal(pc.list_value_length(parts), len(shape.columns))).as_py():
         return None
     out = []
@@ -108,10 +114,7 @@ def json_records(rows: pa.RecordBatch, shape: TableShape, dumps: Callable[[Any],
     frags = values_by_column(rows, shape, dumps, shape.key if deleted else shape.columns, deleted=deleted)
     if frags is None:
         return None
-    key: list[Any] = ["["]
-    for i, k in enumerate(shape.key):
-        key += [","] * bool(i) + [frags[k]]
-    key_text = pc.binary_join_element_wise(*key, "]", "")
+    key_text = json_keys(frags, shape)
     after: list[Any] = ['{"after":null']
     if not deleted:
         after = ['{"after":', *object_pieces(frags, shape.columns, dumps)]
@@ -132,6 +135,14 @@ def values_by_column(rows: pa.RecordBatch, shape: TableShape, dumps: Callable[[A
         return None
     wanted = set(wanted)
     return {c: fragments(v, t, dumps) for c, v, t in zip(shape.columns, values, shape.types) if c in wanted}
+
+
+def json_keys(frags: dict[str, pa.Array], shape: TableShape) -> pa.Array:
+    """The json format's keys: the key columns' values as a JSON array."""
+    pieces: list[Any] = ["["]
+    for i, k in enumerate(shape.key):
+        pieces += [","] * bool(i) + [frags[k]]
+    return pc.binary_join_element_wise(*pieces, "]", "")
 
 
 def object_pieces(frags: dict[str, pa.Array], names: Iterable[str], dumps: Callable[[Any], bytes]) -> list[Any]:
