@@ -67,11 +67,8 @@ from typing import Any, NamedTuple, Protocol
 from changefeed import __version__
 from changefeed.core.change import TableShape
 from changefeed.core.copytext import split_line
-from changefeed.core.debezium_columns import debezium_records
-from changefeed.core.envelope_columns import json_records
 from changefeed.core.hlc import physical_ms
-from changefeed.core.pgvalue import Convert, base_name, converter
-from changefeed.core.text_columns import UNQUOTED_TYPES, text_records
+from changefeed.core.pgvalue import UNQUOTED_TYPES, Convert, base_name, converter
 from changefeed.errors import ConfigError
 
 FORMATS = ("json", "debezium", "text")
@@ -246,6 +243,8 @@ class JsonFormat:
         return not self.diff
 
     def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
+        from changefeed.core.envelope_columns import json_records  # (Arrow: kept out of the planner's imports)
+
         built = json_records(rows, shape, _dumps, deleted=deleted)
         return None if built is None else Columnar(*built)
 
@@ -278,6 +277,8 @@ class DebeziumFormat:
     columnar = True  # (a class attribute, not a field)
 
     def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
+        from changefeed.core.debezium_columns import debezium_records  # (Arrow: as above)
+
         built = debezium_records(rows, shape, _dumps, (self.version, self.feed, self.database), deleted=deleted)
         return None if built is None else Columnar(*built, tombstones=deleted)
 
@@ -379,6 +380,8 @@ class TextFormat:
     def by_columns(self, rows: Any, shape: TableShape, *, deleted: bool) -> Columnar | None:
         header = f"table {quote_identifier(shape.schema)}.{quote_identifier(shape.table)}:"
         labels = [f" {quote_identifier(c)}[{base_name(t)}]:" for c, t in zip(shape.columns, shape.types)]
+        from changefeed.core.text_columns import text_records  # (Arrow: as above)
+
         built = text_records(rows, shape, _dumps, header, labels, deleted=deleted)
         return None if built is None else Columnar(*built)
 

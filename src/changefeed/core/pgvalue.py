@@ -27,6 +27,9 @@ Convert = Callable[[str], Any]
 
 _TYPMOD = re.compile(r"\(\d+(?:,\d+)?\)")
 
+UNQUOTED_TYPES = frozenset(  # the types test_decoding (the text format) prints without quotes
+    ("smallint", "integer", "bigint", "oid", "real", "double precision", "numeric"))
+
 
 def base_name(type_name: str) -> str:
     """`type_name` without its modifiers, as `format_type_be` prints it: "numeric(12,2)" ->

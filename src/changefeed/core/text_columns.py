@@ -14,10 +14,7 @@ import pyarrow.compute as pc
 
 from changefeed.core.change import TableShape
 from changefeed.core.envelope_columns import columns, fragments, json_keys
-from changefeed.core.pgvalue import base_name
-
-UNQUOTED_TYPES = frozenset(  # printed bare by test_decoding
-    ("smallint", "integer", "bigint", "oid", "real", "double precision", "numeric"))
+from changefeed.core.pgvalue import UNQUOTED_TYPES, base_name
 
 
 def text_records(rows: pa.RecordBatch, shape: TableShape, dumps: Callable[[Any], bytes], header: str,
