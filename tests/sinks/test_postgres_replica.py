@@ -218,3 +218,34 @@ def test_snapshot_chunks_go_straight_into_the_target_unless_a_key_is_there(
     _, direct = _applied(dbs, [*rows, ch.progress_batch(done)], 0)
     assert direct == (300 if held == 0 else 0)
     assert fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t")
+
+
+def test_the_replica_tables_key_is_read_in_its_order(dbs: Dbs) -> None:
+    """A primary key's first column counts too (an int2vector's subscripts start at 0), and a key
+    keeps its columns' order, not the table's."""
+    from changefeed.sinks.replica import shape
+
+    with dbs.dst() as d:
+        d.execute("CREATE TABLE one (id bigint PRIMARY KEY, v text)")
+        d.execute("CREATE TABLE two (a int, b int, v text, PRIMARY KEY (b, a))")
+        d.execute("CREATE TABLE none_ (a int, v text)")
+        assert shape.read(d, "public", "one").key == ("id",)  # type: ignore[union-attr]
+        assert shape.read(d, "public", "two").key == ("b", "a")  # type: ignore[union-attr]
+        assert shape.read(d, "public", "none_").key == ()  # type: ignore[union-attr]
+
+
+def test_a_batch_leaves_the_replicas_primary_key_alone(dbs: Dbs) -> None:
+    """The key the stream says a table has is the replica's already: no batch drops and rebuilds
+    its index (each batch did, over the whole table, under an exclusive lock), and a foreign key on
+    the replica that depends on it does not stop the feed."""
+    batches, tables = _stream(dbs)
+    _prepare_sink(dbs, tables)
+    with dbs.dst() as d:
+        d.execute("CREATE TABLE child (id int PRIMARY KEY, t_id int REFERENCES t (id))")
+        index = d.execute("SELECT indexrelid FROM pg_index WHERE indrelid = 't'::regclass AND indisprimary").fetchone()
+    first, _ = _applied(dbs, batches, 0)
+    assert first.applied
+    _assert_replica_equals_source(dbs)
+    with dbs.dst() as d:
+        assert d.execute("SELECT indexrelid FROM pg_index WHERE indrelid = 't'::regclass AND indisprimary"
+                         ).fetchone() == index

@@ -79,10 +79,11 @@ class Follower:
 def read(conn: psycopg.Connection[Any], schema: str, table: str) -> Current | None:
     """The replica table's columns, types and primary key; None if there is no such table."""
     rows = conn.execute(
-        "SELECT a.attname, format_type(a.atttypid, a.atttypmod), "
-        "coalesce(array_position(i.indkey::int2[], a.attnum), 0) FROM pg_attribute a "
+        "SELECT a.attname, format_type(a.atttypid, a.atttypmod), coalesce(k.ord, 0) FROM pg_attribute a "
         "JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
         "LEFT JOIN pg_index i ON i.indrelid = c.oid AND i.indisprimary "
+        # (an int2vector's subscripts start at 0: its ordinality counts the key's columns from 1)
+        "LEFT JOIN LATERAL unnest(i.indkey) WITH ORDINALITY k(attnum, ord) ON k.attnum = a.attnum "
         "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p') AND a.attnum > 0 "
         "AND NOT a.attisdropped ORDER BY a.attnum", (schema, table)).fetchall()
     if not rows:
