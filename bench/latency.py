@@ -155,6 +155,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sink", choices=("replica", "kafka"), default="replica")
     ap.add_argument("--poll-ms", type=float, default=5.0, help="replica: how often max(id) is polled")
+    ap.add_argument("--synchronous-commit", choices=("on", "off"), default="off",
+                    help="the servers' synchronous_commit: with off, a commit reaches a WAL reader only once the "
+                         "WAL writer flushed it (wal_writer_delay, 200 ms)")
     ap.add_argument("--workdir")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--feed-arg", action="append", default=[], help="extra argument for `changefeed run` (repeatable)")
@@ -162,7 +165,7 @@ def main() -> int:
     rates = [int(r) for r in args.rates.split(",")]
     began = time.monotonic()
     work, _, (source, replica) = bench_setup(ap, args.workdir, args.keep, "latency-bench-", ("source", "replica"),
-                                             {"fsync": "off", "synchronous_commit": "off"})
+                                             {"fsync": "off", "synchronous_commit": args.synchronous_commit})
     src_uri = source.uri()
     with psycopg.connect(src_uri, autocommit=True) as c:
         c.execute("CREATE TABLE lat (id bigint PRIMARY KEY, v text)")

@@ -100,8 +100,9 @@ class WindowStream:
 
     def __init__(self, uri: str, role: str, slot: str, publication: str, at: int, end: int, *,
                  layout: tuple[int, int], status_interval: float = STATUS_INTERVAL_S, silent: float = SILENT_S,
-                 **connect_kwargs: Any) -> None:
+                 linger: float | None = None, **connect_kwargs: Any) -> None:
         self.uri, self.role, self.slot, self.publication, self.at, self.end = uri, role, slot, publication, at, end
+        self.linger = linger  # the longest a message waits in a block for more (None: until the server pauses)
         self.page, self.segment = layout  # the server's WAL page and segment size (see past_end)
         self.status_interval, self.silent, self.connect_kwargs = status_interval, silent, connect_kwargs
         self._queue: queue.Queue[list[bytes] | BaseException | None] = queue.Queue(QUEUE_BLOCKS)
@@ -111,14 +112,19 @@ class WindowStream:
         self._sent_at = self._heard_at = 0.0
         self.updates = 0  # status updates sent (tests)
 
-    def blocks(self) -> Iterator[list[bytes]]:
+    def blocks(self, idle: float | None = None) -> Iterator[list[bytes]]:
         """Blocks of messages in the order the server sent them; the stream closes when the
-        iteration ends, also early (the builder saw the window's end)."""
+        iteration ends, also early (the builder saw the window's end). With `idle`, an empty
+        block comes after that many seconds without one (a follower looks at its clock)."""
         self._thread = threading.Thread(target=self._receive, name=f"wal-stream-{self.slot}", daemon=True)
         self._thread.start()
         try:
             while True:
-                item = self._queue.get()
+                try:
+                    item = self._queue.get(timeout=idle)
+                except queue.Empty:
+                    yield []
+                    continue
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -127,6 +133,10 @@ class WindowStream:
         finally:
             self._stop.set()
             self._thread.join()
+
+    def backlogged(self) -> bool:
+        """Whether more blocks were received than the consumer took."""
+        return not self._queue.empty()
 
     # -- the receiving thread ------------------------------------------------------------
     def _receive(self) -> None:
@@ -181,6 +191,7 @@ class WindowStream:
     def _stream(self, pg: PGconn) -> None:
         block: list[bytes] = []
         size = 0
+        due = float("inf")  # when the block goes, however busy the server is (`linger`)
         while not self._stop.is_set():
             n, data = pg.get_copy_data(1)
             if n > 0:
@@ -189,9 +200,11 @@ class WindowStream:
                 if kind == _W:
                     if past_end(data, self.end, self.page, self.segment):
                         break
+                    if not block and self.linger is not None:
+                        due = time.monotonic() + self.linger
                     block.append(bytes(data[25:]))
                     size += n
-                    if len(block) < BLOCK_MESSAGES and size < BLOCK_BYTES:
+                    if len(block) < BLOCK_MESSAGES and size < BLOCK_BYTES and time.monotonic() < due:
                         continue
                 elif kind == _K:
                     wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
@@ -206,7 +219,7 @@ class WindowStream:
                 if block and not select.select([pg.socket], [], [], _PAUSE_S)[0]:
                     if not self._put(block):
                         return
-                    block, size = [], 0
+                    block, size, due = [], 0, float("inf")
                 self._keep_alive()
                 select.select([pg.socket], [], [], _POLL_S)
                 pg.consume_input()
@@ -218,7 +231,7 @@ class WindowStream:
                 raise psycopg.OperationalError(f"the replication stream ended early: {pg.get_error_message()}")
             if not self._put(block):
                 return
-            block, size = [], 0
+            block, size, due = [], 0, float("inf")
         if block:
             self._put(block)
 

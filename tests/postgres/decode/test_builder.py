@@ -816,3 +816,69 @@ def test_feed_block_equals_feed(stream: Stream) -> None:
         blocks.feed_block(block)
     assert (one.done, one.changes, one.pending()) == (blocks.done, blocks.changes, blocks.pending())
     assert one.finish().equals(blocks.finish())
+
+
+# -- a window followed as the server writes it, cut into sub-windows ------------------------------
+
+FOLLOWED = 1 << 62  # a followed window's end: no transaction lies past it
+
+
+def follow(stream: Stream, ends: list[int], tries: set[int]) -> list[list[dict[str, Any]]]:
+    """The sub-windows one builder makes of the whole stream fed as blocks ending at `ends`, cut
+    after a block that ends at one of `tries` (and after the last) wherever it can be."""
+    messages = stream.window_input(stream.start_lsn, stream.end_lsn)
+    builder = ChangeBuilder(stream.start_lsn, FOLLOWED, 0, FOLLOWED)
+    windows: list[list[dict[str, Any]]] = []
+    at = 0
+    for block in blocks_of(messages, ends):
+        builder.feed_block(block)
+        at += len(block)
+        if (at in tries or at == len(messages)) and builder.cuttable():
+            windows.append(builder.cut().to_pylist())
+    return windows
+
+
+def check_followed(stream: Stream, windows: list[list[dict[str, Any]]]) -> None:
+    """Each sub-window holds a window's invariants on its own (its end the last commit record's
+    end, resolved at that commit's timestamp, its tables described before their first change), and
+    together they are the one window, commit timestamps included."""
+    assert windows, "the stream holds commits: at least the last block ends after one"
+    lo, lo_ts, followed = stream.start_lsn, 0, []
+    for rows in windows:
+        progress = ch.Progress.from_meta(rows[-1]["meta"])
+        assert progress.end_lsn in {c.end_lsn for _, c in stream.commits}
+        check_window(stream, rows, lo, progress.end_lsn, lo_ts, progress.resolved_ts)
+        followed.extend(data_rows(rows))
+        lo, lo_ts = progress.end_lsn, progress.resolved_ts
+    whole = data_rows(build(stream, stream.start_lsn, lo, 0, FOLLOWED))
+    assert strip(followed, "seq") == strip(whole, "seq")
+
+
+@WINDOW_SETTINGS
+@given(CUTS)
+def test_a_followed_window_cut_at_commits_equals_one_window(stream: Stream, data: st.DataObject) -> None:
+    """Blocks and cuts drawn: see check_followed."""
+    n = len(stream.window_input(stream.start_lsn, stream.end_lsn))
+    ends = data.draw(st.lists(st.integers(1, n - 1), unique=True, max_size=30), label="block ends")
+    tries = data.draw(st.sets(st.sampled_from(sorted(ends))) if ends else st.just(set()), label="cuts tried")
+    check_followed(stream, follow(stream, ends, tries))
+
+
+def test_a_followed_window_cut_after_every_message(stream: Stream) -> None:
+    """Every message a block of its own, a cut tried after each: as many sub-windows as can be
+    (a non-transactional message after a commit waits for the next commit's cut)."""
+    n = len(stream.window_input(stream.start_lsn, stream.end_lsn))
+    windows = follow(stream, list(range(1, n)), set(range(1, n)))
+    assert len(windows) > len(stream.commits) // 2
+    check_followed(stream, windows)
+
+
+def test_a_followed_window_never_ends_before_a_message_it_holds(stream: Stream) -> None:
+    """Blocks that end right after each non-transactional message, which follows a commit: the
+    cut there must wait for the next commit (the message's record lies past the last one's end)."""
+    messages = stream.window_input(stream.start_lsn, stream.end_lsn)
+    after = [i + 1 for i, m in enumerate(map(po.decode, messages))
+             if isinstance(m, po.Message) and not m.transactional and 0 < i + 1 < len(messages)]
+    assert any(isinstance(po.decode(messages[i - 2]), po.Commit) for i in after), "a message right after a commit"
+    check_followed(stream, follow(stream, after, set(after)))
+

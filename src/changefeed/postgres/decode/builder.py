@@ -100,6 +100,7 @@ class ChangeBuilder:
         self._begin: po.Begin | None = None
         self._deferred: list[po.Message] = []  # non-transactional messages seen inside a transaction
         self.last_commit_time: int | None = None
+        self.last_end: int | None = None  # the end of the last commit record in the window (see `cut`)
         self.changes = 0
         self.done = False  # a transaction past the window's end was seen: nothing more can belong
         self._rows = Rows()
@@ -274,6 +275,8 @@ class ChangeBuilder:
             self._set_mark()
             self._append_message(msg)
             self._close(msg.lsn, 0, self.last_ts, None)
+            if self.last_end is not None and msg.lsn > self.last_end:
+                self.last_end = None  # past the last commit: a cut waits for the next one (see `cut`)
 
     def _leaving(self, leaving: Leaving) -> None:
         """Rows the feed's row filter let through until this transaction changed it: deletes of
@@ -316,6 +319,7 @@ class ChangeBuilder:
             ts = self._stamp(msg.commit_time_us) if self._open_ts is None else self._open_ts
             self._close(begin.final_lsn, begin.xid, ts, msg.commit_time_us, self._open_seq)
             self._found(begin)
+            self.last_end = msg.end_lsn
         self._open_ts, self._open_seq = None, 0
         self._flush_deferred()
 
@@ -404,16 +408,48 @@ class ChangeBuilder:
             raise TornTransaction(f"the plan put prepared transaction {gid!r} (xid {xid}) at {format_lsn(lsn)} on node "
                                   f"{self.node}, but the window [{format_lsn(self.start_lsn)}, "
                                   f"{format_lsn(self.end_lsn)}) holds no commit of it", _TORN_HINT)
-        progress = ch.Progress(self.end_lsn, self.end_ts, self.last_commit_time, self.changes,
+        return self._progress(self.end_lsn, self.end_ts)
+
+    def _progress(self, end_lsn: int, end_ts: int) -> pa.RecordBatch:
+        """Append the `P` row of what was read up to `end_lsn`, resolved at `end_ts`; take all."""
+        progress = ch.Progress(end_lsn, end_ts, self.last_commit_time, self.changes,
                                part=self.part, parts=self.parts, node=self.node, positions=self.positions,
                                read=self.read and {**self.read, "ended": time.time()},
                                gids=self.gids or None, pending=self.undecided or None, offset=self.offset)
         self._sparse["meta"][len(self._rows)] = progress.to_meta()
         self._rows.append(_PROGRESS, _NO_TABLE, None, None)
-        self._txns.append((1, self.end_lsn, 0, self.last_commit_time, self.end_ts, 0))
+        self._txns.append((1, end_lsn, 0, self.last_commit_time, end_ts, 0))
         self._closed += 1
         self._set_mark()
         return self.take()
+
+    def parted(self, rows: int) -> pa.RecordBatch | None:
+        """What is read so far, taken, once the open transaction holds `rows` rows or more (they go
+        out ahead of its commit, so that memory holds about `rows`); else None."""
+        if not self._large_open(rows):
+            return None
+        self._part_out()
+        return self.take()
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction's messages are being received (its Begin came, its Commit not yet)."""
+        return self._begin is not None
+
+    def cuttable(self) -> bool:
+        """Whether `cut` may end a sub-window now: no transaction open, a commit since the last cut."""
+        return self._begin is None and self.last_end is not None and self.last_end > self.start_lsn
+
+    def cut(self) -> pa.RecordBatch:
+        """End a sub-window of a window followed as the server writes it (`end_lsn` unbounded):
+        everything up to the last commit, with a `P` row at that commit record's end, resolved at
+        its commit timestamp. The next sub-window starts there, its tables described again before
+        their first change (each sub-window is applied on its own). Only when `cuttable`."""
+        assert self.cuttable() and self.last_end is not None
+        rows = self._progress(self.last_end, self.last_ts)
+        self.start_lsn, self.changes, self.gids = self.last_end, 0, []
+        self._described.clear()
+        return rows
 
     def batches(self, blocks: Iterable[list[bytes]], rows_per_batch: int = 65536) -> Iterator[pa.RecordBatch]:
         """Feed all `blocks` of messages, yielding record batches of about `rows_per_batch` rows.
@@ -434,7 +470,6 @@ class ChangeBuilder:
                     size = min(size * 4, rows_per_batch)
             if self.done:
                 break
-            if self._large_open(rows_per_batch):
-                self._part_out()
-                yield self.take()
+            if (part := self.parted(rows_per_batch)) is not None:
+                yield part
         yield self.finish()
