@@ -4,7 +4,8 @@ low-latency path (issue 42), where one long-lived task delivers many small sink 
 A window of today's batches is planned with an end; a followed window has none. The replication
 stream (postgres.replication.WindowStream with an end no transaction reaches) stays open and hands
 its messages over within `linger`; the change builder (postgres.decode.builder) turns them into
-change rows and `cut`s a sub-window after a commit once `every` passed since the last cut: its
+change rows and `cut`s a sub-window at the last commit received once `every` passed since the
+last cut and the stream has caught up (a follower behind the server makes fewer, larger ones): its
 rows end with a `P` row at that commit record's end, resolved at its commit timestamp, so that a
 sink applies and records each sub-window on its own, exactly as it does a batch. Sub-windows
 chain: each starts where the last ended and continues its timestamps, which is what a window
