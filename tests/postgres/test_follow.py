@@ -71,8 +71,8 @@ def test_followed_sub_windows_chain_and_equal_one_window(dbs: Dbs) -> None:
     try:
         follower = Follower(conn, node, "source", start, 0, every=0.02, rows_per_batch=1000,
                             offset_at=lambda lsn, ts: {"lsn": lsn, "ts": ts})
-        threading.Timer(1.5, stop.set).start()
-        batches = list(follower.windows(until=time.monotonic() + 1.0))
+        threading.Timer(3.5, stop.set).start()  # (the writer goes on past the deadline: the follower stops anyway)
+        batches = list(follower.windows(until=time.monotonic() + 3.0))
         writer.join()
         windows = _sub_windows(batches)
         assert len(windows) == follower.cuts > 1
@@ -109,7 +109,7 @@ def test_an_idle_follower_stops_at_its_deadline(dbs: Dbs) -> None:
     node = SourceNode("n1", dbs.source, "idle", "p")
     with connect(dbs.source, "source", autocommit=True) as conn:
         follower = Follower(conn, node, "source", start, 0, every=0.0)
-        rows = [r for rb in follower.windows(until=time.monotonic() + 0.5) for r in rb.to_pylist()]
+        rows = [r for rb in follower.windows(until=time.monotonic() + 3.0) for r in rb.to_pylist()]
     assert [r["op"] for r in rows if r["op"] in ch.DATA_OPS] == ["c"]
     assert rows[-1]["op"] == ch.PROGRESS and follower.cuts == 1
 
