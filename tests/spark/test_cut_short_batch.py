@@ -165,6 +165,7 @@ class KafkaTarget:
 
         done = committed_progress(self.opts, self.feed)
         batches = [(done.batch, done.progress.changes)] if done else []
+        self.wait_for_writer()  # (the data topic's commit marker may come after the progress topic's)
         return batches, len(committed(read_partition(self.kafka.bootstrap, self.topic)))
 
 
