@@ -49,6 +49,17 @@ def _writer(uri: str, stop: threading.Event) -> threading.Thread:
     return thread
 
 
+def _published(dbs: Dbs, slot: str, *then: str) -> tuple[SourceNode, int]:
+    """Table t published, slot `slot` made (where it starts), then the statements `then`."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text)")
+        c.execute("CREATE PUBLICATION p FOR TABLE t")
+        start = slots.create_slot(c, slot)
+        for sql in then:
+            c.execute(sql)
+    return SourceNode("n1", dbs.source, slot, "p"), start
+
+
 def _sub_windows(batches: list[Any]) -> list[list[dict[str, Any]]]:
     """The followed rows split after each `P` row (rows after the last belong to none)."""
     out: list[list[dict[str, Any]]] = [[]]
@@ -60,11 +71,7 @@ def _sub_windows(batches: list[Any]) -> list[list[dict[str, Any]]]:
 
 
 def test_followed_sub_windows_chain_and_equal_one_window(dbs: Dbs) -> None:
-    with dbs.src() as c:
-        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text)")
-        c.execute("CREATE PUBLICATION p FOR TABLE t")
-        start = slots.create_slot(c, "follow")
-    node = SourceNode("n1", dbs.source, "follow", "p")
+    node, start = _published(dbs, "follow")
     stop = threading.Event()
     writer = _writer(dbs.source, stop)
     conn = connect(dbs.source, "source", autocommit=True)
@@ -101,12 +108,7 @@ def test_followed_sub_windows_chain_and_equal_one_window(dbs: Dbs) -> None:
 
 
 def test_an_idle_follower_stops_at_its_deadline(dbs: Dbs) -> None:
-    with dbs.src() as c:
-        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text)")
-        c.execute("CREATE PUBLICATION p FOR TABLE t")
-        start = slots.create_slot(c, "idle")
-        c.execute("INSERT INTO t VALUES (1, 'one')")
-    node = SourceNode("n1", dbs.source, "idle", "p")
+    node, start = _published(dbs, "idle", "INSERT INTO t VALUES (1, 'one')")
     with connect(dbs.source, "source", autocommit=True) as conn:
         follower = Follower(conn, node, "source", start, 0, every=0.0)
         rows = [r for rb in follower.windows(until=time.monotonic() + 3.0) for r in rb.to_pylist()]
@@ -117,12 +119,7 @@ def test_an_idle_follower_stops_at_its_deadline(dbs: Dbs) -> None:
 def test_a_commit_on_an_idle_stream_is_cut_once_its_time_comes(dbs: Dbs) -> None:
     """The last commit before the stream goes quiet is not held to the deadline: the sub-window
     ends once `every` passed, with no further message to wake the follower."""
-    with dbs.src() as c:
-        c.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text)")
-        c.execute("CREATE PUBLICATION p FOR TABLE t")
-        start = slots.create_slot(c, "quiet")
-        c.execute("INSERT INTO t VALUES (1, 'one')")
-    node = SourceNode("n1", dbs.source, "quiet", "p")
+    node, start = _published(dbs, "quiet", "INSERT INTO t VALUES (1, 'one')")
     with connect(dbs.source, "source", autocommit=True) as conn:
         until = time.monotonic() + 60
         follower = Follower(conn, node, "source", start, 0, every=0.2)
