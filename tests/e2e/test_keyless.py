@@ -93,7 +93,7 @@ def test_a_keyless_table_goes_to_sinks_that_append_and_is_refused_by_the_others(
     # pgbench writes all through the history's read (its chunk is the first: after the first
     # batch's window, which already holds many of its rows), and the runner is SIGKILLed right
     # after that read, so that the batch is read again, with another snapshot.
-    writer = _pgbench(dbs.source, "-n", "-T", "600", "-c", "2", "-R", "400")
+    writer = _pgbench(dbs.source, "-n", "-T", "600", "-c", "2", "-R", "150")
     (tmp_path / "faults").mkdir()
     killed = start_changefeed(*run, log=tmp_path / "killed.log", env={
         "CHANGEFEED_KILL_AT": "snapshot_chunk:1", "CHANGEFEED_FAULT_DIR": str(tmp_path / "faults")})

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 20, 1000
 # random, then inside the sinks' commits: a replica or Kafka committed and the other not (the two
 # write side by side), both committed and the lake not, the lake's tables committed and its ledger not
-KILLS = ["random", "after_sink_commit:7", "before_sink_commit:8", "delta_table_committed:3", "random"]
+KILLS = ["random", "after_sink_commit:7", "before_sink_commit:8", "delta_table_committed:3"]
 
 
 class Sinks:
