@@ -37,11 +37,12 @@ from changefeed.core.lsn import parse_lsn
 from changefeed.core.rate import Pace
 from changefeed.core.snapshot import Key
 from changefeed.errors import SourceNotReady, TransientError
-from changefeed.postgres import keyless_cut, row_filter
+from changefeed.postgres import copy_out, keyless_cut, row_filter
 from changefeed.postgres.connect import one_row
 from changefeed.postgres.source import SourceTable, describe_tables, missing_values, split_table
 
 STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
+PACE_STEP_S = 0.05  # under --snapshot-rate, a read takes pieces of this much of its rate, each paced
 
 
 def _range(table: SourceTable, lo: Key | None, hi: Key | None, where: str | None = None) -> sql.Composable:
@@ -171,31 +172,15 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
             _range(table, lo, hi, where))
         selected = _order(table, selected) if undo is None else keyless_cut.ordered(selected, table, undo)
         query = sql.SQL("COPY ({}) TO STDOUT").format(selected)
-        lines: list[bytes] = []
-        size = 0
         first = True
-        rows_pace = Pace(rate[0], rate[2]) if rate[0] else None
-        bytes_pace = Pace(rate[1]) if rate[1] else None
-        with conn.cursor().copy(query) as copy:
-            for data in copy:  # a row of COPY's text format, with its newline (which `after` leaves out)
-                line = bytes(data[:-1])
-                if undo is not None and not undo.keeps(line):
-                    continue
-                lines.append(line)
-                size += len(data)
-                if rows_pace:
-                    rows_pace.took(1)
-                if bytes_pace:
-                    bytes_pace.took(len(data))
-                if len(lines) >= rows_per_batch or size >= bytes_per_batch:
-                    yield _rows(shape, lines, lsn, ts, result.rows, first)
-                    result.rows += len(lines)
-                    lines, size, first = [], 0, False
+        for block, n in _pieces(conn, query, undo, rows_per_batch, bytes_per_batch, rate):
+            yield _rows(shape, block, n, lsn, ts, result.rows + (not first), first)  # (seq: the R row is 0)
+            result.rows += n
+            first = False
         if undo is not None:
             undo.check_done(qualified)
-        if lines or first:
-            yield _rows(shape, lines, lsn, ts, result.rows, first)
-            result.rows += len(lines)
+        if first:  # no row: the R row alone
+            yield _rows(shape, b"", 0, lsn, ts, 0, True)
         conn.execute("COMMIT")
     except psycopg.errors.UndefinedTable:
         raise SourceNotReady(f"table {qualified} disappeared during its snapshot",
@@ -209,12 +194,50 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
                              "WHERE slot_name = %s", (cut_slot,))
 
 
-def _rows(shape: ch.TableShape, lines: list[bytes], lsn: int, ts: int, seq0: int, describe: bool) -> Any:
-    """A record batch of `r` rows with these COPY lines, after an `R` row when `describe`."""
-    n = len(lines) + describe
-    ops = ([ch.RELATION] if describe else []) + ["r"] * len(lines)
-    meta = ([shape.to_meta()] if describe else []) + [None] * len(lines)
-    return ch.record_batch({"op": ops, "schema": [shape.schema] * n, "table": [shape.table] * n, "lsn": [lsn] * n,
-            "seq": list(range(seq0, seq0 + n)), "xid": [0] * n, "commit_time": [None] * n, "commit_ts": [ts] * n,
-            "after": ([None] if describe else []) + lines, "before": [None] * n, "old_key": [None] * n,
-            "unchanged": [None] * n, "meta": meta})
+def _pieces(conn: psycopg.Connection[Any], query: sql.Composable, undo: keyless_cut.Undo | None, rows: int,
+            size: int, rate: tuple[float, float, float]) -> Iterator[tuple[bytes, int]]:
+    """The COPY's rows in pieces of newline-ended lines (postgres.copy_out), each at most `rows`
+    rows and about `size` bytes; under a rate limit (see read_chunk), in pieces of PACE_STEP_S of
+    it, each paced; without the lines `undo` turns back."""
+    rows_pace = Pace(rate[0], rate[2]) if rate[0] else None
+    bytes_pace = Pace(rate[1]) if rate[1] else None
+    if rate[0]:
+        rows = max(1, min(rows, int(rate[0] * PACE_STEP_S)))
+    if rate[1]:
+        size = max(1, min(size, int(rate[1] * PACE_STEP_S)))
+    for block, n in copy_out.blocks(conn, query, rows, size):
+        if rows_pace:
+            rows_pace.took(n)
+        if bytes_pace:
+            bytes_pace.took(len(block))
+        if undo is not None:
+            kept = [line for line in block.split(b"\n")[:-1] if undo.keeps(line)]
+            block, n = b"".join(line + b"\n" for line in kept), len(kept)
+        if n:
+            yield block, n
+
+
+def _rows(shape: ch.TableShape, block: bytes, n: int, lsn: int, ts: int, seq0: int, describe: bool) -> Any:
+    """A record batch of `r` rows with the `n` COPY lines of `block`, after an `R` row when `describe`."""
+    import numpy as np
+    import pyarrow as pa
+
+    total = n + describe
+    lines = copy_out.lines_array(block, n)
+
+    def same(value: Any, kind: Any) -> Any:
+        return pa.repeat(pa.scalar(value, kind), total)
+
+    nulls = pa.nulls(total, pa.binary())
+    op = pa.concat_arrays([pa.array([ch.RELATION]), pa.repeat(pa.scalar("r"), n)]) if describe else \
+        pa.repeat(pa.scalar("r"), n)
+    after = pa.concat_arrays([pa.nulls(1, pa.binary()), lines]) if describe else lines
+    meta = pa.concat_arrays([pa.array([shape.to_meta()]), pa.nulls(n, pa.string())]) if describe else \
+        pa.nulls(n, pa.string())
+    columns = {"op": op, "schema": same(shape.schema, pa.string()), "table": same(shape.table, pa.string()),
+               "lsn": same(lsn, pa.int64()), "seq": pa.array(np.arange(seq0, seq0 + total, dtype=np.int32)),
+               "xid": same(0, pa.int64()), "commit_time": pa.nulls(total, pa.int64()),
+               "commit_ts": same(ts, pa.int64()), "after": after, "before": nulls, "old_key": nulls,
+               "unchanged": pa.nulls(total, pa.string()), "meta": meta}
+    schema = ch.arrow_schema()
+    return pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema)
