@@ -182,7 +182,10 @@ class SnapshotMeter:
         now = time.monotonic()
         applied = {t: rows for t, (_, rows) in self.ledger.snapshot_totals().items()}
         moved = {t for t, rows in applied.items() if rows != self._last.get(t)}
-        for table in sorted(set(pending) | moved):
+        # done: a table seen pending that is no longer, also when its last rows were counted while
+        # the query's last progress still named it pending (the sink records a batch before Spark
+        # reports it), and one that moved without being seen pending
+        for table in sorted(set(pending) | moved | set(self._seen)):
             rows = applied.get(table, 0)
             if table not in pending:
                 self.report(f"  snapshot {table}: done, {rows:,} rows")
