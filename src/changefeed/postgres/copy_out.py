@@ -28,25 +28,29 @@ def blocks(conn: psycopg.Connection[Any], query: Any, rows: int, size: int) -> I
     with conn.cursor().copy(query):  # starts the COPY; its end (no error) reads nothing more
         more = True
         while more:
-            lines: list[bytes] = []
-            got = 0
-            while more and len(lines) < rows and got < size:
-                more, added = conn.wait(_drain(conn.pgconn, lines, rows, size - got, conn.info.encoding))
-                got += added
-            if lines:
-                yield b"".join(lines), len(lines)
+            block = bytearray()
+            held = 0
+            while more and held < rows and len(block) < size:
+                more, added = conn.wait(_drain(conn.pgconn, block, rows - held, size - len(block),
+                                               conn.info.encoding))
+                held += added
+            if held:
+                yield bytes(block), held
 
 
-def _drain(pgconn: Any, lines: list[bytes], rows: int, size: int, encoding: str) -> Any:
-    """A psycopg wait generator: append the rows libpq holds to `lines`, up to `rows` in all and
-    `size` more bytes, waiting for the socket only until some came; returns (whether the COPY goes
-    on, bytes added): False once the COPY's result is read."""
+def _drain(pgconn: Any, block: bytearray, rows: int, size: int, encoding: str) -> Any:
+    """A psycopg wait generator: append the rows libpq holds to `block`, at most `rows` of them and
+    about `size` bytes, waiting for the socket only until some came; returns (whether the COPY goes
+    on, rows added): False once the COPY's result is read. (Each row is copied into the block at
+    once, so that libpq's buffer for it is freed right away: holding thousands of them costs more
+    than the copy.)"""
     got = 0
-    while len(lines) < rows and got < size:
+    start = len(block)
+    while got < rows and len(block) - start < size:
         n, data = pgconn.get_copy_data(1)
         if n > 0:
-            lines.append(data)
-            got += n
+            block += data
+            got += 1
             continue
         if n == 0:  # nothing buffered: hand over what came, or wait for the socket
             if got:
