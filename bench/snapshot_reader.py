@@ -21,7 +21,6 @@ another version of the reader against the same baseline.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +31,10 @@ import psycopg
 from changefeed.local.postgres import LocalPostgres
 from changefeed.postgres import snapshot
 from changefeed.postgres.connect import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replica_throughput import fmt_ratio, spread  # noqa: E402  (bench/ is not a package)
 
 QUERY = "COPY (SELECT id, a, b, c FROM snap_t ORDER BY id) TO STDOUT"
 
@@ -55,7 +58,7 @@ def _chunk(uri: str) -> tuple[float, float, int]:
 
 
 def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f} - {max(values):.3f}]"
+    return fmt_ratio(spread(values))
 
 
 def main() -> int:
