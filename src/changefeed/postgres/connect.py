@@ -105,12 +105,25 @@ def server_version(conn: psycopg.Connection[Any]) -> int:
     return int(conn.info.server_version)
 
 
-def shared_ddl(conn: psycopg.Connection[Any], ddl: str) -> None:
-    """Run changefeed's own CREATE ... IF NOT EXISTS statements one runner at a time per server:
+@contextmanager
+def ddl_turn(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A transaction for changefeed's own CREATE ... IF NOT EXISTS, one runner at a time per database:
     feeds that start together on one database (a table split over feeds, capture.md) would
-    otherwise race in them, which PostgreSQL does not serialise (a unique violation in the catalog)."""
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed:ddl'))")
+    otherwise race in them, which PostgreSQL does not serialise (a unique violation in the catalog).
+    The turn is a session lock taken before the transaction begins, not a transaction lock: a
+    transaction that began before the previous holder committed may still find the schema missing
+    in its catalog cache, and create it again (tests/postgres/test_shared_ddl.py)."""
+    conn.execute("SELECT pg_advisory_lock(hashtext('changefeed:ddl'))")
+    try:
+        with conn.transaction():
+            yield
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(hashtext('changefeed:ddl'))")
+
+
+def shared_ddl(conn: psycopg.Connection[Any], ddl: str) -> None:
+    """Run `ddl` (changefeed's own CREATE ... IF NOT EXISTS statements) in its turn (ddl_turn)."""
+    with ddl_turn(conn):
         conn.execute(ddl)
 
 

@@ -13,7 +13,7 @@ import psycopg
 from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.core.offsets import Offset
 from changefeed.errors import LeaseLost
-from changefeed.postgres.connect import ADVISORY_HELD, missing, one_row
+from changefeed.postgres.connect import ADVISORY_HELD, ddl_turn, missing, one_row
 from changefeed.sinks.ledger import RATE_WINDOW_S, LastBatch
 from changefeed.sinks.replica.merge import ensure_tables
 
@@ -138,8 +138,7 @@ class ReplicaLedger:
         """Create the ledger's tables and the missing targets, one feed at a time: feeds that start
         together on one replica (a table split over feeds by key ranges, capture.md) would
         otherwise race in CREATE ... IF NOT EXISTS, which PostgreSQL does not serialise."""
-        with self.conn.transaction():
-            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed:ddl'))")  # (as connect.shared_ddl)
+        with ddl_turn(self.conn):
             ensure_meta(self.conn)
             ensure_tables(self.conn, tables)
 
