@@ -21,6 +21,7 @@ from changefeed.spec.column_lists import parse_columns
 from changefeed.spec.definition import (
     DEFAULT_CHUNK_ROWS,
     DEFAULT_CHUNKS_PER_BATCH,
+    DEFAULT_FOLLOW_S,
     DEFAULT_LEASE_S,
     MIN_LEASE_S,
     PARALLEL_READ_SLOTS,
@@ -84,6 +85,7 @@ def _spec_from_args(args: argparse.Namespace, state: FeedState) -> FeedSpec:
         "outbox_ttl_s": _option("outbox-ttl", parse_duration, args.outbox_ttl),
         "outbox_snapshot_events": args.outbox_snapshot_events or None,
         "capture_ddl": args.capture_ddl or None,
+        "low_latency_s": _option("low-latency", parse_duration, args.low_latency),
     }.items() if v is not None}
     outbox = given.get("outbox") or (stored.outbox if stored else "")
     if outbox and "tables" in given and outbox not in given["tables"]:
@@ -506,6 +508,10 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--capture-ddl", action="store_true",
                      help="install an event trigger on the source that sends each schema change of a captured "
                           "table through the slot, in order (needs a superuser; see Schema changes)")
+    cmd.add_argument("--low-latency", nargs="?", const=f"{DEFAULT_FOLLOW_S:g}s", metavar="DURATION",
+                     help="low-latency mode: each batch's one task follows the slot for DURATION (default "
+                          f"{DEFAULT_FOLLOW_S:g}s) and commits each change on the replica within tens of "
+                          "milliseconds, still exactly once (replica sink, one node; 0 = off; see Running)")
     cmd.add_argument("--outbox-snapshot-events", action="store_true",
                      help="also send the rows a snapshot reads from the outbox as events (default: only inserts; "
                           "every re-snapshot then sends them again)")

@@ -25,14 +25,14 @@ opened = st.dictionaries(names, st.lists(st.builds(Part, gids, lsn, lsn, st.inte
                                          max_size=3).map(tuple), max_size=3)
 
 
-@given(nodes, st.integers(0, 2**63 - 1), cursors, chunks, st.integers(0, 2**62), parts, opened)
+@given(nodes, st.integers(0, 2**63 - 1), cursors, chunks, st.integers(0, 2**62), parts, opened, st.integers(0, 10**9))
 def test_every_offset_reads_back_as_itself_through_json_text(lsns: dict[str, int], ts: int, cursor: Cursor,
                                                              found: list[Chunk], theta: int,
                                                              delivered: dict[str, tuple[tuple[str, int, int], ...]],
-                                                             still: dict[str, tuple[Part, ...]]) -> None:
+                                                             still: dict[str, tuple[Part, ...]], follow: int) -> None:
     if set(lsns) == {DEFAULT_NODE}:
         theta, delivered, still = 0, {}, {}  # (a one-node feed has none of these)
-    offset = Offset(lsns, ts, cursor, tuple(found), theta, delivered, still)
+    offset = Offset(lsns, ts, cursor, tuple(found), theta, delivered, still, follow)
     text = json.dumps(offset.to_json())
     again = Offset.from_json(text)
     assert again == offset

@@ -127,3 +127,26 @@ def test_a_commit_on_an_idle_stream_is_cut_once_its_time_comes(dbs: Dbs) -> None
             if rb.column("op")[rb.num_rows - 1].as_py() == ch.PROGRESS:
                 break
         assert follower.cuts == 1 and time.monotonic() < until - 30, "cut long before the deadline"
+
+
+def test_a_follower_flushes_commits_that_wait_for_the_wal_writer(dbs: Dbs) -> None:
+    """A commit made with synchronous_commit off reaches a WAL reader once the WAL is flushed: a
+    follower with `flush` flushes it (with a heartbeat) rather than wait for the server's WAL
+    writer. (Five commits 50 ms apart: the WAL writer, every 200 ms, does not beat it to all.)"""
+    node, start = _published(dbs, "flush")
+
+    def commits() -> None:
+        with dbs.src() as w:
+            w.execute("SET synchronous_commit = off")
+            for i in range(5):
+                time.sleep(0.05)
+                w.execute("INSERT INTO t VALUES (%s, 'v')", (i,))
+
+    with connect(dbs.source, "source", autocommit=True) as conn:
+        follower = Follower(conn, node, "source", start, 0, every=0.0, flush=0.02)
+        writer = threading.Thread(target=commits)
+        writer.start()
+        rows = [r for rb in follower.windows(until=time.monotonic() + 1.5) for r in rb.to_pylist()]
+        writer.join()
+    assert [r["op"] for r in rows if r["op"] in ch.DATA_OPS] == ["c"] * 5
+    assert follower.flushes >= 1

@@ -50,7 +50,7 @@ def _read(options: dict[str, str], part: int) -> Any:
     if part == 0:
         yield ch.pack(pa.concat_batches([_rows(ch.RELATION, range(0, 1), SHAPE.to_meta()), _rows("c", range(0, 1)),
                                          _progress(0, 1)]))
-        yield from feed_reads._push_through()
+        yield from feed_reads.push_through()
         return
     chunks = int(options.get("chunks") or 0)
     yield ch.pack(_rows(ch.RELATION, range(0, 1), SHAPE.to_meta()))
@@ -58,7 +58,7 @@ def _read(options: dict[str, str], part: int) -> Any:
     while not chunks or n < chunks:
         n += 1
         yield ch.pack(_rows("c", range(n * CHUNK_ROWS, (n + 1) * CHUNK_ROWS)))
-        yield from feed_reads._push_through()
+        yield from feed_reads.push_through()
         if n == 5:
             (Path(options["dir"]) / "streaming").touch()
         time.sleep(0.01)

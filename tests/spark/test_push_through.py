@@ -34,7 +34,7 @@ def _read(options: dict[str, str]) -> Any:
     marker = Path(options["dir"]) / "got-1"
     yield _chunk(1)
     if options["push"] == "1":
-        yield from feed_reads._push_through()
+        yield from feed_reads.push_through()
     t0 = time.monotonic()
     while not marker.exists() and time.monotonic() - t0 < float(options["wait"]):
         time.sleep(0.02)

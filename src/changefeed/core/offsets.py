@@ -10,7 +10,8 @@ version 3: `v`, `nodes` (name -> LSN) in place of `lsn`, the batch's cut time `t
 see core.distributed), per node the prepared parts its windows deliver (`parts`: gid, xid and the
 start of their COMMIT PREPARED) and those still open at its end (`open`, which the next plan
 starts from). Version 2 (two-phase slots read from a hold) is refused: its feed must be created
-again.
+again. A followed batch (`run --low-latency`, core.followed) adds `follow`, its number among them:
+its LSN and ts are where it starts, its end is only known once its sink recorded it.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Offset:
     theta: int = 0  # a feed of several nodes: the batch's cut time (Unix µs)
     parts: Mapping[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)  # node -> (gid, xid, lsn)
     open: Mapping[str, tuple[Part, ...]] = field(default_factory=dict)  # node -> parts prepared, undecided at its end
+    follow: int = 0  # a followed batch's number (core.followed): `lsns` and `ts` are where it starts
 
     @property
     def lsn(self) -> Lsn:
@@ -78,6 +80,8 @@ class Offset:
             out["parts"] = {n: [list(p) for p in v] for n, v in sorted(self.parts.items()) if v}
         if any(self.open.values()):
             out["open"] = {n: [p.to_json() for p in v] for n, v in sorted(self.open.items()) if v}
+        if self.follow:
+            out["follow"] = self.follow
         return out
 
     @classmethod
@@ -99,7 +103,8 @@ class Offset:
                      for n, v in (d.get("parts") or {}).items()}
             opened = {str(n): tuple(Part.from_json(p) for p in v) for n, v in (d.get("open") or {}).items()}
             return cls(lsns, int(d.get("ts", 0)), Cursor.from_offset(d),
-                       tuple(Chunk.from_json(c) for c in d.get("chunks", ())), int(d.get("theta", 0)), parts, opened)
+                       tuple(Chunk.from_json(c) for c in d.get("chunks", ())), int(d.get("theta", 0)), parts, opened,
+                       int(d.get("follow", 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, OffsetError):
                 raise

@@ -11,6 +11,11 @@ sink applies and records each sub-window on its own, exactly as it does a batch.
 chain: each starts where the last ended and continues its timestamps, which is what a window
 read again from the last one's end would give (tested against one window over the same stream).
 
+A server that commits with `synchronous_commit = off` hands its commits to a WAL reader only
+once its WAL writer flushes them (every `wal_writer_delay`, 200 ms by default): with `flush`,
+the follower looks every that many seconds whether WAL waits unflushed, and if so flushes it
+with an empty heartbeat message (PostgreSQL 17+), so that those commits come at once.
+
 What follows the last cut when the follower stops (its deadline passed and no transaction was
 being received) is read again by whoever reads from that cut's end: the slot only ever moves
 to a position a sink recorded.
@@ -24,8 +29,10 @@ from typing import Any
 
 import psycopg
 
+from changefeed.core.change import HEARTBEAT_PREFIX
 from changefeed.core.lsn import Lsn
 from changefeed.postgres import source as src
+from changefeed.postgres.connect import one_row, server_version
 from changefeed.postgres.decode.builder import ChangeBuilder
 from changefeed.postgres.replication import WindowStream
 from changefeed.spec.definition import SourceNode
@@ -43,9 +50,12 @@ class Follower:
 
     def __init__(self, conn: psycopg.Connection[Any], node: SourceNode, role: str, at: int, start_ts: int, *,
                  every: float, offset_at: Callable[[int, int], dict[str, Any]] | None = None,
-                 rows_per_batch: int = 65536) -> None:
+                 rows_per_batch: int = 65536, flush: float | None = None) -> None:
         self.conn, self.node, self.role, self.at, self.every = conn, node, role, at, every
         self.offset_at, self.rows_per_batch = offset_at, rows_per_batch
+        self.flush = flush if flush is not None and server_version(conn) >= 170000 else None
+        self._looked = float("-inf")  # when the follower last looked for unflushed WAL
+        self.flushes = 0  # heartbeats that flushed WAL (tests)
         self.builder = ChangeBuilder(at, FOLLOWED, start_ts, FOLLOWED, lambda rel: src.column_catalog(conn, rel),
                                      node=node.name, publication=node.publication)
         self.cuts = 0  # sub-windows ended so far
@@ -66,6 +76,7 @@ class Follower:
         blocks = stream.blocks(idle=IDLE_S)
         with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
             for block in blocks:
+                self._flush_waiting()
                 # A sub-window ends at the last commit received once `every` passed, and only when
                 # the stream has caught up (or the sub-window is long already): behind the
                 # server, fewer and larger sink transactions catch up sooner.
@@ -88,6 +99,16 @@ class Follower:
                     if builder.cuttable():
                         yield self._cut()
                     return
+
+    def _flush_waiting(self) -> None:
+        """With `flush`: at most that often, flush WAL that waits for the server's WAL writer."""
+        if self.flush is None or time.monotonic() - self._looked < self.flush:
+            return
+        self._looked = time.monotonic()
+        row = one_row(self.conn.execute(
+            "SELECT CASE WHEN pg_current_wal_insert_lsn() > pg_current_wal_flush_lsn() "
+            "THEN pg_logical_emit_message(false, %s, '', true) END IS NOT NULL", (HEARTBEAT_PREFIX,)))
+        self.flushes += bool(row[0])
 
     def _ready(self, stream: WindowStream, last_cut: float) -> bool:
         return time.monotonic() - last_cut >= self.every and (

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from changefeed.core import followed
 from changefeed.core.offsets import Offset
 from changefeed.sinks.base import Sink, task_slots
 from changefeed.sinks.registry import sink_of
@@ -73,6 +74,8 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
     batch then ends (spark.checkpoint.resume_until). `read_from`: per node, the slot read instead of
     the feed's (a copy that kept the WAL of sinks being caught up: control.lag_budget)."""
     nodes = [[n.name, n.uri, (read_from or {}).get(n.name, n.slot), n.publication] for n in spec.sources]
+    # low-latency mode (core.followed): where a followed batch's sink keeps its end, for the next to start there
+    follow_end = str(state.checkpoint / followed.END_FILE) if spec.low_latency_s else ""
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
@@ -98,14 +101,16 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("resume_offset", json.dumps(resume.to_json()) if resume else "")
               .option("resume_until", json.dumps(until.to_json()) if resume and until else "")
               .option("replay_file", str(state.replay_file))
-              .option("checkpoint", str(state.checkpoint)))
+              .option("checkpoint", str(state.checkpoint))
+              .option("follow_s", str(spec.low_latency_s)).option("follow_end", follow_end))
     targets = []
     for target in spec.sink_targets:
         one = spec.for_sink(target)
         sink = sink_of(one.sink)
         targets.append({"name": target.name, "sink": sink.name, "uri": one.sink, "feed": spec.name, "key": one.key,
                         "multi_node": str(spec.multi_node).lower(), "resync": ",".join(resync),
-                        "epoch": "" if epoch is None else str(epoch), **sink.writer_options(one, state)})
+                        "epoch": "" if epoch is None else str(epoch), "follow_end": follow_end,
+                        **sink.writer_options(one, state)})
     # several sinks write side by side in one task (sinks.fan_out), as the base shape has it
     only = spec if spec.several_sinks else spec.for_sink(spec.sink_targets[0])
     shape = Sink() if spec.several_sinks else sink_of(only.sink)

@@ -108,7 +108,7 @@ def read_partition(partition: InputPartition) -> Iterator[Any]:
 
 
 @functools.cache
-def _push_through() -> list[Any]:
+def push_through() -> list[Any]:
     """What to yield right after a chunk so that the sink gets it at once (see ch.push_through):
     rows bigger than the worker's output buffer (`spark.buffer.size`, passed as SPARK_BUFFER_SIZE).
     Built once per worker process: every chunk yields the same rows."""
@@ -153,7 +153,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
             with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
                 for rb in builder.batches(blocks, partition.rows_per_batch):
                     yield ch.pack(snapshot.held_back(rb, partition.held))
-                    yield from _push_through()
+                    yield from push_through()
                     faults.reach("read")
             if builder.undecided:
                 faults.reach("pending")  # crash tests: a prepared part on the node waits for its outcome
@@ -197,7 +197,7 @@ def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
                                      part.rows_per_batch, SNAPSHOT_PIECE_BYTES, part.where, part.columns,
                                      part.rate, cut):
             yield ch.pack(sink_scope.mark(rb, chunk.only))
-        yield from _push_through()
+        yield from push_through()
     read = {**reader(began), "ended": time.time()}
     named = {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
              "task": read["task"], **({"only": list(chunk.only)} if chunk.only else {})}

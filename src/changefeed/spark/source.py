@@ -30,7 +30,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from changefeed.core import barrier as bar
 from changefeed.core import change as ch
 from changefeed.core import distributed as dist
-from changefeed.core import snapshot
+from changefeed.core import followed, snapshot
 from changefeed.core.hlc import window_end_ts
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.nodes import DEFAULT_NODE, classic
@@ -46,6 +46,7 @@ from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
 from changefeed.spark.checkpoint import record_start, recorded_start, replay_ends
+from changefeed.spark.follow import FollowPartition, read_followed
 from changefeed.spark.rates import Rates
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
 from changefeed.spec.definition import (
@@ -76,7 +77,9 @@ class ChangefeedSource(DataSource):
     (JSON: per table the predicate its snapshot reads apply, as its publication's row filter does
     to its changes: spec.row_filters), replay_file (a JSON list of batch ends a sink behind the
     others is caught up by: control.lag_budget), checkpoint (the query's checkpoint folder, which
-    keeps where its first batch starts: spark.checkpoint.recorded_start)."""
+    keeps where its first batch starts: spark.checkpoint.recorded_start), follow_s (low-latency
+    mode: how long a followed batch follows the slot, core.followed) and follow_end (the end file
+    its sink keeps)."""
 
     @classmethod
     def name(cls) -> str:
@@ -116,6 +119,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.resume_until = Offset.from_json(options["resume_until"]) if options.get("resume_until") else None
         self._replay = replay_ends(Path(options["replay_file"])) if options.get("replay_file") else []
         self.checkpoint = Path(options["checkpoint"]) if options.get("checkpoint") else None
+        self.follow_s = float(options.get("follow_s") or 0)
+        self.follow_end = Path(options["follow_end"]) if options.get("follow_end") else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -247,7 +252,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark plans a batch only once the previous one is committed downstream, so `start` is
         # safe to release now (Spark's own `commit(start)` comes later): the cut below then
         # decodes only the new window.
-        start = self._joined(Offset.from_json(start_json))
+        logged = self._joined(Offset.from_json(start_json))
+        start = followed.started(logged, self.follow_end)
         self._release(start)
         replayed = next((e for e in self._replay if e.order > start.order), None)
         if replayed is not None:  # what a sink lacks: exactly the batches the others recorded
@@ -260,6 +266,12 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             limit = self.getDefaultReadLimit()
         # (no snapshot chunk while a verify waits: a chunk is read later than its window's end)
         chunks, cursor = self._plan_snapshot(start) if barrier is None else ([], start.cursor)
+        # Low-latency mode follows the slot in every batch but one after a followed batch that
+        # recorded nothing: an idle feed's batch of heartbeats moves its resolved ts and slot.
+        idle = logged.follow and start == logged
+        if self.follow_s and not chunks and barrier is None and self._available_now is None and not idle:
+            self._planned_at = time.monotonic()
+            return replace(start, cursor=cursor, chunks=(), follow=start.follow + 1).to_json()
         readings = self._take_readings(start, bool(chunks))
         if readings is None:
             return start_json
@@ -357,6 +369,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
         start, end = Offset.from_json(start_json), Offset.from_json(end_json)
+        if end.follow:  # (a followed batch: one node, one task, from where its offset says)
+            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch) for n in end.lsns]
+        start = followed.started(start, self.follow_end, end)
         # (a batch planned before a node was removed from the feed is replayed without that node)
         parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node,
                                                        self.wal.name)
@@ -382,7 +397,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return parts if self.parallel_reads and not self._sequential(end) or len(parts) < 2 else [GroupPartition(parts)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        return read_partition(partition)
+        return read_followed(partition) if isinstance(partition, FollowPartition) else read_partition(partition)
 
     @carried("source")
     @lost_connection("source")

@@ -31,6 +31,9 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_MAX_CLOCK_SKEW_S = 0.5
 # The runner renews its lease a third of it apart (control.lease_keeper): shorter leases would
 # end under a busy machine's scheduling pauses alone.
+# --low-latency: a followed batch's length. Each batch boundary holds what commits meanwhile for a
+# micro-batch's cycle, so longer batches give a lower p99; requests wait for the boundary.
+DEFAULT_FOLLOW_S, MIN_FOLLOW_S = 30.0, 1.0
 DEFAULT_LEASE_S, MIN_LEASE_S = 5.0, 2.0  # the default: bench/README.md, takeover
 WAL_READERS = ("peek", "stream")  # how windows are read: SQL peek (default: measured faster), replication protocol
 
@@ -106,6 +109,7 @@ class FeedSpec:
     snapshot_rate_rows: int = 0  # --snapshot-rate: rows per second across the snapshot reads (core.rate); 0 = none
     snapshot_rate_bytes: int = 0  # --snapshot-rate given as a size: bytes per second
     max_rate: int = 0  # --max-rate: changes per second the stream delivers (core.rate); 0 = no limit
+    low_latency_s: float = 0.0  # --low-latency: how long a followed batch follows the slot (core.followed); 0 = off
 
     @property
     def sink_targets(self) -> tuple[SinkTarget, ...]:
@@ -257,7 +261,8 @@ class FeedSpec:
                                    ("sink-lag-budget", self.sink_lag_budget_s),
                                    ("sink-lag-budget", self.sink_lag_budget_bytes),
                                    ("snapshot-rate", self.snapshot_rate_rows),
-                                   ("snapshot-rate", self.snapshot_rate_bytes), ("max-rate", self.max_rate)) if v < 0]
+                                   ("snapshot-rate", self.snapshot_rate_bytes), ("max-rate", self.max_rate),
+                                   ("low-latency", self.low_latency_s)) if v < 0]
         if negative:
             raise ConfigError(f"--{negative[0]} must not be negative", "use 0 for no limit")
         if self.max_rate and self.multi_node:
@@ -270,6 +275,8 @@ class FeedSpec:
         if self.sink_lag_budget and not self.several_sinks:
             raise ConfigError("--sink-lag-budget lets a feed's other sinks go on without one that fails: this feed "
                               "has one sink", "leave --sink-lag-budget out, or give the feed several --sink NAME=URI")
+        if self.low_latency_s:
+            self._validate_low_latency()
         if self.lease_s < MIN_LEASE_S:
             raise ConfigError(f"--lease must be at least {MIN_LEASE_S:g}s, got {self.lease_s:g}s",
                               f"the runner renews it every third of it; the default is {DEFAULT_LEASE_S:g}s")
@@ -292,6 +299,21 @@ class FeedSpec:
         if self.outbox:
             self._validate_outbox()
         return self
+
+    def _validate_low_latency(self) -> None:
+        """What low-latency mode (core.followed) cannot do yet, refused before anything is created."""
+        from changefeed.spec.sinks import kind_of
+
+        refused = ("a feed of several nodes (its batches are cut at a point in commit time)" if self.multi_node else
+                   "a feed of several sinks" if self.several_sinks else
+                   "--max-rate (a followed batch delivers what is committed as it comes)" if self.max_rate else
+                   "a sink that is not a PostgreSQL replica" if kind_of(self.sink) != "replica" else None)
+        if refused:
+            raise ConfigError(f"--low-latency is not available on {refused} yet",
+                              "leave --low-latency out (or set it to 0): the feed then runs in micro-batches")
+        if self.low_latency_s < MIN_FOLLOW_S:
+            raise ConfigError(f"--low-latency must be at least {MIN_FOLLOW_S:g}s, got {self.low_latency_s:g}s",
+                              f"it is how long one batch follows the slot; the default is {DEFAULT_FOLLOW_S:g}s")
 
     def _validate_nodes(self) -> None:
         if self.source and self.nodes:

@@ -15,7 +15,7 @@ next, never between, and merging overlaps with reading the rest of the batch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -28,7 +28,7 @@ from changefeed import faults
 from changefeed.core import change as ch
 from changefeed.core.copytext import NULL
 from changefeed.core.lsn import format_lsn
-from changefeed.errors import ChangefeedError, SinkError
+from changefeed.errors import ChangefeedError, IncompleteBatch, SinkError
 from changefeed.postgres.ddl_capture import PREFIX as DDL_PREFIX
 from changefeed.sinks.replica import merge
 from changefeed.sinks.replica import shape as replica_shape
@@ -43,12 +43,20 @@ _APPLIED_OPS = pa.array(APPLIED_OPS)
 
 @dataclass
 class Applied:
-    """What a batch did to the replica: `applied` is False for a batch recorded before."""
+    """What a batch did to the replica: `applied` is False for a batch recorded before. `offset`:
+    its end offset as recorded (core.offsets), where a followed batch's next one starts."""
 
     batch_id: int
     end_lsn: int
     changes: int
     applied: bool
+    offset: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, batch_id: int, parts: "list[Applied]") -> "Applied":
+        """What a followed batch's sub-windows did together (core.followed)."""
+        return cls(batch_id, max((p.end_lsn for p in parts), default=0), sum(p.changes for p in parts),
+                   any(p.applied for p in parts), next((p.offset for p in reversed(parts) if p.offset), None))
 
 
 class BatchApplier:
@@ -122,6 +130,26 @@ class BatchApplier:
                     ch.TableShape.from_meta(schema, table, meta), follow=new)
             else:
                 self._progress.append(ch.Progress.from_meta(meta))
+                self._fold()
+
+    def whole(self) -> bool:
+        """Whether the `P` rows added so far are every input partition's of a batch (or of a
+        followed batch's sub-window, core.followed): what is added can be committed."""
+        try:
+            ch.BatchProgress.of(self._progress)
+        except IncompleteBatch:
+            return False
+        return True
+
+    def _fold(self) -> None:
+        """Sub-windows of a followed batch applied in one transaction (the writer's group commit,
+        sinks.replica.writer) count as one, ending at the last: done when every `P` row added is a
+        whole batch's own (`parts` 1), which a batch's several input partitions never are."""
+        if len(self._progress) < 2 or any(p.parts != 1 for p in self._progress):
+            return
+        times = [p.last_commit_time for p in self._progress if p.last_commit_time is not None]
+        self._progress = [replace(self._progress[-1], changes=sum(p.changes for p in self._progress),
+                                  last_commit_time=max(times) if times else None)]
 
     def covers(self, progress: ch.BatchProgress) -> bool:
         """Whether the replica recorded this batch (or a later one) before."""
@@ -154,7 +182,7 @@ class BatchApplier:
             faults.reach("before_sink_commit")
         self.conn.execute("COMMIT")
         faults.reach("after_sink_commit")
-        return Applied(self.batch_id, p.end_lsn, p.changes, applied)
+        return Applied(self.batch_id, p.end_lsn, p.changes, applied, p.offset)
 
     def rollback(self) -> None:
         if not self.conn.closed:

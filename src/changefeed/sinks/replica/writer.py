@@ -5,26 +5,36 @@ one target transaction and commit it: the progress row in that transaction makes
 or a replayed batch a no-op, and the source advances its slot only after Spark has seen the task
 succeed. Applying while reading needs the task to keep taking input while the database merges:
 a thread applies chunks from a short queue.
+
+A feed in low-latency mode (`follow_end`, core.followed) commits each time the rows taken in
+make a whole batch: a followed batch's task commits a transaction per sub-window, each with its
+progress row, and the driver keeps the last one's end as where the next batch starts.
 """
 from __future__ import annotations
 
 import json
 import queue
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 from changefeed.core import change as ch
+from changefeed.core import followed
+from changefeed.core.offsets import Offset
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.sinks.batch_input import BatchInput
 from changefeed.sinks.replica import apply as replica
 
 QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the database merges
+FOLD_S = 0.05  # low-latency mode: the longest a transaction takes in sub-windows that wait (group commit)
 
 
 class ReplicaWriter:
     """Options: uri, feed, multi_node, resync (tables that follow any schema change, see
     core.schema_change), renamed (JSON [[old, new], ...]: tables renamed on the source), epoch
-    (the runner's lease term: a batch is refused once a later term claimed the replica)."""
+    (the runner's lease term: a batch is refused once a later term claimed the replica),
+    follow_end (low-latency mode: the driver's end file, core.followed)."""
 
     def __init__(self, options: dict[str, str]) -> None:
         self.uri = options["uri"]
@@ -33,6 +43,7 @@ class ReplicaWriter:
         self.renamed = dict(json.loads(options.get("renamed") or "[]"))
         self.row_filters: dict[str, str] = json.loads(options.get("row_filters") or "{}")
         self.epoch = int(options["epoch"]) if options.get("epoch") else None
+        self.follow_end = Path(options["follow_end"]) if options.get("follow_end") else None
 
     def _applier(self, conn: Any, batch: BatchInput, in_stream_order: bool = False) -> replica.BatchApplier:
         applier = replica.BatchApplier(conn, self.feed, batch.task.batch_id, in_stream_order=in_stream_order,
@@ -45,7 +56,11 @@ class ReplicaWriter:
         return self._write_merged(batch) if batch.multi_node else self._write_streaming(batch)
 
     def commit(self, results: list[Any], batch_id: int) -> None:
-        """Nothing left to do: the writer task committed the batch on the replica."""
+        """Nothing left to do: the writer task committed the batch on the replica. In low-latency
+        mode, keep where it ended, for the next batch to start there."""
+        ends = [Offset.from_json(r.offset) for r in results if r.offset]
+        if self.follow_end is not None and ends:
+            followed.note_end(self.follow_end, max(ends, key=lambda e: e.order))
 
     def abort(self, results: list[Any], batch_id: int) -> None:
         """Nothing to undo: a failed task rolled back; a committed one is skipped when replayed."""
@@ -69,22 +84,37 @@ class ReplicaWriter:
             return applier.commit()
 
     def _write_streaming(self, batch: BatchInput) -> replica.Applied:
-        """A one-node batch: applied while it is read (its rows come in commit order)."""
+        """A one-node batch: applied while it is read (its rows come in commit order); in
+        low-latency mode committed at each whole batch or sub-window it holds."""
         chunks: queue.Queue[Any] = queue.Queue(QUEUED_CHUNKS)
         failed: list[BaseException] = []
         done = object()
+        committed: list[replica.Applied] = []
+        open_: list[replica.BatchApplier] = []  # the applier of what is not committed yet (none or one)
+        began = [0.0]  # when its transaction began (monotonic)
 
         def apply() -> None:
             try:
                 while (rb := chunks.get()) is not done:
-                    applier.add(rb)
+                    if not open_:
+                        open_.append(self._applier(conn, batch))
+                        began[0] = time.monotonic()
+                    open_[0].add(rb)
+                    if self.follow_end is not None and _ends_whole(rb, open_[0]):
+                        # Group commit: a whole sub-window waiting already goes in the same
+                        # transaction, for up to FOLD_S, so that a writer behind its reader catches
+                        # up in fewer, larger transactions (never rows no `P` row closed yet).
+                        if time.monotonic() - began[0] < FOLD_S and _waits_whole(chunks):
+                            continue
+                        committed.append(open_.pop().commit())
             except BaseException as e:  # noqa: BLE001 - handed to the task thread
                 failed.append(e)
                 while chunks.get() is not done:  # let the reader finish; its data is not needed
                     pass
 
         with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
-            applier = self._applier(conn, batch)
+            if self.follow_end is None:
+                open_.append(self._applier(conn, batch))  # (a batch's one transaction, begun before its rows)
             worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)
             worker.start()
             try:
@@ -96,6 +126,24 @@ class ReplicaWriter:
                 chunks.put(done)
                 worker.join()
             if failed:
-                applier.rollback()
+                for applier in open_:
+                    applier.rollback()
                 raise failed[0]
-            return applier.commit()
+            if open_:  # (in low-latency mode, rows no whole sub-window closed: IncompleteBatch)
+                committed.append(open_[0].commit())
+            return replica.Applied.of(batch.task.batch_id, committed)
+
+
+def _ends_whole(rb: Any, applier: replica.BatchApplier) -> bool:
+    """Whether `rb` ends with a `P` row that makes what the applier took a whole batch (or sub-window)."""
+    return _ends_with_progress(rb) and applier.whole()
+
+
+def _ends_with_progress(rb: Any) -> bool:
+    return bool(getattr(rb, "num_rows", 0)) and rb.column("op")[rb.num_rows - 1].as_py() == ch.PROGRESS
+
+
+def _waits_whole(chunks: "queue.Queue[Any]") -> bool:
+    """Whether a sub-window's `P` row waits in the queue already (its rows come before it)."""
+    with chunks.mutex:
+        return any(_ends_with_progress(rb) for rb in chunks.queue)

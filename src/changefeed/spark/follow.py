@@ -1,0 +1,62 @@
+"""A followed batch's one task (low-latency mode, core.followed): the slot followed for a while.
+
+The planner (spark/source.py) gives a followed batch one `FollowPartition`: the node, where the
+batch starts (the end of the last sub-window its sink recorded), and how long to follow. Its
+read follows the slot with postgres.follow.Follower and yields each sub-window as it is cut,
+its `P` row naming the sub-window's end as an offset to start from, then one push-through row
+more than a batch's read does: the sub-window reaches the writer task at once rather than when
+the next one is yielded (bench/README.md, spark_transit.py). The writer commits it there
+(sinks.replica.writer); what the task did not cut when it ends is read by the next batch.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from pyspark.sql.datasource import InputPartition
+
+from changefeed import faults
+from changefeed.core import change as ch
+from changefeed.core.lsn import Lsn
+from changefeed.core.offsets import Offset
+from changefeed.errors import carried
+from changefeed.postgres import slots
+from changefeed.postgres.connect import connect, lost_connection
+from changefeed.spark.reads import push_through
+from changefeed.spec.definition import SourceNode
+
+# A sub-window lasts at least this long: each costs the writer a transaction of its own (its
+# group commit folds only what waits already), and ending one at every commit received let the
+# writer fall behind the reader at 10,000 changes/s (bench/README.md, latency.py --low-latency).
+EVERY_S = 0.02
+
+
+class FollowPartition(InputPartition):
+    """Follow node `node`'s slot from `start` (its `lsns` and `ts`) for `seconds`."""
+
+    def __init__(self, node: SourceNode, start: Offset, seconds: float, rows_per_batch: int) -> None:
+        self.node, self.start, self.seconds, self.rows_per_batch = node, start, seconds, rows_per_batch
+
+
+def read_followed(part: FollowPartition) -> Iterator[Any]:
+    """The packed rows of a followed batch: sub-window after sub-window until its time is up."""
+    from changefeed.postgres.follow import Follower  # numpy and Arrow: executors only (see spark/reads.py)
+
+    node, role = part.node, "source"
+    until = time.monotonic() + part.seconds
+    at = part.start.lsns[node.name]
+
+    def offset_at(lsn: int, ts: int) -> dict[str, Any]:
+        return replace(part.start, lsns={node.name: Lsn(lsn)}, ts=ts).to_json()
+
+    with carried("source"), connect(node.uri, role) as conn, lost_connection(role):
+        slots.advance(conn, node.slot, at)  # (as a window's read: a slot behind `at` would re-send from there)
+        follower = Follower(conn, node, role, at, part.start.ts, every=EVERY_S, offset_at=offset_at,
+                            rows_per_batch=part.rows_per_batch, flush=EVERY_S)
+        pushed = [*push_through(), push_through()[0]]
+        for rb in follower.windows(until):
+            yield ch.pack(rb)
+            yield from pushed
+            faults.reach("read")

@@ -1,0 +1,69 @@
+"""Low-latency mode (`run --low-latency`, core.followed): each batch's one task follows the slot and
+commits a replica transaction per sub-window. Under writes, with SIGKILLs at its fault points and
+at random, the replica still gets every committed change once, in sub-windows whose resolved
+timestamps never go back; a run in micro-batches carries on where it stopped. What the mode cannot
+do yet is refused with nothing created."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import Dbs, changefeed_cli, fingerprint, kill_runs, moving_money, writing
+
+ACCOUNTS = 40
+SNAPSHOT_ROWS = 3000  # rows the snapshot delivers (in micro-batches) before the feed follows the slot
+
+
+@pytest.mark.slow
+def test_a_low_latency_feed_is_exactly_once_through_kills(dbs: Dbs, tmp_path: Path) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
+        c.execute("INSERT INTO ledger SELECT -g, 'old' FROM generate_series(1, %s) g", (SNAPSHOT_ROWS,))
+    state = str(tmp_path / "state")
+    base = ["run", "--name", dbs.name, "--state", state]
+    written = [0]
+    # batches of 3 s: the kills and the runs between them cross several batch boundaries
+    kills = ["after_sink_commit:25", "read:60", "before_sink_commit:40", "random"]
+    (tmp_path / "first").mkdir()
+    with writing(moving_money(ACCOUNTS), dbs.source, written):
+        kill_runs([*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.ledger,public.accounts",
+                   "--low-latency", "3s"], kills[:1], tmp_path / "first", random_after=(15, 25))
+        kill_runs(base, kills[1:], tmp_path, random_after=(15, 25))
+    final = changefeed_cli(*base, "--available-now")  # the rest in micro-batches, from where the last run was
+    assert final.returncode == 0, final.stderr[-3000:]
+
+    for table in ("public.ledger", "public.accounts"):
+        assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table), table
+    with dbs.dst() as d:
+        ids = [r[0] for r in d.execute("SELECT id FROM ledger WHERE id > 0 ORDER BY id")]
+        assert ids == list(range(1, written[0] + 1))  # every committed row, once, none missing
+        assert d.execute("SELECT sum(balance) FROM accounts").fetchone() == (ACCOUNTS * 1000,)
+        rows = d.execute("SELECT batch_id, end_lsn - '0/0'::pg_lsn, resolved_ts FROM changefeed.progress "
+                         "WHERE feed = %s ORDER BY end_lsn", (dbs.name,)).fetchall()
+    resolved = [r[2] for r in rows]
+    assert resolved == sorted(resolved)  # the resolved ts never went back
+    per_batch: dict[int, int] = {}
+    for batch, _, _ in rows:
+        per_batch[batch] = per_batch.get(batch, 0) + 1
+    assert max(per_batch.values()) >= 10, per_batch  # followed batches committed many sub-windows each
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--sink", "kafka://127.0.0.1:9/x"], "not a PostgreSQL replica"),
+    (["--max-rate", "100"], "--max-rate"),
+    (["--low-latency", "0.5s"], "at least 1s"),
+])
+def test_what_low_latency_cannot_do_is_refused_with_nothing_created(dbs: Dbs, tmp_path: Path, extra: list[str],
+                                                                     says: str) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    sink = [] if "--sink" in extra else ["--sink", dbs.sink]
+    got = changefeed_cli("run", "--name", dbs.name, "--state", str(tmp_path / "state"), "--source", dbs.source,
+                         *sink, "--tables", "public.t", "--low-latency", *extra)
+    assert got.returncode == 64 and says in got.stderr and "Traceback" not in got.stderr, got.stderr
+    with dbs.src() as c:
+        assert c.execute("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s",
+                         (f"%{dbs.name}%",)).fetchone() == (0,)
