@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Dbs, changefeed_cli, fingerprint, kill_runs, moving_money, writing
+from conftest import (
+    Dbs,
+    changefeed_cli,
+    fingerprint,
+    kill_group,
+    kill_runs,
+    moving_money,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 ACCOUNTS = 40
 SNAPSHOT_ROWS = 3000  # rows the snapshot delivers (in micro-batches) before the feed follows the slot
@@ -49,6 +59,37 @@ def test_a_low_latency_feed_is_exactly_once_through_kills(dbs: Dbs, tmp_path: Pa
     for batch, _, _ in rows:
         per_batch[batch] = per_batch.get(batch, 0) + 1
     assert max(per_batch.values()) >= 10, per_batch  # followed batches committed many sub-windows each
+
+
+def test_a_snapshot_request_ends_a_followed_batch_before_its_time(dbs: Dbs, tmp_path: Path) -> None:
+    """A batch that would follow the slot for ten minutes ends when `snapshot --tables` asks, so
+    the re-snapshot comes within a minute or two rather than after the batch."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE items (id int PRIMARY KEY, v text)")
+        c.execute("INSERT INTO items SELECT g, 'v' FROM generate_series(1, 2000) g")
+    state, log = str(tmp_path / "state"), tmp_path / "feed.log"
+    feed = start_changefeed("run", "--name", dbs.name, "--state", state, "--source", dbs.source, "--sink", dbs.sink,
+                            "--tables", "public.items", "--low-latency", "10m", log=log)
+    try:
+        wait_for("the snapshot", lambda: "snapshot public.items: done" in log.read_text(), log)
+        with dbs.src() as c:
+            c.execute("INSERT INTO items VALUES (5000, 'new')")  # followed: on the replica at once
+        wait_for("a followed change", lambda: _count(dbs.sink, "id = 5000") == 1, log, timeout=60)
+        with dbs.dst() as d:
+            d.execute("DELETE FROM items WHERE id <= 1000")  # the replica damaged: a re-snapshot mends it
+        asked = changefeed_cli("snapshot", "--name", dbs.name, "--state", state, "--tables", "public.items")
+        assert asked.returncode == 0, asked.stderr
+        wait_for("the re-snapshot", lambda: _count(dbs.sink, "true") == 2001, log, timeout=120)
+        assert fingerprint(dbs.source, "public.items") == fingerprint(dbs.sink, "public.items")
+    finally:
+        kill_group(feed)
+
+
+def _count(uri: str, where: str) -> int:
+    import psycopg
+
+    with psycopg.connect(uri) as c:
+        return int(c.execute(f"SELECT count(*) FROM items WHERE {where}").fetchone()[0])  # type: ignore[index]
 
 
 @pytest.mark.parametrize(("extra", "says"), [

@@ -40,6 +40,7 @@ from changefeed.spec.definition import SourceNode
 FOLLOWED = Lsn(1 << 62)  # a followed window's end and resolved bound: no transaction lies past it
 LINGER_S = 0.002  # the longest a received message waits for more before the builder gets it
 IDLE_S = 0.01  # how often a follower waiting for messages looks at its clock
+WANTED_S = 1.0  # how often a follower asks whether it should end before its deadline
 
 
 class Follower:
@@ -65,14 +66,16 @@ class Follower:
         """Where the last sub-window ended (its end LSN and resolved ts): the next starts there."""
         return self.builder.start_lsn, self.builder.last_ts
 
-    def windows(self, until: float) -> Iterator[Any]:
+    def windows(self, until: float, wanted: Callable[[], bool] | None = None) -> Iterator[Any]:
         """Record batches of change rows, each sub-window's last one ending with its `P` row
-        (a large one comes in several), until the monotonic clock passes `until` and no
-        transaction is being received. Rows after the last `P` row (a long sub-window's first
-        parts, cut short by the deadline) belong to no sub-window: a sink drops them."""
+        (a large one comes in several), until the monotonic clock passes `until`, or `wanted()`
+        (asked about once every WANTED_S) says the follower should end, and no transaction is
+        being received. Rows after the last `P` row (a long sub-window's first parts, cut short
+        by the deadline) belong to no sub-window: a sink drops them."""
         stream = WindowStream(self.node.uri, self.role, self.node.slot, self.node.publication, self.at, FOLLOWED,
                               layout=src.wal_layout(self.conn), linger=LINGER_S)
         builder, last_cut = self.builder, time.monotonic()
+        asked = last_cut
         blocks = stream.blocks(idle=IDLE_S)
         with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
             for block in blocks:
@@ -95,6 +98,10 @@ class Follower:
                     yield builder.take()
                 elif (part := builder.parted(self.rows_per_batch)) is not None:  # and a large transaction
                     yield part
+                if wanted is not None and time.monotonic() >= asked + WANTED_S:
+                    asked = time.monotonic()
+                    if wanted():
+                        until = asked  # (ends now, or once the transaction being received is whole)
                 if time.monotonic() >= until and not builder.in_transaction:
                     if builder.cuttable():
                         yield self._cut()

@@ -11,19 +11,23 @@ the next one is yielded (bench/README.md, spark_transit.py). The writer commits 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql.datasource import InputPartition
 
 from changefeed import faults
+from changefeed.core import barrier, snapshot
 from changefeed.core import change as ch
 from changefeed.core.lsn import Lsn
+from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
 from changefeed.postgres import slots
 from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.requests import SourceRequests
 from changefeed.spark.reads import push_through
 from changefeed.spec.definition import SourceNode
 
@@ -34,10 +38,36 @@ EVERY_S = 0.02
 
 
 class FollowPartition(InputPartition):
-    """Follow node `node`'s slot from `start` (its `lsns` and `ts`) for `seconds`."""
+    """Follow node `node`'s slot from `start` (its `lsns` and `ts`) for `seconds`, or until the
+    planner has work a followed batch does not do (`Wanted`)."""
 
-    def __init__(self, node: SourceNode, start: Offset, seconds: float, rows_per_batch: int) -> None:
+    def __init__(self, node: SourceNode, start: Offset, seconds: float, rows_per_batch: int,
+                 wanted: "Wanted | None" = None) -> None:
         self.node, self.start, self.seconds, self.rows_per_batch = node, start, seconds, rows_per_batch
+        self.wanted = wanted
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What ends a followed batch before its time: a snapshot request of feed `feed` its query
+    can take in (of its `nodes`' tables, for its `sinks`: as the planner's `_plan_snapshot`), on
+    the first node, or a verify's barrier in `barrier_file` (readable where the driver is: a
+    task on another host misses it, and the verify tries again after the batch)."""
+
+    feed: str
+    nodes: frozenset[str]
+    sinks: frozenset[str]
+    barrier_file: str | None
+
+    def asker(self, conn: Any, taken: int) -> Callable[[], bool]:
+        requests = SourceRequests(lambda: conn, self.feed)
+
+        def wanted() -> bool:
+            if self.barrier_file and barrier.read(Path(self.barrier_file)) is not None:
+                return True
+            return any(all(snapshot.node_of(t, DEFAULT_NODE)[0] in self.nodes for t in r.tables)
+                       and set(r.only) <= self.sinks for r in requests.after(taken))
+        return wanted
 
 
 def read_followed(part: FollowPartition) -> Iterator[Any]:
@@ -56,7 +86,8 @@ def read_followed(part: FollowPartition) -> Iterator[Any]:
         follower = Follower(conn, node, role, at, part.start.ts, every=EVERY_S, offset_at=offset_at,
                             rows_per_batch=part.rows_per_batch, flush=EVERY_S)
         pushed = [*push_through(), push_through()[0]]
-        for rb in follower.windows(until):
+        asker = part.wanted.asker(conn, part.start.cursor.requests) if part.wanted else None
+        for rb in follower.windows(until, asker):
             yield ch.pack(rb)
             yield from pushed
             faults.reach("read")

@@ -46,7 +46,7 @@ from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
 from changefeed.spark.checkpoint import record_start, recorded_start, replay_ends
-from changefeed.spark.follow import FollowPartition, read_followed
+from changefeed.spark.follow import FollowPartition, Wanted, read_followed
 from changefeed.spark.rates import Rates
 from changefeed.spark.reads import BatchPartition, ChunkPartition, GroupPartition, WindowPartition, read_partition
 from changefeed.spec.definition import (
@@ -370,7 +370,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start_json: dict[str, Any], end_json: dict[str, Any]) -> Sequence[InputPartition]:
         start, end = Offset.from_json(start_json), Offset.from_json(end_json)
         if end.follow:  # (a followed batch: one node, one task, from where its offset says)
-            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch) for n in end.lsns]
+            wanted = Wanted(self.feed, frozenset(self.nodes), frozenset(self.sinks),
+                            str(self.barrier_file) if self.barrier_file else None)
+            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch, wanted) for n in end.lsns]
         start = followed.started(start, self.follow_end, end)
         # (a batch planned before a node was removed from the feed is replayed without that node)
         parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node,
