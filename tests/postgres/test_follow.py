@@ -150,3 +150,29 @@ def test_a_follower_flushes_commits_that_wait_for_the_wal_writer(dbs: Dbs) -> No
         writer.join()
     assert [r["op"] for r in rows if r["op"] in ch.DATA_OPS] == ["c"] * 5
     assert follower.flushes >= 1
+
+
+def test_the_slot_moves_with_what_the_sink_recorded_while_the_window_stays_open(dbs: Dbs) -> None:
+    """`recorded` says how far the sink is: the stream confirms that, and the slot moves there
+    before the follower ends (a slot moved only at batch ends makes each start decode it all)."""
+    node, start = _published(dbs, "moves")
+    stop = threading.Event()
+    writer = _writer(dbs.source, stop)
+    ends: list[int] = []
+    seen: list[int] = []
+    try:
+        with connect(dbs.source, "source", autocommit=True) as conn, dbs.src() as look:
+            follower = Follower(conn, node, "source", start, 0, every=0.02)
+            for rb in follower.windows(until=time.monotonic() + 4.0, recorded=lambda: ends[len(ends) // 2]
+                                       if ends else start):
+                ends += [ch.Progress.from_meta(m).end_lsn for m, op in zip(rb.column("meta").to_pylist(),
+                                                                            rb.column("op").to_pylist())
+                         if op == ch.PROGRESS]
+                state = slots.slot_state(look, "moves")
+                assert state is not None and state.confirmed_flush is not None
+                seen.append(state.confirmed_flush)
+    finally:
+        stop.set()
+        writer.join()
+    assert start < max(seen) <= ends[-1]  # moved while following, never past what was "recorded"
+    assert max(seen) in ends

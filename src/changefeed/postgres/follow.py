@@ -66,12 +66,15 @@ class Follower:
         """Where the last sub-window ended (its end LSN and resolved ts): the next starts there."""
         return self.builder.start_lsn, self.builder.last_ts
 
-    def windows(self, until: float, wanted: Callable[[], bool] | None = None) -> Iterator[Any]:
+    def windows(self, until: float, wanted: Callable[[], bool] | None = None,
+                recorded: Callable[[], int] | None = None) -> Iterator[Any]:
         """Record batches of change rows, each sub-window's last one ending with its `P` row
         (a large one comes in several), until the monotonic clock passes `until`, or `wanted()`
         (asked about once every WANTED_S) says the follower should end, and no transaction is
-        being received. Rows after the last `P` row (a long sub-window's first parts, cut short
-        by the deadline) belong to no sub-window: a sink drops them."""
+        being received. `recorded()` (asked as often): how far the sink recorded the feed, which
+        the stream confirms to the server, so the slot moves while the window stays open. Rows
+        after the last `P` row (a long sub-window's first parts, cut short by the deadline)
+        belong to no sub-window: a sink drops them."""
         stream = WindowStream(self.node.uri, self.role, self.node.slot, self.node.publication, self.at, FOLLOWED,
                               layout=src.wal_layout(self.conn), linger=LINGER_S)
         builder, last_cut = self.builder, time.monotonic()
@@ -98,9 +101,11 @@ class Follower:
                     yield builder.take()
                 elif (part := builder.parted(self.rows_per_batch)) is not None:  # and a large transaction
                     yield part
-                if wanted is not None and time.monotonic() >= asked + WANTED_S:
+                if time.monotonic() >= asked + WANTED_S:
                     asked = time.monotonic()
-                    if wanted():
+                    if recorded is not None:
+                        stream.confirm(recorded())
+                    if wanted is not None and wanted():
                         until = asked  # (ends now, or once the transaction being received is whole)
                 if time.monotonic() >= until and not builder.in_transaction:
                     if builder.cuttable():

@@ -46,6 +46,7 @@ from changefeed.postgres.slots import slot_errors
 from changefeed.postgres.wal_layout import message_record_length, starts_before
 
 STATUS_INTERVAL_S = 10.0  # well inside the server's wal_sender_timeout (60 s by default)
+CONFIRM_S = 1.0  # a position newly confirmed goes to the server within about this long (see confirm)
 SILENT_S = 30.0  # nothing heard for this long, pings unanswered: the path is stalled, the stream is cut
 BLOCK_MESSAGES = 5000  # most messages per block handed to the builder
 BLOCK_BYTES = 8 << 20
@@ -102,6 +103,7 @@ class WindowStream:
                  layout: tuple[int, int], status_interval: float = STATUS_INTERVAL_S, silent: float = SILENT_S,
                  linger: float | None = None, **connect_kwargs: Any) -> None:
         self.uri, self.role, self.slot, self.publication, self.at, self.end = uri, role, slot, publication, at, end
+        self.confirmed = self._reported = at  # the position the status updates report as flushed (see confirm)
         self.linger = linger  # the longest a message waits in a block for more (None: until the server pauses)
         self.page, self.segment = layout  # the server's WAL page and segment size (see past_end)
         self.status_interval, self.silent, self.connect_kwargs = status_interval, silent, connect_kwargs
@@ -133,6 +135,12 @@ class WindowStream:
         finally:
             self._stop.set()
             self._thread.join()
+
+    def confirm(self, lsn: int) -> None:
+        """Report `lsn` as flushed from the next status update on: only a position every change
+        before which is recorded where the feed's changes go (a sink's ledger), so that the server
+        may release the WAL before it while a followed window stays open (postgres.follow)."""
+        self.confirmed = max(self.confirmed, lsn)
 
     def backlogged(self) -> bool:
         """Whether more blocks were received than the consumer took."""
@@ -243,12 +251,14 @@ class WindowStream:
         if now - self._heard_at >= self.silent:
             raise psycopg.OperationalError(f"the walsender sent nothing for {self.silent:.0f} s, not even an "
                                            "answer to a keepalive: the connection is stalled")
-        if now - self._sent_at >= self.status_interval:
+        if now - self._sent_at >= self.status_interval or \
+                self.confirmed > self._reported and now - self._sent_at >= CONFIRM_S:
             self._send_status(ping=now - self._heard_at >= self.status_interval)
 
     def _send_status(self, ping: bool = False) -> None:
         assert self._pg is not None
-        self._pg.put_copy_data(status_update(self.at, ping))
+        self._reported = self.confirmed
+        self._pg.put_copy_data(status_update(self._reported, ping))
         _flush(self._pg)
         self._sent_at = time.monotonic()
         self.updates += 1

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from changefeed.errors import carried
 from changefeed.postgres import slots
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.requests import SourceRequests
+from changefeed.sinks.replica.ledger import applied_upto
 from changefeed.spark.reads import push_through
 from changefeed.spec.definition import SourceNode
 
@@ -42,9 +45,10 @@ class FollowPartition(InputPartition):
     planner has work a followed batch does not do (`Wanted`)."""
 
     def __init__(self, node: SourceNode, start: Offset, seconds: float, rows_per_batch: int,
-                 wanted: "Wanted | None" = None) -> None:
+                 wanted: "Wanted | None" = None, ledger: tuple[str, str] | None = None) -> None:
         self.node, self.start, self.seconds, self.rows_per_batch = node, start, seconds, rows_per_batch
         self.wanted = wanted
+        self.ledger = ledger  # (the replica's URI, the feed's ledger key): the slot moves with it as it follows
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,25 @@ def read_followed(part: FollowPartition) -> Iterator[Any]:
     def offset_at(lsn: int, ts: int) -> dict[str, Any]:
         return replace(part.start, lsns={node.name: Lsn(lsn)}, ts=ts).to_json()
 
-    with carried("source"), connect(node.uri, role) as conn, lost_connection(role):
+    with carried("source"), ExitStack() as stack:
+        conn = stack.enter_context(connect(node.uri, role))
+        stack.enter_context(lost_connection(role))
+        recorded = None
+        if part.ledger is not None:  # (a slot that moved only at batch ends would make each start decode it all)
+            sink = stack.enter_context(connect(part.ledger[0], "sink"))
+            recorded = partial(_recorded, sink, part.ledger[1])
         slots.advance(conn, node.slot, at)  # (as a window's read: a slot behind `at` would re-send from there)
         follower = Follower(conn, node, role, at, part.start.ts, every=EVERY_S, offset_at=offset_at,
                             rows_per_batch=part.rows_per_batch, flush=EVERY_S)
         pushed = [*push_through(), push_through()[0]]
         asker = part.wanted.asker(conn, part.start.cursor.requests) if part.wanted else None
-        for rb in follower.windows(until, asker):
+        for rb in follower.windows(until, asker, recorded):
             yield ch.pack(rb)
             yield from pushed
             faults.reach("read")
+
+
+def _recorded(sink: Any, key: str) -> int:
+    """How far the replica recorded the feed (its ledger, sinks.replica.ledger)."""
+    with lost_connection("sink"):
+        return applied_upto(sink, key)

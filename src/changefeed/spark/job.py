@@ -102,7 +102,9 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("resume_until", json.dumps(until.to_json()) if resume and until else "")
               .option("replay_file", str(state.replay_file))
               .option("checkpoint", str(state.checkpoint))
-              .option("follow_s", str(spec.low_latency_s)).option("follow_end", follow_end))
+              .option("follow_s", str(spec.low_latency_s)).option("follow_end", follow_end)
+              .option("follow_ledger", json.dumps([spec.sink, spec.for_sink(spec.sink_targets[0]).key])
+                      if follow_end else ""))
     targets = []
     for target in spec.sink_targets:
         one = spec.for_sink(target)

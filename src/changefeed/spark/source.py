@@ -78,8 +78,9 @@ class ChangefeedSource(DataSource):
     to its changes: spec.row_filters), replay_file (a JSON list of batch ends a sink behind the
     others is caught up by: control.lag_budget), checkpoint (the query's checkpoint folder, which
     keeps where its first batch starts: spark.checkpoint.recorded_start), follow_s (low-latency
-    mode: how long a followed batch follows the slot, core.followed) and follow_end (the end file
-    its sink keeps)."""
+    mode: how long a followed batch follows the slot, core.followed), follow_end (the end file
+    its sink keeps) and follow_ledger (JSON [URI, key]: the replica's ledger, which a followed
+    batch's slot moves with)."""
 
     @classmethod
     def name(cls) -> str:
@@ -121,6 +122,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.checkpoint = Path(options["checkpoint"]) if options.get("checkpoint") else None
         self.follow_s = float(options.get("follow_s") or 0)
         self.follow_end = Path(options["follow_end"]) if options.get("follow_end") else None
+        ledger = json.loads(options.get("follow_ledger") or "null")
+        self.follow_ledger = (str(ledger[0]), str(ledger[1])) if ledger else None
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -372,7 +375,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if end.follow:  # (a followed batch: one node, one task, from where its offset says)
             wanted = Wanted(self.feed, frozenset(self.nodes), frozenset(self.sinks),
                             str(self.barrier_file) if self.barrier_file else None)
-            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch, wanted) for n in end.lsns]
+            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch, wanted, self.follow_ledger)
+                    for n in end.lsns]
         start = followed.started(start, self.follow_end, end)
         # (a batch planned before a node was removed from the feed is replayed without that node)
         parts: list[BatchPartition] = [WindowPartition(self.nodes[n], start, end, self.rows_per_batch, self.multi_node,
