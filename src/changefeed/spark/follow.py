@@ -30,7 +30,6 @@ from changefeed.errors import carried
 from changefeed.postgres import slots
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.requests import SourceRequests
-from changefeed.sinks.replica.ledger import applied_upto
 from changefeed.spark.reads import push_through
 from changefeed.spec.definition import SourceNode
 
@@ -105,5 +104,7 @@ def read_followed(part: FollowPartition) -> Iterator[Any]:
 
 def _recorded(sink: Any, key: str) -> int:
     """How far the replica recorded the feed (its ledger, sinks.replica.ledger)."""
+    from changefeed.sinks.replica.ledger import applied_upto  # (Arrow: executors only, see spark/reads.py)
+
     with lost_connection("sink"):
         return applied_upto(sink, key)
