@@ -45,3 +45,16 @@ def test_runners_starting_together_create_the_same_schema_without_a_catalog_conf
     assert not failed, failed[:3]
     with psycopg.connect(dbs.source, autocommit=True) as c:
         assert c.execute("SELECT to_regnamespace('ddl_turn')").fetchone() == (None,)
+
+
+def test_a_turn_inside_a_callers_transaction_lasts_to_its_end(dbs: Dbs) -> None:
+    """(ddl_capture.install runs its DDL in a transaction of its own): the turn is held until that
+    transaction ends, so no other runner creates meanwhile what it has not committed yet."""
+    with connect(dbs.source, "source") as conn, connect(dbs.source, "source") as other:
+        with conn.transaction():
+            shared_ddl(conn, DDLS[0])
+            held = other.execute("SELECT pg_try_advisory_lock(hashtext('changefeed:ddl'))").fetchone()
+            assert held == (False,)  # still this runner's turn
+        assert other.execute("SELECT pg_try_advisory_lock(hashtext('changefeed:ddl'))").fetchone() == (True,)
+        other.execute("SELECT pg_advisory_unlock(hashtext('changefeed:ddl'))")
+        conn.execute("DROP SCHEMA ddl_turn CASCADE")

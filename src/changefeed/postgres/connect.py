@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg import pq
 
 from changefeed.errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
 from changefeed.postgres.watchdog import WATCHDOG, WatchedConnection
@@ -112,7 +113,13 @@ def ddl_turn(conn: psycopg.Connection[Any]) -> Iterator[None]:
     otherwise race in them, which PostgreSQL does not serialise (a unique violation in the catalog).
     The turn is a session lock taken before the transaction begins, not a transaction lock: a
     transaction that began before the previous holder committed may still find the schema missing
-    in its catalog cache, and create it again (tests/postgres/test_shared_ddl.py)."""
+    in its catalog cache, and create it again (tests/postgres/test_shared_ddl.py). Inside a
+    caller's transaction it is a transaction lock, held until that transaction ends."""
+    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        with conn.transaction():  # inside a caller's transaction: the turn lasts to its end
+            conn.execute("SELECT pg_advisory_xact_lock(hashtext('changefeed:ddl'))")
+            yield
+        return
     conn.execute("SELECT pg_advisory_lock(hashtext('changefeed:ddl'))")
     try:
         with conn.transaction():
