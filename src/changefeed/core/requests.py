@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple, Protocol
+
+from changefeed.core.nodes import DEFAULT_NODE
+from changefeed.core.snapshot import node_of
 
 
 class Request(NamedTuple):
@@ -24,6 +27,11 @@ class Request(NamedTuple):
     # per node, a WAL position its batch must start at or after (a row filter changed there: its
     # snapshot must not land before the change, see postgres.filter_switch); () = any batch
     after: tuple[tuple[str, int], ...] = ()
+
+    def fits(self, nodes: Collection[str], sinks: Collection[str]) -> bool:
+        """Whether a query over `nodes` feeding `sinks` can take the request in (a node or sink
+        added since the query started is its next query's)."""
+        return all(node_of(t, DEFAULT_NODE)[0] in nodes for t in self.tables) and set(self.only) <= set(sinks)
 
     def due(self, start: Mapping[str, int]) -> bool:
         """Whether a batch starting at `start` (per node) may take the request in."""

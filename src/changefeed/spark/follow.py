@@ -21,10 +21,9 @@ from typing import Any
 from pyspark.sql.datasource import InputPartition
 
 from changefeed import faults
-from changefeed.core import barrier, snapshot
+from changefeed.core import barrier
 from changefeed.core import change as ch
 from changefeed.core.lsn import Lsn
-from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
 from changefeed.postgres import slots
@@ -53,7 +52,7 @@ class FollowPartition(InputPartition):
 @dataclass(frozen=True)
 class Wanted:
     """What ends a followed batch before its time: a snapshot request of feed `feed` its query
-    can take in (of its `nodes`' tables, for its `sinks`: as the planner's `_plan_snapshot`), on
+    can take in (core.requests.Request.fits its `nodes` and `sinks`, as the planner asks), on
     the first node, or a verify's barrier in `barrier_file` (readable where the driver is: a
     task on another host misses it, and the verify tries again after the batch)."""
 
@@ -68,8 +67,7 @@ class Wanted:
         def wanted() -> bool:
             if self.barrier_file and barrier.read(Path(self.barrier_file)) is not None:
                 return True
-            return any(all(snapshot.node_of(t, DEFAULT_NODE)[0] in self.nodes for t in r.tables)
-                       and set(r.only) <= self.sinks for r in requests.after(taken))
+            return any(r.fits(self.nodes, self.sinks) for r in requests.after(taken))
         return wanted
 
 

@@ -237,8 +237,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
         cursor = start.cursor
         for r in self.requests.after(cursor.requests):
-            if any(snapshot.node_of(t, DEFAULT_NODE)[0] not in self.nodes for t in r.tables) or \
-                    not set(r.only) <= self.sinks:
+            if not r.fits(self.nodes, self.sinks):
                 break  # a node or sink added since this query started: its next query takes the request in
             if not r.due(start.lsns):
                 break  # a row filter changed past this batch's start: the batch after that takes it in

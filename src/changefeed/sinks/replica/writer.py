@@ -140,6 +140,7 @@ def _ends_whole(rb: Any, applier: replica.BatchApplier) -> bool:
 
 
 def _ends_with_progress(rb: Any) -> bool:
+    # (getattr: the queue also holds the end marker, which has no rows)
     return bool(getattr(rb, "num_rows", 0)) and rb.column("op")[rb.num_rows - 1].as_py() == ch.PROGRESS
 
 
