@@ -12,39 +12,55 @@ from changefeed.core.snapshot import Chunk, Cursor
 
 
 def boundary_over(tables: dict[str, list[int]]):  # type: ignore[no-untyped-def]
-    """What the source's boundary query answers, over sorted integer keys."""
-    def boundary(table: str, after: list[str] | None, rows: int) -> list[str] | None:
+    """What the source's boundary query answers, over sorted integer keys (read when asked)."""
+    def boundary(table: str, after: list[str] | None, rows: int, upto: list[str] | None) -> list[str] | None:
         keys = tables[table]
+        end = len(keys) if upto is None else bisect.bisect_right(keys, int(upto[0]))
         i = 0 if after is None else bisect.bisect_right(keys, int(after[0]))
-        return [str(keys[i + rows - 1])] if i + rows - 1 < len(keys) else None
+        return [str(keys[i + rows - 1])] if i + rows - 1 < end else None
     return boundary
 
 
+def last_over(tables: dict[str, list[int]]):  # type: ignore[no-untyped-def]
+    return lambda table: [str(tables[table][-1])] if tables[table] else None
+
+
 def rows_of(chunk: Chunk, keys: list[int]) -> list[int]:
-    lo = -1 if chunk.lo is None else int(chunk.lo[0])
-    hi = max(keys, default=0) + 1 if chunk.hi is None else int(chunk.hi[0])
-    return [k for k in keys if lo < k <= hi]
+    lo = 0 if chunk.lo is None else bisect.bisect_right(keys, int(chunk.lo[0]))
+    return keys[lo:len(keys) if chunk.hi is None else bisect.bisect_right(keys, int(chunk.hi[0]))]
 
 
 @given(st.dictionaries(st.sampled_from(["s.a", "s.b", "s.c"]), st.sets(st.integers(0, 500)), min_size=1),
-       st.integers(1, 40), st.integers(1, 5), st.sets(st.sampled_from(["s.a", "s.b", "s.c"])))
+       st.integers(1, 40), st.integers(1, 5), st.sets(st.sampled_from(["s.a", "s.b", "s.c"])),
+       st.integers(0, 5))
 def test_chunks_cover_every_key_once_in_order(data: dict[str, set[int]], rows: int, per_batch: int,
-                                              alone: set[str]) -> None:
+                                              alone: set[str], appended: int) -> None:
+    """Each key a table had when its read began is read once, in key order; keys appended after
+    that (`appended` a batch, past the last) are not, and every table's read ends."""
     tables = {t: sorted(k) for t, k in data.items()}
+    began: dict[str, list[int]] = {}
     cursor = Cursor(pending=tuple(tables))
     chunks: list[Chunk] = []
     while cursor.pending:
-        planned, after = cursor.plan(boundary_over(tables), per_batch, rows, alone.__contains__)
+        if cursor.after is None and cursor.upto is None:
+            began[cursor.pending[0]] = list(tables[cursor.pending[0]])
+        planned, after = cursor.plan(boundary_over(tables), per_batch, rows, alone.__contains__, last_over(tables))
         assert 1 <= len(planned) <= per_batch
         assert len(planned) == 1 or not alone & {c.table for c in planned}  # (a table alone: one chunk a batch)
+        for c in planned[1:]:  # (a table begun in this plan: its keys then)
+            if c.lo is None:
+                began[c.table] = list(tables[c.table])
         chunks += planned
         cursor = Cursor.from_offset({"snap": after.to_json()})  # through the offset JSON, as Spark keeps it
+        for keys in tables.values():  # written between batches, past the last key
+            keys += range(max(keys, default=0) + 1, max(keys, default=0) + 1 + appended)
+        assert len(chunks) <= sum(len(k) for k in began.values()) + len(tables) + 1, "a read that never ends"
     assert [c.no for c in chunks] == list(range(len(chunks)))
-    for table, keys in tables.items():
+    for table, keys in began.items():
         mine = [c for c in chunks if c.table == table]
         assert [k for c in mine for k in rows_of(c, keys)] == keys  # each key once, in key order
-        assert all(len(rows_of(c, keys)) <= rows for c in mine)
-        assert mine[-1].hi is None
+        assert all(len(rows_of(c, tables[table])) <= max(rows, 1) for c in mine[:-1])
+        assert mine[-1].hi == ([str(keys[-1])] if keys else None)  # up to the last key then
     assert cursor.plan(boundary_over(tables), per_batch, rows) == ([], cursor)
 
 
@@ -68,7 +84,7 @@ def test_requests_are_numbered_and_read_in_order(tmp_path) -> None:  # type: ign
 def test_a_request_for_some_sinks_alone_plans_chunks_for_them() -> None:
     """A sink added to a feed (spec.sinks) gets the tables' rows read for itself alone; a read for
     all sinks pending already covers it, and the cursor's JSON keeps who each table is read for."""
-    def boundary(entry: str, after: list[str] | None, rows: int) -> list[str] | None:
+    def boundary(entry: str, after: list[str] | None, rows: int, upto: list[str] | None) -> list[str] | None:
         return None  # one chunk per table
 
     cursor = Cursor(pending=("s.a",)).request(["s.a", "s.b"], 1, ["lake"])

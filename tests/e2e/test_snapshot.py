@@ -15,7 +15,7 @@ from test_replica import SCHEMA, TABLES, workload
 from changefeed.control.runner import run
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-from conftest import Dbs, changefeed_cli, fingerprint, killed_by_fault, start_changefeed, wait_for
+from conftest import Dbs, changefeed_cli, fingerprint, killed_by_fault, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(900)
 ROWS, CHUNK, ACCOUNTS = 40_000, 1_500, 40
@@ -141,7 +141,55 @@ def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: 
     assert len(items) <= 2 * ROWS // CHUNK // 2 + 3  # about the table's size in chunks, not twice it
     for before, after in zip(items, items[1:]):  # contiguous key ranges from start to end
         assert before[3] == after[2]
-    assert items[0][2] is None and items[-1][3] is None
+    # up to the last key when the read began (the writer's inserts fall below it; it deletes few)
+    assert items[0][2] is None and 2 * ROWS - 1000 <= int(items[-1][3][0]) <= 2 * ROWS  # type: ignore[index]
+
+
+def _appending(uri: str, stop: threading.Event, written: list[int]) -> None:
+    """Appends 500 rows a transaction, several thousand rows a second: more a batch than a chunk
+    of APPEND_CHUNK rows reads."""
+    with psycopg.connect(uri, autocommit=True) as c:
+        while not stop.is_set():
+            c.execute("INSERT INTO appended (v) SELECT md5(g::text) FROM generate_series(1, 500) g")
+            written[0] += 500
+            time.sleep(0.05)
+
+
+APPEND_ROWS, APPEND_CHUNK = 20_000, 1_000
+
+
+def test_a_table_appended_to_faster_than_it_is_read_ends_its_snapshot(dbs: Dbs, tmp_path: Path) -> None:
+    """The snapshot of a table whose writer appends more rows a batch than a batch's chunk reads
+    ends at the last key the table had when its read began: the rows after it come by the stream
+    (a read to the table's moving end would not finish while the writer runs)."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE appended (id bigserial PRIMARY KEY, v text)")
+        c.execute("INSERT INTO appended (v) SELECT md5(g::text) FROM generate_series(1, %s) g", (APPEND_ROWS,))
+    log, state = tmp_path / "run.log", tmp_path / "state"
+    written = [0]
+    runner = start_changefeed("run", "--name", dbs.name, "--state", str(state), "--source", dbs.source,
+                              "--sink", dbs.sink, "--tables", "public.appended", "--snapshot-chunk-rows",
+                              str(APPEND_CHUNK), "--snapshot-chunks-per-batch", "1", log=log)
+    try:
+        with writing(_appending, dbs.source, written):
+            wait_for("the snapshot to end under the writer", lambda: "snapshot public.appended: done"
+                     in log.read_text(), log, timeout=300)
+            with dbs.src() as c:
+                last_then = c.execute("SELECT max(id) FROM appended").fetchone()[0]  # type: ignore[index]
+        wait_for_equal(dbs, "public.appended", log)
+    finally:
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=120)
+    chunks = [c for c in planned_chunks(state, dbs.name) if c[1] == "public.appended"]
+    ends = chunks[-1][3]
+    assert ends is not None, "the read ran to the table's end"
+    assert last_then > int(ends[0]) + APPEND_CHUNK, (last_then, ends)  # the writer was well past it
+    assert len(chunks) == len({c[0] for c in chunks}) <= int(ends[0]) // APPEND_CHUNK + 1  # tiled up to it once
+    with dbs.dst() as d:
+        read = d.execute("SELECT sum(rows) FROM changefeed.snapshot_chunks WHERE feed = %s",
+                         (dbs.name,)).fetchone()[0]  # type: ignore[index]
+    assert APPEND_ROWS <= read <= int(ends[0]), (read, ends)
+
 
 
 @pytest.mark.usefixtures("warm_spark")

@@ -64,8 +64,8 @@ def test_the_publication_carries_the_filter_and_chunks_count_filtered_rows(table
         finally:
             conn.execute("DROP PUBLICATION IF EXISTS changefeed_rf_probe")
         full = described[0]
-        assert snap_pg.chunk_boundary(conn, full, None, 10, "region = 'eu'") == ["40"]  # the 10th 'eu' row
-        assert snap_pg.chunk_boundary(conn, full, ["96"], 10, "region = 'eu'") is None
+        assert snap_pg.chunk_boundary(conn, full, None, 10, where="region = 'eu'") == ["40"]  # the 10th 'eu' row
+        assert snap_pg.chunk_boundary(conn, full, ["96"], 10, where="region = 'eu'") is None
 
 
 def test_a_partitioned_table_is_published_by_its_root_also_in_an_older_publication(dbs: Dbs) -> None:

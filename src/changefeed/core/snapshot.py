@@ -6,7 +6,11 @@ offset lists its chunks and the cursor after them. A replayed batch reads the sa
 killed snapshot resumes from its last finished chunk.
 
 Keys are lists of the key columns' text forms; a chunk is the key range (lo, hi] of one table
-(lo None: from the table's start, hi None: to its end). Pure: the boundary query is injected.
+(lo None: from the table's start, hi None: to its end). Pure: the boundary queries are injected.
+
+A table's read ends at its last key when the read began (`Cursor.upto`): a row with a key past
+it was written after, so the stream brings it, and a table appended to faster than its chunks
+are read still comes to an end.
 
 A feed of several nodes snapshots each table on each node: its cursor's tables are entries
 `NODE:schema.table` (`on_node`), table by table, node by node, so that the tables of all nodes
@@ -21,9 +25,12 @@ from typing import Any
 from changefeed.core.nodes import classic
 
 Key = list[str]
-# (table, exclusive lower key or None, rows) -> the key closing a chunk of that many rows, or
-# None when fewer rows remain (the chunk runs to the table's end)
-Boundary = Callable[[str, Key | None, int], Key | None]
+# (table, exclusive lower key or None, rows, last key or None) -> the key closing a chunk of that
+# many rows up to the last key, or None when fewer rows remain (the chunk runs to the last key, or
+# without one to the table's end)
+Boundary = Callable[[str, Key | None, int, Key | None], Key | None]
+# table -> its last key now (None: the table is empty, or has no key)
+LastKey = Callable[[str], Key | None]
 
 
 def on_node(node: str, table: str) -> str:
@@ -64,7 +71,8 @@ class Chunk:
 @dataclass(frozen=True)
 class Cursor:
     """Where the snapshot stands after a batch: tables still to read (the first one from `after`
-    on), the next chunk number, and how many snapshot requests were taken in. `only` names, per
+    on, up to `upto`: its last key when its read began), the next chunk number, and how many
+    snapshot requests were taken in. `only` names, per
     pending table, the sinks it is read for ("": all of them; else sink names joined by ","), for
     a sink added to a feed of several (spec.sinks) gets the tables' rows for itself alone."""
 
@@ -73,22 +81,28 @@ class Cursor:
     next_no: int = 0
     requests: int = 0
     only: tuple[str, ...] = ()  # aligned with `pending`; () when every table is read for all sinks
+    upto: Key | None = None  # (a cursor of an older version has none: its table is read to its end)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"pending": list(self.pending), "after": self.after, "no": self.next_no, "req": self.requests}
-        return {**out, "only": list(self.only)} if any(self.only) else out
+        out: dict[str, Any] = {"pending": list(self.pending), "after": self.after, "no": self.next_no,
+                               "req": self.requests}
+        if any(self.only):
+            out["only"] = list(self.only)
+        if self.upto is not None:
+            out["upto"] = self.upto
+        return out
 
     @classmethod
     def from_offset(cls, offset: Mapping[str, Any]) -> "Cursor":
         s = offset.get("snap") or {}
         return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)),
-                   tuple(s.get("only", ())))
+                   tuple(s.get("only", ())), s.get("upto"))
 
     def _targets(self) -> list[str]:
         return list(self.only) if self.only else [""] * len(self.pending)
 
-    def request(self, tables: Sequence[str], upto: int, only: Sequence[str] = ()) -> "Cursor":
-        """Take in requests up to number `upto` for `tables` (for the sinks `only`, or all): each
+    def request(self, tables: Sequence[str], last_no: int, only: Sequence[str] = ()) -> "Cursor":
+        """Take in requests up to number `last_no` for `tables` (for the sinks `only`, or all): each
         is read (again) from its start, after what is pending; a table being read now finishes
         first and is then read again (unless a later read for all sinks is pending already)."""
         pending, targets, scope = list(self.pending), self._targets(), ",".join(only)
@@ -96,7 +110,7 @@ class Cursor:
             if not any(p == t and s in ("", scope) for p, s in zip(pending[1:], targets[1:])):
                 pending.append(t)
                 targets.append(scope)
-        return replace(self, pending=tuple(pending), requests=max(self.requests, upto),
+        return replace(self, pending=tuple(pending), requests=max(self.requests, last_no),
                        only=tuple(targets) if any(targets) else ())
 
     def waiting(self, node: str) -> list[tuple[str, bool]]:
@@ -105,23 +119,30 @@ class Cursor:
                 if node_of(t, node)[0] == node]
 
     def plan(self, boundary: Boundary, chunks: int, rows: int,
-             alone: Callable[[str], bool] = lambda entry: False) -> tuple[list[Chunk], "Cursor"]:
+             alone: Callable[[str], bool] = lambda entry: False,
+             last: LastKey = lambda entry: None) -> tuple[list[Chunk], "Cursor"]:
         """The next `chunks` chunks of about `rows` rows each, and the cursor after them. A chunk
         of a table `alone` says so of is the only chunk of its batch (a table without a key:
-        its batch is read again exactly as before, see spark.source.partitions)."""
+        its batch is read again exactly as before, see spark.source.partitions). A table's first
+        chunk asks `last` where its read ends."""
         out: list[Chunk] = []
         pending, targets, after, no = list(self.pending), self._targets(), self.after, self.next_no
+        upto = self.upto
         while pending and len(out) < chunks and not (out and (alone(pending[0]) or alone(out[-1].table))):
-            hi = boundary(pending[0], after, rows)
+            if after is None and upto is None:
+                upto = last(pending[0])
+            hi = boundary(pending[0], after, rows, upto)
+            ends = hi is None
+            hi = upto if ends else hi
             out.append(Chunk(no, pending[0], after, hi, tuple(targets[0].split(",")) if targets[0] else ()))
             no += 1
-            if hi is None:
+            if ends:
                 pending.pop(0)
                 targets.pop(0)
-                after = None
+                after = upto = None
             else:
                 after = hi
-        return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else ())
+        return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else (), upto)
 
 
 def held_back(rows: Any, tables: frozenset[str]) -> Any:

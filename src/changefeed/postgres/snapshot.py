@@ -69,21 +69,47 @@ def _order(table: SourceTable, selected: sql.Composable) -> sql.Composable:
     return selected + sql.SQL(" ORDER BY ") + sql.SQL(", ").join(map(sql.Identifier, table.key))
 
 
+def _key_text(table: SourceTable) -> sql.Composable:
+    # aliased: ORDER BY a bare name would pick the text output column and sort as text
+    return sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
+                              for i, k in enumerate(table.key))
+
+
+def _keys(table: SourceTable, lo: Key | None, hi: Key | None, where: str | None = None) -> sql.Composable:
+    """The table's keys in (lo, hi] as text, in key order."""
+    return _order(table, sql.SQL("SELECT {} FROM {}{}").format(
+        _key_text(table), sql.Identifier(table.schema, table.name), _range(table, lo, hi, where)))
+
+
 def chunk_boundary(conn: psycopg.Connection[Any], table: SourceTable, after: Key | None, rows: int,
-                   where: str | None = None) -> Key | None:
-    """The key of the `rows`-th row after `after` in key order, None if no row follows that one
-    (the last chunk then runs to the end: a table of exactly n chunks gets no empty n+1st). A table
-    without a key is one chunk: no order splits it so that a row is read exactly once."""
+                   upto: Key | None = None, where: str | None = None) -> Key | None:
+    """The key of the `rows`-th row after `after` in key order (up to `upto`), None if no row
+    follows that one (the last chunk then runs to `upto` or the end: a table of exactly n chunks
+    gets no empty n+1st). A table without a key is one chunk: no order splits it so that a row is
+    read exactly once."""
     if not table.key:
         return None
-    keys = sql.SQL("SELECT {} FROM {}{}").format(
-        # aliased: ORDER BY a bare name would pick the text output column and sort as text
-        sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(k), sql.Identifier(f"_k{i}"))
-                           for i, k in enumerate(table.key)),
-        sql.Identifier(table.schema, table.name), _range(table, after, None, where))
     found = conn.execute(sql.SQL("{} OFFSET {} LIMIT 2").format(
-        _order(table, keys), sql.Literal(rows - 1))).fetchall()  # (no parameters: a row filter may hold %)
+        _keys(table, after, upto, where), sql.Literal(rows - 1))).fetchall()  # (no parameters: a row filter may hold %)
     return list(found[0]) if len(found) == 2 else None
+
+
+def last_key(conn: psycopg.Connection[Any], table: SourceTable) -> Key | None:
+    """The table's last key in key order (None: empty, or no key), seen by a snapshot that misses
+    no written commit (_stable_snapshot: a row past it then commits later, and the stream brings it).
+    Any row filter aside: a bound past the last row it lets through ends the read all the same,
+    and the key's index answers. `conn` must be in autocommit mode."""
+    if not table.key:
+        return None
+    order = sql.SQL(", ").join(sql.SQL("{} DESC").format(sql.Identifier(k)) for k in table.key)
+    _stable_snapshot(conn)
+    try:
+        found = conn.execute(sql.SQL("SELECT {} FROM {} ORDER BY {} LIMIT 1").format(
+            _key_text(table), sql.Identifier(table.schema, table.name), order)).fetchone()
+    finally:
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            conn.execute("ROLLBACK")
+    return list(found) if found else None
 
 
 def estimated_rows(conn: psycopg.Connection[Any], qualified: str) -> int | None:

@@ -211,11 +211,17 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 out[name] = Frontier(*self.wal.heartbeat(self.conn(name)))
         return out
 
-    def _boundary_key(self, entry: str, after: snapshot.Key | None, rows: int) -> snapshot.Key | None:
+    def _boundary_key(self, entry: str, after: snapshot.Key | None, rows: int,
+                      upto: snapshot.Key | None) -> snapshot.Key | None:
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         with self._on(node):
-            return snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows,
+            return snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows, upto,
                                           self.row_filters.get(table))
+
+    def _last_key(self, entry: str) -> snapshot.Key | None:
+        node, table = snapshot.node_of(entry, DEFAULT_NODE)
+        with self._on(node):
+            return snap_pg.last_key(self.conn(node), self._described(node, table))
 
     def _described(self, node: str, table: str) -> src.SourceTable:
         if (node, table) not in self._tables:
@@ -242,7 +248,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if not r.due(start.lsns):
                 break  # a row filter changed past this batch's start: the batch after that takes it in
             cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only)
-        return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows, self._keyless)
+        return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows, self._keyless,
+                           self._last_key)
 
     def _keyless(self, entry: str) -> bool:
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
