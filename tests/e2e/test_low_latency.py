@@ -1,16 +1,20 @@
 """Low-latency mode (`run --low-latency`, core.followed): each batch's one task follows the slot and
 commits a replica transaction per sub-window. Under writes, with SIGKILLs at its fault points and
 at random, the replica still gets every committed change once, in sub-windows whose resolved
-timestamps never go back; a run in micro-batches carries on where it stopped. What the mode cannot
-do yet is refused with nothing created."""
+timestamps never go back; a run in micro-batches carries on where it stopped. A runner frozen in a
+followed batch is taken over by a standby, which follows the slot in turn. What the mode cannot do
+yet is refused with nothing created."""
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from conftest import (
     Dbs,
+    assert_no_traceback,
     changefeed_cli,
     fingerprint,
     kill_group,
@@ -35,12 +39,14 @@ def test_a_low_latency_feed_is_exactly_once_through_kills(dbs: Dbs, tmp_path: Pa
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
     written = [0]
-    # batches of 3 s: the kills and the runs between them cross several batch boundaries
-    kills = ["after_sink_commit:25", "read:60", "before_sink_commit:40", "random"]
+    # batches of 3 s: the kills and the runs between them cross several batch boundaries; the
+    # first run is killed as it reads the snapshot (in micro-batches), before it follows the slot
+    kills = ["snapshot_chunk", "after_sink_commit:25", "startup", "read:60", "before_sink_commit:40", "random"]
     (tmp_path / "first").mkdir()
     with writing(moving_money(ACCOUNTS), dbs.source, written):
         kill_runs([*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.ledger,public.accounts",
-                   "--low-latency", "3s"], kills[:1], tmp_path / "first", random_after=(15, 25))
+                   "--low-latency", "3s", "--snapshot-chunk-rows", "1000"], kills[:1], tmp_path / "first",
+                  random_after=(15, 25))
         kill_runs(base, kills[1:], tmp_path, random_after=(15, 25))
     final = changefeed_cli(*base, "--available-now")  # the rest in micro-batches, from where the last run was
     assert final.returncode == 0, final.stderr[-3000:]
@@ -59,6 +65,78 @@ def test_a_low_latency_feed_is_exactly_once_through_kills(dbs: Dbs, tmp_path: Pa
     for batch, _, _ in rows:
         per_batch[batch] = per_batch.get(batch, 0) + 1
     assert max(per_batch.values()) >= 10, per_batch  # followed batches committed many sub-windows each
+
+
+def test_a_frozen_low_latency_runner_is_taken_over_and_lands_nothing_when_woken(dbs: Dbs, tmp_path: Path) -> None:
+    """Frozen (SIGSTOP) with a sub-window's transaction open on the replica and its replication
+    connection reading the slot: a standby ends its sessions once its lease lapses, follows the slot
+    itself, and the woken runner lands nothing (its lease is gone) and stops."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    armed = tmp_path / "armed"
+    written = [0]
+    with writing(moving_money(ACCOUNTS, 3), dbs.source, written):
+        a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
+                             "--sink", dbs.sink, "--tables", "public.ledger,public.accounts", "--lease", "3s",
+                             "--low-latency", "30s", log=logs[0],
+                             env={"CHANGEFEED_STOP_AT": "before_sink_commit:5", "CHANGEFEED_FAULT_DIR": str(tmp_path),
+                                  "CHANGEFEED_FAULT_ARMED": str(armed)})
+        b = None
+        try:
+            wait_for("followed rows on the replica", lambda: _max_id(dbs.sink) > 50, logs[0])
+            b = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"),
+                                 "--source", dbs.source, log=logs[1])
+            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            armed.touch()
+            wait_for("the runner to freeze", lambda: (tmp_path / ".stopped-groups").exists(), logs[0])
+            frozen_at = _max_id(dbs.sink)
+            wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
+                     timeout=60)
+            wait_for("rows from the standby", lambda: _max_id(dbs.sink) > frozen_at + 20, logs[1], timeout=120)
+            with dbs.dst() as d:
+                claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s",
+                                    (dbs.name,)).fetchone()
+            assert claimed is not None and claimed[0] >= 2
+            for group in (tmp_path / ".stopped-groups").read_text().split():
+                os.killpg(int(group), signal.SIGCONT)
+            code = a.wait(timeout=120)
+            assert code == 2, f"the woken runner exited {code}:\n{logs[0].read_text()[-3000:]}"
+            wait_for("the standby to follow the slot", lambda: _most_sub_windows(dbs, claimed[0]) > 3, logs[1])
+        except BaseException:
+            kill_group(a)
+            raise
+    assert b is not None
+    try:
+        wait_for("the replica to catch up", lambda: fingerprint(dbs.source, "public.ledger")
+                 == fingerprint(dbs.sink, "public.ledger"), logs[1], timeout=180)
+    finally:
+        kill_group(b)
+    assert fingerprint(dbs.source, "public.accounts") == fingerprint(dbs.sink, "public.accounts")
+    assert_no_traceback(logs[0].read_text())
+    with dbs.dst() as d:
+        late = d.execute("SELECT count(*) FROM changefeed.progress WHERE feed = %s AND applied_at > %s "
+                         "AND epoch < %s", (dbs.name, claimed[1], claimed[0])).fetchone()
+    assert late == (0,), "the woken runner landed a sub-window after the standby's claim"
+
+
+def _most_sub_windows(dbs: Dbs, epoch: int) -> int:
+    """The most sub-windows one batch of lease term `epoch` committed (a followed batch: many)."""
+    with dbs.dst() as d:
+        return int(d.execute("SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM changefeed.progress "
+                             "WHERE feed = %s AND epoch = %s GROUP BY batch_id) x",
+                             (dbs.name, epoch)).fetchone()[0])  # type: ignore[index]
+
+
+def _max_id(uri: str) -> int:
+    import psycopg
+
+    with psycopg.connect(uri) as c:
+        if c.execute("SELECT to_regclass('public.ledger') IS NULL").fetchone()[0]:  # type: ignore[index]
+            return 0
+        return int(c.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])  # type: ignore[index]
 
 
 def test_a_snapshot_request_ends_a_followed_batch_before_its_time(dbs: Dbs, tmp_path: Path) -> None:
