@@ -33,8 +33,12 @@ class Meter:
     """
 
     def __init__(self, report: Callable[[str], None], totals: Callable[[], tuple[int, int]],
-                 snapshot: "SnapshotMeter | None" = None, gauges: "Gauges | None" = None) -> None:
+                 snapshot: "SnapshotMeter | None" = None, gauges: "Gauges | None" = None,
+                 resolved: Callable[[], int | None] = lambda: None) -> None:
         self.report, self.totals, self.snapshot, self.gauges = report, totals, snapshot, gauges
+        # the sink's last resolved timestamp: ahead of Spark's last batch while a batch in
+        # low-latency mode commits sub-windows (core.followed)
+        self.resolved = resolved
         self._base = totals()
         self.batches = self.changes = 0
         self._t0 = time.monotonic()
@@ -67,7 +71,8 @@ class Meter:
             return
         if (self.batches, self.changes) != self._shown:  # a line only when something was delivered
             self._shown = (self.batches, self.changes)
-            self.report(self.line(dur, end.ts if end and end.ts else None, now - self._t0))
+            known = [ts for ts in (end.ts if end else None, self.resolved()) if ts]
+            self.report(self.line(dur, max(known) if known else None, now - self._t0))
         if self.snapshot is not None:
             self.snapshot.update(pending)
 
