@@ -1,10 +1,11 @@
-"""A feed of three nodes on a Spark standalone cluster the test starts itself (a master and two
-workers from pyspark's own `spark-class`), with changefeed shipped by the feed: the workers'
-Python cannot import it from its installation."""
+"""A feed of three nodes, and a feed in low-latency mode, on a Spark standalone cluster the test
+starts itself (a master and two workers from pyspark's own `spark-class`), with changefeed shipped
+by the feed: the workers' Python cannot import it from its installation."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +18,17 @@ import pytest
 
 from changefeed.local.postgres import LocalPostgres
 from changefeed.spark.spark_home import use_linked_home
-from conftest import Dbs, changefeed_cli, drop_slots, free_port, writing
+from conftest import (
+    Dbs,
+    changefeed_cli,
+    drop_slots,
+    fingerprint,
+    free_port,
+    moving_money,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NODES = ("n1", "n2", "n3")
@@ -130,3 +141,41 @@ def test_three_nodes_on_a_standalone_cluster_read_on_both_workers(
     finally:
         for n in NODES[1:]:
             drop_slots(servers[0].uri(), f"{dbs.name}_{n}")
+
+
+def test_a_low_latency_feed_follows_the_slot_on_a_standalone_cluster(dbs: Dbs, cluster: tuple[str, Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """`--low-latency` with the followed batch's task on an executor of the cluster (changefeed
+    shipped, not installed there): sub-windows committed while the batch runs; SIGKILLed in a
+    followed batch, then finished in micro-batches on the cluster: every change once, money whole."""
+    master, _, python = cluster
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, %s FROM generate_series(0, %s) g", (BALANCE, ACCOUNTS - 1))
+    base = ["run", "--name", dbs.name, "--state", str(tmp_path / "state"), "--master", master]
+    env = {"PYSPARK_PYTHON": str(python), "SPARK_LOCAL_IP": "127.0.0.1"}
+    log = tmp_path / "run.log"
+    written = [0]
+    with writing(moving_money(ACCOUNTS), dbs.source, written):
+        feed = start_changefeed(*base, "--source", dbs.source, "--sink", dbs.sink, "--tables",
+                                "public.ledger,public.accounts", "--low-latency", "20s", log=log, env=env)
+        try:
+            wait_for("sub-windows of a followed batch", lambda: _most_sub_windows(dbs) > 5, log, timeout=240)
+        finally:
+            os.killpg(feed.pid, signal.SIGKILL)
+            feed.wait()
+    final = changefeed_cli(*base, "--available-now", env={**os.environ, **env})
+    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-3000:]
+    for table in ("public.ledger", "public.accounts"):
+        assert fingerprint(dbs.source, table) == fingerprint(dbs.sink, table), table
+    with psycopg.connect(dbs.sink) as d:
+        assert d.execute("SELECT sum(balance) FROM accounts").fetchone() == (ACCOUNTS * BALANCE,)
+
+
+def _most_sub_windows(dbs: Dbs) -> int:
+    with psycopg.connect(dbs.sink) as d:
+        if d.execute("SELECT to_regclass('changefeed.progress') IS NULL").fetchone()[0]:  # type: ignore[index]
+            return 0
+        return int(d.execute("SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM changefeed.progress "
+                             "WHERE feed = %s GROUP BY batch_id) x", (dbs.name,)).fetchone()[0])  # type: ignore[index]
