@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from changefeed.core.envelope import FORMATS
-from changefeed.errors import ChangefeedError, ConfigError
+from changefeed.errors import UNEXPECTED_EXIT, ChangefeedError, ConfigError, unexpected
 from changefeed.sinks.registry import validated
 from changefeed.spark.connect import DEFAULT_PORT
 from changefeed.spec.column_lists import parse_columns
@@ -675,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     except ChangefeedError as e:
         print(f"changefeed: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # noqa: BLE001 - the CLI's edge: what no part of changefeed has a type for
+        print(f"changefeed: error: {unexpected(e)}", file=sys.stderr)
+        return UNEXPECTED_EXIT
 
 
 if __name__ == "__main__":

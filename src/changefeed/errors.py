@@ -9,9 +9,13 @@ a data source callback) reaches the driver as text only, so it travels as one ma
 from __future__ import annotations
 
 import json
+import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+UNEXPECTED_EXIT = 70  # EX_SOFTWARE: an error no part of changefeed has a type for
 
 
 class ChangefeedError(Exception):
@@ -166,3 +170,21 @@ def _types() -> dict[str, type[ChangefeedError]]:
         found[kind.__name__] = kind
         todo += kind.__subclasses__()
     return found
+
+
+def unexpected(error: BaseException) -> str:
+    """What the CLI says of an error no part of changefeed has a type for (a bug, or a database
+    answer nobody foresaw): its type and text, and the file its traceback went to, so that the
+    console gets no stray traceback and a report loses nothing."""
+    name = f"{type(error).__module__}.{type(error).__qualname__}".removeprefix("builtins.")
+    trace = "".join(traceback.format_exception(error))
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix=f"changefeed-error-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                         suffix=".txt", delete=False) as f:
+            f.write(trace)
+        where = f"its traceback is in {f.name}"
+    except OSError:  # (no writable temporary folder: the trace goes with the message)
+        where, trace = f"its traceback:\n{trace}", ""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else "(no message)"
+    return (f"unexpected {name}: {text}\n  hint: changefeed has no remedy of its own for this error; what the "
+            f"feed committed is safe and `run` resumes from it; if it comes again, report it with {where}")
