@@ -239,6 +239,44 @@ def moving_money(accounts: int, amount: int = 1) -> Callable[[str, threading.Eve
     return mover
 
 
+def replicated(uri: str) -> int:
+    """The highest `ledger` id on the replica at `uri` (moving_money's rows; 0 before the table exists)."""
+    with psycopg.connect(uri) as d:
+        if d.execute("SELECT to_regclass('public.ledger') IS NULL").fetchone()[0]:  # type: ignore[index]
+            return 0
+        return int(d.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])  # type: ignore[index]
+
+
+def most_sub_windows(uri: str, feed: str, epoch: int | None = None) -> int:
+    """The most progress rows one batch of `feed` committed on the replica (of lease term `epoch`,
+    if given): a followed batch of low-latency mode commits many sub-windows, a micro-batch one."""
+    with psycopg.connect(uri) as d:
+        if d.execute("SELECT to_regclass('changefeed.progress') IS NULL").fetchone()[0]:  # type: ignore[index]
+            return 0
+        return int(d.execute("SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM changefeed.progress "
+                             "WHERE feed = %s AND (%s::bigint IS NULL OR epoch = %s) GROUP BY batch_id) x",
+                             (feed, epoch, epoch)).fetchone()[0])  # type: ignore[index]
+
+
+def taken_over_while_frozen(dbs: Dbs, frozen: subprocess.Popen[bytes], logs: list[Path], fault_dir: Path,
+                            rows: Callable[[], int]) -> tuple[int, Any]:
+    """Once the runner `frozen` (log logs[0]) froze at its armed CHANGEFEED_STOP_AT point: wait for
+    the standby (log logs[1]) to take the feed over and apply `rows` more, then wake the frozen
+    one, which must stop with exit 2 (its lease lost). Returns the replica's fence (epoch, raised_at)."""
+    wait_for("the runner to freeze", lambda: (fault_dir / ".stopped-groups").exists(), logs[0])
+    frozen_at = rows()  # its sessions stay open, it renews nothing
+    wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1], timeout=60)
+    wait_for("new rows from the standby", lambda: rows() > frozen_at + 20, logs[1])
+    with dbs.dst() as d:
+        claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s", (dbs.name,)).fetchone()
+    assert claimed is not None and claimed[0] >= 2
+    for group in (fault_dir / ".stopped-groups").read_text().split():
+        os.killpg(int(group), signal.SIGCONT)
+    code = frozen.wait(timeout=120)
+    assert code == 2, f"the woken runner exited {code}:\n{logs[0].read_text()[-3000:]}"
+    return int(claimed[0]), claimed[1]
+
+
 @contextmanager
 def writing(writer: Callable[[str, threading.Event, list[int]], None], uri: str, written: list[int]) -> Iterator[None]:
     """Run `writer(uri, stop, written)` in a thread for the block; stop it and wait for it after."""

@@ -6,8 +6,6 @@ followed batch is taken over by a standby, which follows the slot in turn. What 
 yet is refused with nothing created."""
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,11 @@ from conftest import (
     fingerprint,
     kill_group,
     kill_runs,
+    most_sub_windows,
     moving_money,
+    replicated,
     start_changefeed,
+    taken_over_while_frozen,
     wait_for,
     writing,
 )
@@ -86,25 +87,14 @@ def test_a_frozen_low_latency_runner_is_taken_over_and_lands_nothing_when_woken(
                                   "CHANGEFEED_FAULT_ARMED": str(armed)})
         b = None
         try:
-            wait_for("followed rows on the replica", lambda: _max_id(dbs.sink) > 50, logs[0])
+            wait_for("followed rows on the replica", lambda: replicated(dbs.sink) > 50, logs[0])
             b = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"),
                                  "--source", dbs.source, log=logs[1])
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
             armed.touch()
-            wait_for("the runner to freeze", lambda: (tmp_path / ".stopped-groups").exists(), logs[0])
-            frozen_at = _max_id(dbs.sink)
-            wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
-                     timeout=60)
-            wait_for("rows from the standby", lambda: _max_id(dbs.sink) > frozen_at + 20, logs[1], timeout=120)
-            with dbs.dst() as d:
-                claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s",
-                                    (dbs.name,)).fetchone()
-            assert claimed is not None and claimed[0] >= 2
-            for group in (tmp_path / ".stopped-groups").read_text().split():
-                os.killpg(int(group), signal.SIGCONT)
-            code = a.wait(timeout=120)
-            assert code == 2, f"the woken runner exited {code}:\n{logs[0].read_text()[-3000:]}"
-            wait_for("the standby to follow the slot", lambda: _most_sub_windows(dbs, claimed[0]) > 3, logs[1])
+            claimed = taken_over_while_frozen(dbs, a, logs, tmp_path, lambda: replicated(dbs.sink))
+            wait_for("the standby to follow the slot", lambda: most_sub_windows(dbs.sink, dbs.name, claimed[0]) > 3,
+                     logs[1])
         except BaseException:
             kill_group(a)
             raise
@@ -120,23 +110,6 @@ def test_a_frozen_low_latency_runner_is_taken_over_and_lands_nothing_when_woken(
         late = d.execute("SELECT count(*) FROM changefeed.progress WHERE feed = %s AND applied_at > %s "
                          "AND epoch < %s", (dbs.name, claimed[1], claimed[0])).fetchone()
     assert late == (0,), "the woken runner landed a sub-window after the standby's claim"
-
-
-def _most_sub_windows(dbs: Dbs, epoch: int) -> int:
-    """The most sub-windows one batch of lease term `epoch` committed (a followed batch: many)."""
-    with dbs.dst() as d:
-        return int(d.execute("SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM changefeed.progress "
-                             "WHERE feed = %s AND epoch = %s GROUP BY batch_id) x",
-                             (dbs.name, epoch)).fetchone()[0])  # type: ignore[index]
-
-
-def _max_id(uri: str) -> int:
-    import psycopg
-
-    with psycopg.connect(uri) as c:
-        if c.execute("SELECT to_regclass('public.ledger') IS NULL").fetchone()[0]:  # type: ignore[index]
-            return 0
-        return int(c.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])  # type: ignore[index]
 
 
 def test_a_snapshot_request_ends_a_followed_batch_before_its_time(dbs: Dbs, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from conftest import (
     drop_slots,
     fingerprint,
     free_port,
+    most_sub_windows,
     moving_money,
     start_changefeed,
     wait_for,
@@ -161,7 +162,8 @@ def test_a_low_latency_feed_follows_the_slot_on_a_standalone_cluster(dbs: Dbs, c
         feed = start_changefeed(*base, "--source", dbs.source, "--sink", dbs.sink, "--tables",
                                 "public.ledger,public.accounts", "--low-latency", "20s", log=log, env=env)
         try:
-            wait_for("sub-windows of a followed batch", lambda: _most_sub_windows(dbs) > 5, log, timeout=240)
+            wait_for("sub-windows of a followed batch", lambda: most_sub_windows(dbs.sink, dbs.name) > 5, log,
+                     timeout=240)
         finally:
             os.killpg(feed.pid, signal.SIGKILL)
             feed.wait()
@@ -172,10 +174,3 @@ def test_a_low_latency_feed_follows_the_slot_on_a_standalone_cluster(dbs: Dbs, c
     with psycopg.connect(dbs.sink) as d:
         assert d.execute("SELECT sum(balance) FROM accounts").fetchone() == (ACCOUNTS * BALANCE,)
 
-
-def _most_sub_windows(dbs: Dbs) -> int:
-    with psycopg.connect(dbs.sink) as d:
-        if d.execute("SELECT to_regclass('changefeed.progress') IS NULL").fetchone()[0]:  # type: ignore[index]
-            return 0
-        return int(d.execute("SELECT coalesce(max(n), 0) FROM (SELECT count(*) n FROM changefeed.progress "
-                             "WHERE feed = %s GROUP BY batch_id) x", (dbs.name,)).fetchone()[0])  # type: ignore[index]

@@ -23,7 +23,9 @@ from conftest import (
     fingerprint,
     kill_running,
     moving_money,
+    replicated,
     start_changefeed,
+    taken_over_while_frozen,
     wait_for,
     writing,
 )
@@ -35,10 +37,7 @@ ACCOUNTS, BALANCE = 40, 1000
 
 
 def _replicated(dbs: Dbs) -> int:
-    with psycopg.connect(dbs.sink) as d:
-        if d.execute("SELECT to_regclass('public.ledger') IS NULL").fetchone()[0]:  # type: ignore[index]
-            return 0
-        return int(d.execute("SELECT coalesce(max(id), 0) FROM ledger").fetchone()[0])  # type: ignore[index]
+    return replicated(dbs.sink)
 
 
 def _money_whole(dbs: Dbs) -> None:
@@ -173,19 +172,7 @@ def test_a_frozen_runner_is_taken_over_by_a_standby_and_lands_nothing_when_woken
                                  dbs.source, "--master", spark_server, log=logs[1])
             wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
             (tmp_path / "armed").touch()  # it freezes from now on, a standby waiting
-            wait_for("the runner to freeze", lambda: (tmp_path / ".stopped-groups").exists(), logs[0])
-            frozen_at = _replicated(dbs)  # its sessions stay open, it renews nothing
-            wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1],
-                     timeout=60)
-            wait_for("new rows from the standby", lambda: _replicated(dbs) > frozen_at + 20, logs[1])
-            with dbs.dst() as d:
-                claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s",
-                                    (dbs.name,)).fetchone()
-            assert claimed is not None and claimed[0] >= 2
-            for group in (tmp_path / ".stopped-groups").read_text().split():
-                os.killpg(int(group), signal.SIGCONT)
-            code = a.wait(timeout=120)
-            assert code == 2, f"the woken runner exited {code}:\n{logs[0].read_text()[-3000:]}"
+            claimed = taken_over_while_frozen(dbs, a, logs, tmp_path, lambda: _replicated(dbs))
         except BaseException:
             _stop_all(a, *([b] if b else []))
             raise
