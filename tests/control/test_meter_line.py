@@ -18,6 +18,19 @@ class _Query:
         self.lastProgress: dict[str, Any] = {"durationMs": {"triggerExecution": 3000}, "sources": [{"endOffset": end}]}
 
 
+class _Ledger:
+    """The sink's ledger as the meter reads it: totals, then its last resolved timestamp."""
+
+    def __init__(self, counted: list[tuple[int, int]], resolved: list[int | None]) -> None:
+        self.counted, self.resolved = iter(counted), resolved
+
+    def totals(self) -> tuple[int, int]:
+        return next(self.counted)
+
+    def last_resolved_ts(self) -> int | None:
+        return self.resolved[0]
+
+
 def _lag(line: str) -> float:
     found = re.search(r"resolved lag ([0-9.]+)s", line)
     assert found, line
@@ -26,10 +39,9 @@ def _lag(line: str) -> float:
 
 def test_the_lag_follows_the_sink_while_spark_s_batch_runs() -> None:
     now_ms = int(time.time() * 1000)
-    counted = iter([(0, 0), (5, 500), (9, 900)])
-    sink = [from_millis(now_ms - 100)]
+    sink: list[int | None] = [from_millis(now_ms - 100)]
     lines: list[str] = []
-    meter = Meter(lines.append, lambda: next(counted), resolved=lambda: sink[0])
+    meter = Meter(lines.append, _Ledger([(0, 0), (5, 500), (9, 900)], sink))  # type: ignore[arg-type]
     meter.update(_Query(from_millis(now_ms - 30_000)))  # Spark's last batch ended 30 s ago
     assert _lag(lines[-1]) < 5  # the sink's sub-windows are 0.1 s old
     sink[0] = from_millis(now_ms - 60_000)  # (a sink behind Spark's last batch: several sinks, the least far)
@@ -38,7 +50,6 @@ def test_the_lag_follows_the_sink_while_spark_s_batch_runs() -> None:
 
 
 def test_without_a_resolved_timestamp_the_line_has_no_lag() -> None:
-    counted = iter([(0, 0), (1, 10)])
     lines: list[str] = []
-    Meter(lines.append, lambda: next(counted)).update(_Query(0))
+    Meter(lines.append, _Ledger([(0, 0), (1, 10)], [None])).update(_Query(0))  # type: ignore[arg-type]
     assert lines and "resolved lag" not in lines[-1]

@@ -32,14 +32,10 @@ class Meter:
     Changes are counted at the sink: Spark's row counts are packed chunks, not changes.
     """
 
-    def __init__(self, report: Callable[[str], None], totals: Callable[[], tuple[int, int]],
-                 snapshot: "SnapshotMeter | None" = None, gauges: "Gauges | None" = None,
-                 resolved: Callable[[], int | None] = lambda: None) -> None:
-        self.report, self.totals, self.snapshot, self.gauges = report, totals, snapshot, gauges
-        # the sink's last resolved timestamp: ahead of Spark's last batch while a batch in
-        # low-latency mode commits sub-windows (core.followed)
-        self.resolved = resolved
-        self._base = totals()
+    def __init__(self, report: Callable[[str], None], ledger: "Ledger",
+                 snapshot: "SnapshotMeter | None" = None, gauges: "Gauges | None" = None) -> None:
+        self.report, self.ledger, self.snapshot, self.gauges = report, ledger, snapshot, gauges
+        self._base = ledger.totals()
         self.batches = self.changes = 0
         self._t0 = time.monotonic()
         self._previous = (0, self._t0)  # changes and time at the last update: the interval's rate
@@ -55,7 +51,7 @@ class Meter:
                 f"{self.changes / max(elapsed, 1e-9):,.0f} changes/s{took}{lag}")
 
     def update(self, query: Any) -> None:
-        batches, changes = self.totals()
+        batches, changes = self.ledger.totals()
         self.batches, self.changes = batches - self._base[0], changes - self._base[1]
         now = time.monotonic()
         rate = (self.changes - self._previous[0]) / max(now - self._previous[1], 1e-9)
@@ -71,7 +67,9 @@ class Meter:
             return
         if (self.batches, self.changes) != self._shown:  # a line only when something was delivered
             self._shown = (self.batches, self.changes)
-            known = [ts for ts in (end.ts if end else None, self.resolved()) if ts]
+            # (the sink's last resolved ts is ahead of Spark's last batch while a batch in
+            # low-latency mode commits sub-windows, core.followed)
+            known = [ts for ts in (end.ts if end else None, self.ledger.last_resolved_ts()) if ts]
             self.report(self.line(dur, max(known) if known else None, now - self._t0))
         if self.snapshot is not None:
             self.snapshot.update(pending)

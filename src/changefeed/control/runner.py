@@ -151,9 +151,9 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
                     retention_check.check(prepared, report)
                 term = prepared.epoch
                 if meter is None:
-                    meter = Meter(report, prepared.ledger.totals, resolved=prepared.ledger.last_resolved_ts)
+                    meter = Meter(report, prepared.ledger)
                 else:  # the sink's ledger of this attempt
-                    meter.totals, meter.resolved = prepared.ledger.totals, prepared.ledger.last_resolved_ts
+                    meter.ledger = prepared.ledger
                 with spark.reached():  # a Spark Connect server that went away: a new session
                     _run_query(prepared, spark.get(), meter, metrics, stop, retry, attempt, lag, report,
                                available_now=available_now, report_every_s=report_every_s)
