@@ -15,7 +15,7 @@ import pytest
 from changefeed.core import change as ch
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect
+from changefeed.postgres.connect import connect, one_row
 from changefeed.postgres.decode.builder import ChangeBuilder
 from changefeed.postgres.follow import FOLLOWED, Follower
 from changefeed.spec.definition import SourceNode
@@ -24,9 +24,9 @@ from conftest import Dbs, decoded
 pytestmark = pytest.mark.timeout(300)
 
 
-def _writer(uri: str, stop: threading.Event) -> threading.Thread:
+def _writer(uri: str, stop: threading.Event, big: list[int] | None = None) -> threading.Thread:
     """Small transactions every few ms (inserts, updates, deletes, a non-transactional message now
-    and then), and one of 3,000 rows."""
+    and then), and one of 3,000 rows, whose end the writer appends to `big`."""
     def run() -> None:
         with psycopg.connect(uri, autocommit=True) as c:
             i = 0
@@ -42,6 +42,8 @@ def _writer(uri: str, stop: threading.Event) -> threading.Thread:
                     c.execute("SELECT pg_logical_emit_message(false, 'note', %s)", (str(i),))
                 if i == 40:
                     c.execute("INSERT INTO t SELECT -g, 'big' FROM generate_series(1, 3000) g")
+                    if big is not None:
+                        big.append(one_row(c.execute("SELECT pg_current_wal_insert_lsn() - '0/0'"))[0])
                 time.sleep(0.003)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -72,15 +74,20 @@ def _sub_windows(batches: list[Any]) -> list[list[dict[str, Any]]]:
 
 def test_followed_sub_windows_chain_and_equal_one_window(dbs: Dbs) -> None:
     node, start = _published(dbs, "follow")
-    stop = threading.Event()
-    writer = _writer(dbs.source, stop)
+    stop, big = threading.Event(), list[int]()
+    writer = _writer(dbs.source, stop, big)
     conn = connect(dbs.source, "source", autocommit=True)
     try:
         follower = Follower(conn, node, "source", start, 0, every=0.02, rows_per_batch=1000,
                             offset_at=lambda lsn, ts: {"lsn": lsn, "ts": ts})
-        threading.Timer(3.5, stop.set).start()  # (the writer goes on past the deadline: the follower stops anyway)
-        batches = list(follower.windows(until=time.monotonic() + 3.0))
+        # At least 3 s, and on past the big transaction however slowly a loaded machine writes it
+        # (the writer goes on past the end: the follower stops anyway).
+        t0 = time.monotonic()
+        batches = list(follower.windows(
+            until=t0 + 120, wanted=lambda: time.monotonic() >= t0 + 3 and bool(big) and follower.position[0] > big[0]))
+        stop.set()
         writer.join()
+        assert big and follower.position[0] > big[0], "the follower read past the big transaction"
         windows = _sub_windows(batches)
         assert len(windows) == follower.cuts > 1
         assert len(batches) > len(windows), "the 3,000-row transaction came in parts"
