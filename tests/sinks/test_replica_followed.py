@@ -5,8 +5,6 @@ start (cut elsewhere, or as one window) doubles nothing, and rows that no sub-wi
 refused, with the sub-windows before them kept."""
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,53 +16,15 @@ from changefeed.core import change as ch
 from changefeed.core import followed
 from changefeed.core.offsets import Offset
 from changefeed.errors import IncompleteBatch
-from changefeed.postgres import slots
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect
 from changefeed.postgres.decode.builder import ChangeBuilder
-from changefeed.postgres.follow import FOLLOWED, Follower
+from changefeed.postgres.follow import FOLLOWED
 from changefeed.sinks.batch_input import BatchInput, Task
 from changefeed.sinks.replica import ledger, merge
 from changefeed.sinks.replica.writer import ReplicaWriter
-from changefeed.spec.definition import SourceNode
-from conftest import Dbs, fingerprint
+from conftest import Dbs, fingerprint, followed_batches, sub_window_ends
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _followed(dbs: Dbs, every: float, seconds: float = 3.0) -> tuple[list[Any], int]:
-    """(A followed batch's record batches while a writer commits, the slot's start)."""
-    with dbs.src() as c:
-        c.execute("CREATE TABLE IF NOT EXISTS t (id bigint PRIMARY KEY, v text)")
-        if c.execute("SELECT count(*) FROM pg_publication WHERE pubname = 'p'").fetchone() == (0,):
-            c.execute("CREATE PUBLICATION p FOR TABLE t")
-            slots.create_slot(c, "s")
-        start = slots.slot_state(c, "s").confirmed_flush  # type: ignore[union-attr]
-    stop = threading.Event()
-
-    def write() -> None:
-        with psycopg.connect(dbs.source, autocommit=True) as c:
-            i = 0
-            while not stop.is_set():
-                i += 1
-                c.execute("INSERT INTO t VALUES (%s, 'v') ON CONFLICT (id) DO UPDATE SET v = t.v || 'u'", (i % 300,))
-                if i % 7 == 0:
-                    c.execute("DELETE FROM t WHERE id = %s", ((i * 13) % 300,))
-                time.sleep(0.002)
-
-    writer = threading.Thread(target=write)
-    writer.start()
-    threading.Timer(seconds - 1.0, stop.set).start()  # (the follower then cuts the last commits too)
-    try:
-        with connect(dbs.source, "source") as conn:
-            node = SourceNode("n1", dbs.source, "s", "p")
-            follower = Follower(conn, node, "source", start, 0, every=every, rows_per_batch=200,
-                                offset_at=lambda lsn, ts: Offset({"n1": lsn}, ts, follow=1).to_json())
-            batches = list(follower.windows(until=time.monotonic() + seconds))
-    finally:
-        stop.set()
-        writer.join()
-    return batches, start
 
 
 def _write(dbs: Dbs, batches: list[Any], batch_id: int, end_file: Path) -> Any:
@@ -88,18 +48,13 @@ def _prepare(dbs: Dbs) -> None:
         merge.ensure_tables(d, tables)
 
 
-def _ends(batches: list[Any]) -> list[int]:
-    return [ch.Progress.from_meta(m).end_lsn for rb in batches
-            for m in rb.filter(pc.equal(rb.column("op"), ch.PROGRESS)).column("meta").to_pylist()]
-
-
 def test_each_sub_window_commits_and_a_batch_read_again_doubles_nothing(dbs: Dbs, tmp_path: Path) -> None:
     end_file = tmp_path / followed.END_FILE
-    batches, start = _followed(dbs, every=0.0)
-    ends = _ends(batches)
+    batches, start = followed_batches(dbs, every=0.0)
+    ends = sub_window_ends(batches)
     assert len(ends) > 5
     _prepare(dbs)
-    half = next(i for i in range(len(batches)) if _ends(batches[:i + 1]) == ends[:len(ends) // 2])
+    half = next(i for i in range(len(batches)) if sub_window_ends(batches[:i + 1]) == ends[:len(ends) // 2])
     first = _write(dbs, batches[:half + 1], 7, end_file)  # a task that ended halfway (cut short by a kill)
     recorded = [e for _, e in _progress(dbs)]
     assert first.applied and set(recorded) <= set(ends) and recorded[-1] == ends[len(ends) // 2 - 1]
@@ -119,10 +74,10 @@ def test_each_sub_window_commits_and_a_batch_read_again_doubles_nothing(dbs: Dbs
 
 
 def test_rows_no_sub_window_closed_are_refused_and_the_ones_before_kept(dbs: Dbs, tmp_path: Path) -> None:
-    batches, _ = _followed(dbs, every=0.0, seconds=2.0)
-    ends = _ends(batches)
+    batches, _ = followed_batches(dbs, every=0.0, seconds=2.0)
+    ends = sub_window_ends(batches)
     _prepare(dbs)
-    last_p = max(i for i, rb in enumerate(batches) if _ends([rb]))
+    last_p = max(i for i, rb in enumerate(batches) if sub_window_ends([rb]))
     tail = batches[:last_p] + [batches[last_p].filter(pc.not_equal(batches[last_p].column("op"), ch.PROGRESS))]
     assert tail[-1].num_rows and len(ends) > 1  # the last sub-window's rows, without its P row
     with pytest.raises(IncompleteBatch):

@@ -20,6 +20,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from changefeed.core.change import Progress
 from changefeed.core.offsets import Offset, OffsetError
 
 END_FILE = "changefeed-follow-end.json"  # in the checkpoint folder: moved aside or deleted with it
@@ -58,3 +59,13 @@ def started(offset: Offset, path: Path | None, until: Offset | None = None) -> O
     if until is not None and not until.follow and end.order > until.order:
         return offset
     return replace(offset, lsns=end.lsns, ts=max(offset.ts, end.ts))
+
+
+def folded(parts: list[Progress]) -> list[Progress]:
+    """The `P` rows of sub-windows committed in one transaction (a sink's group commit) as one,
+    ending at the last: when every one is a whole batch's own (`parts` 1), which a batch's several
+    input partitions never are (those are left as they are)."""
+    if len(parts) < 2 or any(p.parts != 1 for p in parts):
+        return parts
+    times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
+    return [replace(parts[-1], changes=sum(p.changes for p in parts), last_commit_time=max(times) if times else None)]

@@ -33,6 +33,16 @@ class BatchWriter(Protocol):
         """On the driver, when the batch failed: leave nothing a replay would not overwrite or skip."""
 
 
+class Recorded(Protocol):
+    """How far a sink recorded a one-node feed: the end LSN of its last committed batch or
+    sub-window (0: none). Asked now and then from a followed batch's read task, which confirms it
+    to the slot as it follows (spark.follow); `close` frees what the asking holds."""
+
+    def __call__(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Sink:
     """A kind of sink. Subclasses set the class attributes and override what differs."""
 
@@ -67,6 +77,11 @@ class Sink:
 
     def writer(self, options: dict[str, str]) -> BatchWriter:
         raise NotImplementedError
+
+    def recorded(self, options: dict[str, str]) -> Recorded | None:
+        """On an executor, from the writer's `options`: how far the sink recorded the feed, for a
+        feed in low-latency mode (None: the sink cannot say; its slot moves at batch ends only)."""
+        return None
 
     def plan(self, changes: Any, spec: "FeedSpec", parallel_reads: bool) -> Any:
         """The batch's packed change rows (a Spark DataFrame, one partition per WAL window or

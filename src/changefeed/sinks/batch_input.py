@@ -80,3 +80,19 @@ class BatchInput:
     def progress(self) -> ch.BatchProgress:
         """The batch's progress; IncompleteBatch unless every input partition's `P` row came."""
         return ch.BatchProgress.of(self._progress)
+
+
+WAL_OPS = ["c", "u", "d", "t", "m"]  # rows of committed transactions (or messages), at their commit's LSN
+
+
+def unsent(rb: Any, done: int) -> Any:
+    """`rb` without the rows of WAL changes committed before `done`, the end LSN a one-node feed's
+    sink recorded last: a batch read again from an earlier position (a replay, a followed batch's
+    retried task) leaves out what the sink has. Snapshot and control rows are kept."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not done or rb.num_rows == 0:
+        return rb
+    sent = pc.and_(pc.is_in(rb.column("op"), value_set=pa.array(WAL_OPS)), pc.less(rb.column("lsn"), done))
+    return rb.filter(pc.invert(sent)) if pc.any(sent).as_py() else rb

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from changefeed.core import change as ch
+from changefeed.core import followed
 from changefeed.core.envelope import Formatter, formatter
+from changefeed.core.offsets import Offset
 from changefeed.sinks.base import ledger_path
 from changefeed.sinks.ledger import FileLedger
 
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Delivered:
-    progress: ch.BatchProgress
+    progress: ch.BatchProgress | None  # None: a followed batch that delivered nothing new
     began: float
     done: float
 
@@ -53,10 +56,16 @@ class MessageWriter:
         return FileLedger(self.options["ledger"])
 
     def commit(self, results: list[Delivered], batch_id: int) -> None:
-        """The batch was delivered: record it in the ledger (while the runner's lease term holds)."""
+        """The batch was delivered: record it in the ledger (while the runner's lease term holds).
+        In low-latency mode, keep where it ended, for the next batch to start there (core.followed)."""
         epoch = int(self.options["epoch"]) if self.options.get("epoch") else None
+        follow_end = self.options.get("follow_end")
         for m in results:  # one writer task: one result
+            if m.progress is None:
+                continue
             self.ledger().record(batch_id, m.progress, m.began, m.done, epoch)
+            if follow_end and m.progress.offset:
+                followed.note_end(Path(follow_end), Offset.from_json(m.progress.offset))
 
     def abort(self, results: list[Any], batch_id: int) -> None:
         """Nothing to undo here; see the sink's own notes on what a replay does."""

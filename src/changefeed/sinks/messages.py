@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from changefeed.core import change as ch
-from changefeed.core import envelope_columns
+from changefeed.core import envelope_columns, followed
 from changefeed.core.envelope import Change, Formatter, Record
 from changefeed.core.outbox import OutboxEvent, OutboxRouter, OutboxSpec
-from changefeed.errors import SinkError
+from changefeed.errors import IncompleteBatch, SinkError
 
 
 class Message(NamedTuple):
@@ -136,6 +136,19 @@ class MessageStream:
 
     def progress(self) -> ch.BatchProgress:
         return ch.BatchProgress.of(self._progress)
+
+    def whole(self) -> bool:
+        """Whether the `P` rows not taken yet are every input partition's of a batch (or sub-window)."""
+        try:
+            ch.BatchProgress.of(followed.folded(self._progress))
+        except IncompleteBatch:
+            return False
+        return True
+
+    def take_progress(self) -> ch.BatchProgress:
+        """A followed batch's sub-windows since the last take, as one (core.followed.folded)."""
+        taken, self._progress = followed.folded(self._progress), []
+        return ch.BatchProgress.of(taken)
 
 
 def outbox_spec(options: dict[str, str]) -> OutboxSpec | None:

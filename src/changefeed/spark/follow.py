@@ -10,11 +10,11 @@ the next one is yielded (bench/README.md, spark_transit.py). The writer commits 
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,8 @@ from changefeed.errors import carried
 from changefeed.postgres import slots
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.requests import SourceRequests
+from changefeed.sinks.base import Recorded
+from changefeed.sinks.registry import sink_of
 from changefeed.spark.reads import push_through
 from changefeed.spec.definition import SourceNode
 
@@ -36,6 +38,7 @@ from changefeed.spec.definition import SourceNode
 # group commit folds only what waits already), and ending one at every commit received let the
 # writer fall behind the reader at 10,000 changes/s (bench/README.md, latency.py --low-latency).
 EVERY_S = 0.02
+POLL_S = 1.0  # how often a followed batch's read asks how far its sink recorded the feed
 
 
 class FollowPartition(InputPartition):
@@ -43,10 +46,10 @@ class FollowPartition(InputPartition):
     planner has work a followed batch does not do (`Wanted`)."""
 
     def __init__(self, node: SourceNode, start: Offset, seconds: float, rows_per_batch: int,
-                 wanted: "Wanted | None" = None, ledger: tuple[str, str] | None = None) -> None:
+                 wanted: "Wanted | None" = None, sink: dict[str, str] | None = None) -> None:
         self.node, self.start, self.seconds, self.rows_per_batch = node, start, seconds, rows_per_batch
         self.wanted = wanted
-        self.ledger = ledger  # (the replica's URI, the feed's ledger key): the slot moves with it as it follows
+        self.sink = sink  # the sink writer's options: the slot moves with what the sink recorded as it follows
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,10 @@ def read_followed(part: FollowPartition) -> Iterator[Any]:
         conn = stack.enter_context(connect(node.uri, role))
         stack.enter_context(lost_connection(role))
         recorded = None
-        if part.ledger is not None:  # (a slot that moved only at batch ends would make each start decode it all)
-            sink = stack.enter_context(connect(part.ledger[0], "sink"))
-            recorded = partial(_recorded, sink, part.ledger[1])
+        if part.sink is not None:  # (a slot that moved only at batch ends would make each start decode it all)
+            asked = sink_of(part.sink["uri"]).recorded(part.sink)
+            if asked is not None:
+                recorded = stack.enter_context(closing(Polled(asked, POLL_S)))
         slots.advance(conn, node.slot, at)  # (as a window's read: a slot behind `at` would re-send from there)
         follower = Follower(conn, node, role, at, part.start.ts, every=EVERY_S, offset_at=offset_at,
                             rows_per_batch=part.rows_per_batch, flush=EVERY_S)
@@ -100,9 +104,32 @@ def read_followed(part: FollowPartition) -> Iterator[Any]:
             faults.reach("read")
 
 
-def _recorded(sink: Any, key: str) -> int:
-    """How far the replica recorded the feed (its ledger, sinks.replica.ledger)."""
-    from changefeed.sinks.replica.ledger import applied_upto  # (Arrow: executors only, see spark/reads.py)
+class Polled:
+    """`ask()` asked by a thread of its own about every `every` s, so that an ask that takes a
+    while (a Kafka progress read) never holds up the follower; calling it gives the last answer
+    (0 before the first). A failed ask keeps the answer before: the slot then moves later, and
+    the sink's writer meets the failure itself."""
 
-    with lost_connection("sink"):
-        return applied_upto(sink, key)
+    def __init__(self, ask: Recorded, every: float) -> None:
+        self._ask, self._every, self._answer = ask, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="changefeed-recorded", daemon=True)
+        self._thread.start()
+
+    def __call__(self) -> int:
+        return self._answer
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._answer = max(self._answer, self._ask())
+                except Exception:  # noqa: BLE001 - an optimisation only: see the class doc
+                    pass
+                self._stop.wait(self._every)
+        finally:
+            self._ask.close()
+
+    def close(self) -> None:
+        """Stop asking; an ask under way ends on its own (the batch does not wait for it)."""
+        self._stop.set()

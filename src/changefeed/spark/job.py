@@ -76,6 +76,14 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
     nodes = [[n.name, n.uri, (read_from or {}).get(n.name, n.slot), n.publication] for n in spec.sources]
     # low-latency mode (core.followed): where a followed batch's sink keeps its end, for the next to start there
     follow_end = str(state.checkpoint / followed.END_FILE) if spec.low_latency_s else ""
+    targets = []
+    for target in spec.sink_targets:
+        one = spec.for_sink(target)
+        sink = sink_of(one.sink)
+        targets.append({"name": target.name, "sink": sink.name, "uri": one.sink, "feed": spec.name, "key": one.key,
+                        "multi_node": str(spec.multi_node).lower(), "resync": ",".join(resync),
+                        "epoch": "" if epoch is None else str(epoch), "follow_end": follow_end,
+                        **sink.writer_options(one, state)})
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
@@ -103,16 +111,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("replay_file", str(state.replay_file))
               .option("checkpoint", str(state.checkpoint))
               .option("follow_s", str(spec.low_latency_s)).option("follow_end", follow_end)
-              .option("follow_ledger", json.dumps([spec.sink, spec.for_sink(spec.sink_targets[0]).key])
-                      if follow_end else ""))
-    targets = []
-    for target in spec.sink_targets:
-        one = spec.for_sink(target)
-        sink = sink_of(one.sink)
-        targets.append({"name": target.name, "sink": sink.name, "uri": one.sink, "feed": spec.name, "key": one.key,
-                        "multi_node": str(spec.multi_node).lower(), "resync": ",".join(resync),
-                        "epoch": "" if epoch is None else str(epoch), "follow_end": follow_end,
-                        **sink.writer_options(one, state)})
+              .option("follow_sink", json.dumps(targets[0]) if follow_end else ""))
     # several sinks write side by side in one task (sinks.fan_out), as the base shape has it
     only = spec if spec.several_sinks else spec.for_sink(spec.sink_targets[0])
     shape = Sink() if spec.several_sinks else sink_of(only.sink)

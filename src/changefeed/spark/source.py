@@ -79,8 +79,8 @@ class ChangefeedSource(DataSource):
     others is caught up by: control.lag_budget), checkpoint (the query's checkpoint folder, which
     keeps where its first batch starts: spark.checkpoint.recorded_start), follow_s (low-latency
     mode: how long a followed batch follows the slot, core.followed), follow_end (the end file
-    its sink keeps) and follow_ledger (JSON [URI, key]: the replica's ledger, which a followed
-    batch's slot moves with)."""
+    its sink keeps) and follow_sink (JSON: the sink writer's options, by which a followed batch's
+    read asks how far the sink recorded the feed, for the slot to move as it follows)."""
 
     @classmethod
     def name(cls) -> str:
@@ -122,8 +122,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.checkpoint = Path(options["checkpoint"]) if options.get("checkpoint") else None
         self.follow_s = float(options.get("follow_s") or 0)
         self.follow_end = Path(options["follow_end"]) if options.get("follow_end") else None
-        ledger = json.loads(options.get("follow_ledger") or "null")
-        self.follow_ledger = (str(ledger[0]), str(ledger[1])) if ledger else None
+        self.follow_sink: dict[str, str] | None = json.loads(options.get("follow_sink") or "null")
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
@@ -381,7 +380,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if end.follow:  # (a followed batch: one node, one task, from where its offset says)
             wanted = Wanted(self.feed, frozenset(self.nodes), frozenset(self.sinks),
                             str(self.barrier_file) if self.barrier_file else None)
-            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch, wanted, self.follow_ledger)
+            return [FollowPartition(self.nodes[n], end, self.follow_s, self.rows_per_batch, wanted, self.follow_sink)
                     for n in end.lsns]
         start = followed.started(start, self.follow_end, end)
         # (a batch planned before a node was removed from the feed is replayed without that node)

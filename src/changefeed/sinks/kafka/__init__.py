@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from changefeed.sinks.base import BatchWriter, Sink, ledger_path
+from changefeed.sinks.base import BatchWriter, Recorded, Sink, ledger_path
 from changefeed.sinks.message_writer import message_options
 
 if TYPE_CHECKING:
@@ -52,6 +52,22 @@ class KafkaSink(Sink):
         from changefeed.sinks.kafka.writer import KafkaWriter
 
         return KafkaWriter(options)
+
+    def recorded(self, options: dict[str, str]) -> "Recorded":
+        from changefeed.sinks.kafka.followed import CommittedEnd
+        from changefeed.sinks.kafka.options import KafkaOptions
+
+        return CommittedEnd(KafkaOptions.parse(options["uri"]).reading(options.get("progress_reader") or "auto"),
+                            options["key"])
+
+    def check_feed(self, spec: "FeedSpec") -> None:
+        from changefeed.errors import ConfigError
+        from changefeed.sinks.kafka.options import KafkaOptions
+
+        if spec.low_latency_s and KafkaOptions.parse(spec.sink).delivery != "exactly_once":
+            raise ConfigError("--low-latency into Kafka needs delivery=exactly_once: its sub-windows commit as "
+                              "transactions, each with its progress record",
+                              "drop delivery=at_least_once from the --sink URI, or leave --low-latency out")
 
 
 SINK = KafkaSink()

@@ -32,6 +32,7 @@ from typing import Any
 
 from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
+from changefeed.core.offsets import Offset
 from changefeed.errors import ChangefeedError, LeaseLost, SinkError, TransientError
 from changefeed.sinks.kafka.failures import ProducerFenced, kafka_error
 from changefeed.sinks.kafka.options import KafkaOptions
@@ -95,6 +96,7 @@ class KafkaBatch:
         self.epoch = epoch  # the runner's lease term; None: a run that holds none
         self.exactly_once = opts.delivery == "exactly_once"
         self.sent = 0
+        self._committed = 0  # of `sent`, those in committed transactions (a followed batch commits several)
         self._producer: Any = None
         self._failed: list[Any] = []
         self._partitions: dict[str, int] = {}  # topic -> partition count, for messages to all partitions
@@ -105,6 +107,57 @@ class KafkaBatch:
     # -- life of the batch ----------------------------------------------------------------------
     def open(self) -> ProgressRecord | None:
         """Start the batch; returns the committed progress record if this batch is already in Kafka."""
+        from confluent_kafka import KafkaException
+
+        if not self._start():
+            return None
+        if self._last is not None and self._last.query == self.query and self._last.batch >= self.batch:
+            self._drop()
+            return self._last
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
+        self._in_txn = True
+        return None
+
+    def open_in_parts(self) -> ProgressRecord | None:
+        """Start a batch of a feed in low-latency mode, which commits whenever what was sent makes
+        a whole batch or sub-window (kafka.followed), exactly once. Returns the committed progress
+        record if all of the batch is in Kafka already: a later batch's is there, or this (not
+        followed) batch's own. A followed batch's own record says only that some of it is."""
+        from confluent_kafka import KafkaException
+
+        assert self.exactly_once, "a batch in parts commits a transaction per part"
+        self._start()
+        last = self._last
+        if last is not None and last.query == self.query and (
+                last.batch > self.batch or (last.batch == self.batch and not _followed(last))):
+            self._drop()
+            return last
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
+        self._in_txn = True
+        return None
+
+    def restart(self) -> None:
+        """Give up what was sent since the last commit (it was in Kafka before) and begin anew."""
+        from confluent_kafka import KafkaException
+
+        try:
+            self._producer.abort_transaction(self.opts.timeout_s)
+            self._in_txn = False
+            self._committed = self.sent
+            self._producer.begin_transaction()
+            self._in_txn = True
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, f"restarting the transaction of batch {self.batch}", self.opts)) from None
+
+    def _start(self) -> bool:
+        """A fresh producer; exactly once (returns True), its transactions initialised (which fences
+        every earlier producer of the feed), then the feed's last committed progress read."""
         from confluent_kafka import KafkaException, Producer
 
         try:
@@ -112,27 +165,23 @@ class KafkaBatch:
             self._producer = Producer(self.opts.producer_config(self.feed), error_cb=self._on_error,
                                       on_delivery=self._on_delivery, **{"delivery.report.only.error": True})
             if not self.exactly_once:
-                return None
+                return False
             self._producer.init_transactions(self.opts.timeout_s)
         except KafkaException as e:
             raise self._fail(kafka_error(e, "starting the producer", self.opts)) from None
         try:
             self._last = self.read_progress(self.opts, self.feed)
-            if self._last is not None and self.epoch is not None and self._last.epoch > self.epoch:
-                raise LeaseLost(f"feed {self.feed}: this runner's lease (term {self.epoch}) was taken over (term "
-                                f"{self._last.epoch} claimed Kafka); batch {self.batch} was not delivered",
-                                "nothing of the batch was delivered; the runner holding the lease goes on with the "
-                                "feed", component="sink")
-            if self._last is not None and self._last.query == self.query and self._last.batch >= self.batch:
-                self._drop()
-                return self._last
-            self._producer.begin_transaction()
         except KafkaException as e:
-            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
+            raise self._fail(kafka_error(e, "reading the progress topic", self.opts)) from None
         except ChangefeedError as e:
             raise self._fail(e) from None
-        self._in_txn = True
-        return None
+        if self._last is not None and self.epoch is not None and self._last.epoch > self.epoch:
+            raise self._fail(LeaseLost(
+                f"feed {self.feed}: this runner's lease (term {self.epoch}) was taken over (term "
+                f"{self._last.epoch} claimed Kafka); batch {self.batch} was not delivered",
+                "nothing of the batch was delivered; the runner holding the lease goes on with the feed",
+                component="sink"))
+        return True
 
     def claim(self) -> None:
         """As a batch of no messages: fence every earlier producer of the feed, then commit its last
@@ -244,21 +293,35 @@ class KafkaBatch:
     def close(self, progress: BatchProgress) -> ProgressRecord:
         """Deliver what was sent: commit the transaction with the progress record, or (at least
         once) wait until every message was acknowledged."""
+        if self.exactly_once and self._last is not None and self._last.progress.end_lsn >= progress.end_lsn > 0:
+            self.abort()  # already in Kafka under another query id: never twice
+            return self._last
+        return self._commit(progress, then_begin=False)
+
+    def commit_part(self, progress: BatchProgress) -> ProgressRecord:
+        """A followed batch's sub-window(s), sent since the last commit: commit them with their
+        progress record, then begin the next transaction on the same producer."""
+        assert self._last is None or progress.end_lsn > self._last.progress.end_lsn, "committed before"
+        return self._commit(progress, then_begin=True)
+
+    def _commit(self, progress: BatchProgress, *, then_begin: bool) -> ProgressRecord:
         from confluent_kafka import KafkaException
 
-        record = ProgressRecord(self.feed, self.query, self.batch, progress, self.sent, self.epoch or 0)
+        record = ProgressRecord(self.feed, self.query, self.batch, progress, self.sent - self._committed,
+                                self.epoch or 0)
         try:
             if not self.exactly_once:
                 self._flush()
                 return record
-            if self._last is not None and self._last.progress.end_lsn >= progress.end_lsn > 0:
-                self.abort()  # already in Kafka under another query id: never twice
-                return self._last
             self._producer.produce(self.opts.progress_topic, key=self.feed.encode(), value=record.encode(),
                                    partition=0)
             self._flush()
             self._producer.commit_transaction(self.opts.timeout_s)
             self._in_txn = False
+            self._last, self._committed = record, self.sent
+            if then_begin:
+                self._producer.begin_transaction()
+                self._in_txn = True
             return record
         except KafkaException as e:
             raise self._fail(kafka_error(e, f"committing batch {self.batch}", self.opts)) from None
@@ -267,6 +330,16 @@ class KafkaBatch:
         finally:
             if not self._in_txn:
                 self._producer = None  # done: a fresh one (a fresh epoch) for the next batch
+
+    @property
+    def recorded_end(self) -> int:
+        """The end LSN of the feed's last committed progress record, once open (0: none)."""
+        return self._last.progress.end_lsn if self._last is not None else 0
+
+    @property
+    def uncommitted(self) -> int:
+        """Messages sent since the last commit (or the start)."""
+        return self.sent - self._committed
 
     def _flush(self) -> None:
         """Wait until every message sent was acknowledged: each one is, or fails, within the delivery
@@ -344,6 +417,12 @@ class KafkaBatch:
                 pass
         self._producer = None
         self._in_txn = False
+
+
+def _followed(record: ProgressRecord) -> bool:
+    """Whether `record` is a followed batch's sub-window's (core.followed): its offset says so."""
+    offset = record.progress.offset
+    return offset is not None and Offset.from_json(offset).follow > 0
 
 
 def claim(opts: KafkaOptions, feed: str, epoch: int) -> None:

@@ -1,8 +1,11 @@
 """The Kafka sink's batch writer: the batch's one writer task writes it to Kafka.
 
 Exactly once: the writer task delivers the whole batch in one Kafka transaction with its progress
-record, or skips it when the progress topic shows it committed (kafka.batch). The driver then
-records it in the feed's ledger file (sinks.message_writer).
+record, or skips it when the progress topic shows it committed (kafka.batch); a one-node feed's
+batch read again from an earlier position leaves out the changes committed before the recorded
+end. In low-latency mode (`follow_end`) a followed batch commits a transaction per sub-window
+(kafka.followed). The driver then records the batch in the feed's ledger file
+(sinks.message_writer).
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import time
 from changefeed import faults
 from changefeed.core.envelope import resolved
 from changefeed.errors import SinkError
-from changefeed.sinks.batch_input import BatchInput
+from changefeed.sinks.batch_input import BatchInput, unsent
 from changefeed.sinks.kafka.batch import KafkaBatch
+from changefeed.sinks.kafka.followed import deliver_followed
 from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.message_writer import Delivered, MessageWriter
 from changefeed.sinks.messages import MessageStream, Run, outbox_spec
@@ -31,13 +35,17 @@ class KafkaWriter(MessageWriter):
                                event_topic=opts.event_topic)
         out = KafkaBatch(opts, o["key"], batch.task.query_id, batch.task.batch_id,
                          epoch=int(o["epoch"]) if o.get("epoch") else None)
+        topics = [t for t in o["topics"].split(",") if t] if opts.emit_resolved else None
+        if o.get("follow_end"):
+            return Delivered(deliver_followed(batch, stream, out, topics), began, time.time())
         done = out.open()
         if done is not None:  # committed before a crash: Spark replays it, Kafka has it
             return Delivered(done.progress, began, time.time())
+        recorded = out.recorded_end if not batch.multi_node else 0  # (a WAL position on one node only)
         try:
             mark = 0
             for rb in batch.in_order():
-                for part in stream.parts(rb):
+                for part in stream.parts(unsent(rb, recorded)):
                     if isinstance(part, Run):
                         out.send_run(*part)
                     else:
@@ -46,8 +54,8 @@ class KafkaWriter(MessageWriter):
                         mark = out.sent
                         faults.reach("sink_write")  # crash tests: in the middle of a transaction
             progress = stream.progress()
-            if opts.emit_resolved:
-                out.resolved([t for t in o["topics"].split(",") if t], resolved(progress.resolved_ts))
+            if topics is not None:
+                out.resolved(topics, resolved(progress.resolved_ts))
             faults.reach("before_sink_commit")
             out.close(progress)
             faults.reach("after_sink_commit")

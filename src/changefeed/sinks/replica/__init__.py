@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from changefeed.sinks.base import BatchWriter, Sink
+from changefeed.sinks.base import BatchWriter, Recorded, Sink
 
 if TYPE_CHECKING:
     from changefeed.sinks.ledger import Ledger
@@ -39,6 +39,11 @@ class ReplicaSink(Sink):
         from changefeed.sinks.replica.writer import ReplicaWriter
 
         return ReplicaWriter(options)
+
+    def recorded(self, options: dict[str, str]) -> "Recorded":
+        from changefeed.sinks.replica.ledger import AppliedUpto
+
+        return AppliedUpto(options["uri"], options["key"])
 
 
 SINK = ReplicaSink()

@@ -15,7 +15,7 @@ next, never between, and merging overlaps with reading the rest of the batch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -26,6 +26,7 @@ from psycopg.types.json import Jsonb
 
 from changefeed import faults
 from changefeed.core import change as ch
+from changefeed.core import followed
 from changefeed.core.copytext import NULL
 from changefeed.core.lsn import format_lsn
 from changefeed.errors import ChangefeedError, IncompleteBatch, SinkError
@@ -129,8 +130,8 @@ class BatchApplier:
                 self._shapes[(schema, table)] = self.follower.relation(
                     ch.TableShape.from_meta(schema, table, meta), follow=new)
             else:
-                self._progress.append(ch.Progress.from_meta(meta))
-                self._fold()
+                # (sub-windows committed together, the writer's group commit, count as one)
+                self._progress = followed.folded([*self._progress, ch.Progress.from_meta(meta)])
 
     def whole(self) -> bool:
         """Whether the `P` rows added so far are every input partition's of a batch (or of a
@@ -140,16 +141,6 @@ class BatchApplier:
         except IncompleteBatch:
             return False
         return True
-
-    def _fold(self) -> None:
-        """Sub-windows of a followed batch applied in one transaction (the writer's group commit,
-        sinks.replica.writer) count as one, ending at the last: done when every `P` row added is a
-        whole batch's own (`parts` 1), which a batch's several input partitions never are."""
-        if len(self._progress) < 2 or any(p.parts != 1 for p in self._progress):
-            return
-        times = [p.last_commit_time for p in self._progress if p.last_commit_time is not None]
-        self._progress = [replace(self._progress[-1], changes=sum(p.changes for p in self._progress),
-                                  last_commit_time=max(times) if times else None)]
 
     def covers(self, progress: ch.BatchProgress) -> bool:
         """Whether the replica recorded this batch (or a later one) before."""

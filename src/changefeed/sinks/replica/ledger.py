@@ -118,6 +118,26 @@ def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
+class AppliedUpto:
+    """`applied_upto` of one feed as a followed batch's read asks it (sinks.base.Recorded): on a
+    connection of its own, opened at the first ask."""
+
+    def __init__(self, uri: str, feed: str) -> None:
+        self.uri, self.feed = uri, feed
+        self._conn: psycopg.Connection[Any] | None = None
+
+    def __call__(self) -> int:
+        from changefeed.postgres.connect import connect
+
+        if self._conn is None:
+            self._conn = connect(self.uri, "sink", autocommit=True)
+        return applied_upto(self._conn, self.feed)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+
+
 # progress rows with their began_at as b.began (NULL on a sink made before the column)
 _PROGRESS_BEGAN = (f"{META_SCHEMA}.progress p CROSS JOIN LATERAL "
                    "(SELECT (to_jsonb(p) ->> 'began_at')::timestamptz AS began) b")

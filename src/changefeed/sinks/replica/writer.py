@@ -4,7 +4,7 @@ The query has one writer task per micro-batch, so the task itself can apply the 
 one target transaction and commit it: the progress row in that transaction makes a retried task
 or a replayed batch a no-op, and the source advances its slot only after Spark has seen the task
 succeed. Applying while reading needs the task to keep taking input while the database merges:
-a thread applies chunks from a short queue.
+a thread applies chunks from a short queue (sinks.handoff).
 
 A feed in low-latency mode (`follow_end`, core.followed) commits each time the rows taken in
 make a whole batch: a followed batch's task commits a transaction per sub-window, each with its
@@ -13,8 +13,6 @@ progress row, and the driver keeps the last one's end as where the next batch st
 from __future__ import annotations
 
 import json
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,10 @@ from changefeed.core import change as ch
 from changefeed.core import followed
 from changefeed.core.offsets import Offset
 from changefeed.postgres.connect import connect, lost_connection
+from changefeed.sinks import handoff
 from changefeed.sinks.batch_input import BatchInput
 from changefeed.sinks.replica import apply as replica
 
-QUEUED_CHUNKS = 4  # chunks (up to ~64k changes each) read ahead while the database merges
 FOLD_S = 0.05  # low-latency mode: the longest a transaction takes in sub-windows that wait (group commit)
 
 
@@ -86,65 +84,32 @@ class ReplicaWriter:
     def _write_streaming(self, batch: BatchInput) -> replica.Applied:
         """A one-node batch: applied while it is read (its rows come in commit order); in
         low-latency mode committed at each whole batch or sub-window it holds."""
-        chunks: queue.Queue[Any] = queue.Queue(QUEUED_CHUNKS)
-        failed: list[BaseException] = []
-        done = object()
         committed: list[replica.Applied] = []
         open_: list[replica.BatchApplier] = []  # the applier of what is not committed yet (none or one)
-        began = [0.0]  # when its transaction began (monotonic)
 
-        def apply() -> None:
-            try:
-                while (rb := chunks.get()) is not done:
-                    if not open_:
-                        open_.append(self._applier(conn, batch))
-                        began[0] = time.monotonic()
-                    open_[0].add(rb)
-                    if self.follow_end is not None and _ends_whole(rb, open_[0]):
-                        # Group commit: a whole sub-window waiting already goes in the same
-                        # transaction, for up to FOLD_S, so that a writer behind its reader catches
-                        # up in fewer, larger transactions (never rows no `P` row closed yet).
-                        if time.monotonic() - began[0] < FOLD_S and _waits_whole(chunks):
-                            continue
-                        committed.append(open_.pop().commit())
-            except BaseException as e:  # noqa: BLE001 - handed to the task thread
-                failed.append(e)
-                while chunks.get() is not done:  # let the reader finish; its data is not needed
-                    pass
+        def apply(chunks: handoff.Handoff) -> None:
+            began = 0.0  # when the open transaction began (monotonic)
+            for rb in chunks:
+                if not open_:
+                    open_.append(self._applier(conn, batch))
+                    began = time.monotonic()
+                open_[0].add(rb)
+                if self.follow_end is not None and handoff.ends_with_progress(rb) and open_[0].whole():
+                    # Group commit: a whole sub-window waiting already goes in the same
+                    # transaction, for up to FOLD_S (never rows no `P` row closed yet).
+                    if time.monotonic() - began < FOLD_S and chunks.progress_waits():
+                        continue
+                    committed.append(open_.pop().commit())
 
         with connect(self.uri, "sink", autocommit=True) as conn, lost_connection("sink"):
             if self.follow_end is None:
                 open_.append(self._applier(conn, batch))  # (a batch's one transaction, begun before its rows)
-            worker = threading.Thread(target=apply, name="changefeed-apply", daemon=True)
-            worker.start()
             try:
-                for rb in batch.batches():
-                    if failed:
-                        break
-                    chunks.put(rb)
-            finally:
-                chunks.put(done)
-                worker.join()
-            if failed:
+                handoff.run(batch.batches(), apply)
+            except BaseException:
                 for applier in open_:
                     applier.rollback()
-                raise failed[0]
+                raise
             if open_:  # (in low-latency mode, rows no whole sub-window closed: IncompleteBatch)
                 committed.append(open_[0].commit())
             return replica.Applied.of(batch.task.batch_id, committed)
-
-
-def _ends_whole(rb: Any, applier: replica.BatchApplier) -> bool:
-    """Whether `rb` ends with a `P` row that makes what the applier took a whole batch (or sub-window)."""
-    return _ends_with_progress(rb) and applier.whole()
-
-
-def _ends_with_progress(rb: Any) -> bool:
-    # (getattr: the queue also holds the end marker, which has no rows)
-    return bool(getattr(rb, "num_rows", 0)) and rb.column("op")[rb.num_rows - 1].as_py() == ch.PROGRESS
-
-
-def _waits_whole(chunks: "queue.Queue[Any]") -> bool:
-    """Whether a sub-window's `P` row waits in the queue already (its rows come before it)."""
-    with chunks.mutex:
-        return any(_ends_with_progress(rb) for rb in chunks.queue)
