@@ -259,16 +259,21 @@ def most_sub_windows(uri: str, feed: str, epoch: int | None = None) -> int:
 
 
 def taken_over_while_frozen(dbs: Dbs, frozen: subprocess.Popen[bytes], logs: list[Path], fault_dir: Path,
-                            rows: Callable[[], int]) -> tuple[int, Any]:
+                            rows: Callable[[], int], fence: Callable[[], Any] | None = None) -> tuple[int, Any]:
     """Once the runner `frozen` (log logs[0]) froze at its armed CHANGEFEED_STOP_AT point: wait for
     the standby (log logs[1]) to take the feed over and apply `rows` more, then wake the frozen
-    one, which must stop with exit 2 (its lease lost). Returns the replica's fence (epoch, raised_at)."""
+    one, which must stop with exit 2 (its lease lost). Returns the sink's fence as `fence()` reads
+    it, (epoch, where it stands); by default the replica's (epoch, raised_at)."""
     wait_for("the runner to freeze", lambda: (fault_dir / ".stopped-groups").exists(), logs[0])
     frozen_at = rows()  # its sessions stay open, it renews nothing
     wait_for("the standby to take over", lambda: "taking the feed over" in logs[1].read_text(), logs[1], timeout=60)
     wait_for("new rows from the standby", lambda: rows() > frozen_at + 20, logs[1])
-    with dbs.dst() as d:
-        claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s", (dbs.name,)).fetchone()
+    if fence is None:
+        with dbs.dst() as d:
+            claimed = d.execute("SELECT epoch, raised_at FROM changefeed.fences WHERE feed = %s",
+                                (dbs.name,)).fetchone()
+    else:
+        claimed = fence()
     assert claimed is not None and claimed[0] >= 2
     for group in (fault_dir / ".stopped-groups").read_text().split():
         os.killpg(int(group), signal.SIGCONT)

@@ -166,6 +166,69 @@ def test_a_frozen_low_latency_runner_is_taken_over_and_lands_nothing_when_woken(
     assert late == (0,), "the woken runner landed a sub-window after the standby's claim"
 
 
+def test_a_frozen_low_latency_runner_into_kafka_is_fenced_by_the_standby(dbs: Dbs, tmp_path: Path,
+                                                                          kafka: Any) -> None:
+    """The same into Kafka: frozen with a sub-window's transaction open, the runner is fenced by the
+    standby's claim (its producer's transactional id taken over); the standby follows the slot, and
+    no progress record of the old term is committed after the claim."""
+    from changefeed.local.kafka import committed, read_partition
+    from changefeed.sinks.kafka.batch import ProgressRecord
+
+    with dbs.src() as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
+    prefix, progress_topic = f"f{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
+    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}&topic_partitions=1"
+    topic = f"{prefix}public.ledger"
+
+    def ids() -> list[int]:
+        return [json.loads(r.key)[0] for r in committed(read_partition(kafka.bootstrap, topic, 0, timeout=60))]
+
+    def records() -> list[tuple[int, ProgressRecord]]:
+        return [(r.offset, ProgressRecord.decode(r.value)) for r in
+                committed(read_partition(kafka.bootstrap, progress_topic, 0, timeout=60))
+                if r.key == dbs.name.encode()]
+
+    def claim() -> tuple[int, int]:
+        return max((p.epoch, offset) for offset, p in records() if p.claimed)
+
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    armed = tmp_path / "armed"
+    written = [0]
+    first = changefeed_cli("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--source", dbs.source,
+                           "--sink", sink, "--tables", "public.ledger,public.accounts", "--available-now")
+    assert first.returncode == 0, first.stderr[-3000:]  # (the snapshot, before changes race it)
+    with writing(moving_money(ACCOUNTS, 3), dbs.source, written):
+        a = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "a"), "--lease", "3s",
+                             "--low-latency", "30s", log=logs[0],
+                             env={"CHANGEFEED_STOP_AT": "before_sink_commit:5", "CHANGEFEED_FAULT_DIR": str(tmp_path),
+                                  "CHANGEFEED_FAULT_ARMED": str(armed)})
+        b = None
+        try:
+            wait_for("followed rows in Kafka", lambda: len(ids()) > 50, logs[0])
+            b = start_changefeed("run", "--standby", "--name", dbs.name, "--state", str(tmp_path / "b"),
+                                 "--source", dbs.source, log=logs[1])
+            wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1].read_text(), logs[1])
+            armed.touch()
+            epoch, at = taken_over_while_frozen(dbs, a, logs, tmp_path, lambda: max(ids(), default=0), claim)
+            wait_for("the standby to follow the slot", lambda: sum(
+                1 for _, p in records() if p.epoch == epoch and not p.claimed and
+                (p.progress.offset or {}).get("follow")) > 3, logs[1])
+        except BaseException:
+            kill_group(a)
+            raise
+    assert b is not None
+    try:
+        wait_for("every row in Kafka", lambda: max(ids(), default=0) >= written[0], logs[1], timeout=180)
+    finally:
+        kill_group(b)
+    assert sorted(ids()) == list(range(1, written[0] + 1))
+    assert_no_traceback(logs[0].read_text())
+    late = [(offset, p.epoch) for offset, p in records() if offset > at and p.epoch < epoch]
+    assert late == [], "the woken runner committed a sub-window after the standby's claim"
+
+
 def test_a_snapshot_request_ends_a_followed_batch_before_its_time(dbs: Dbs, tmp_path: Path) -> None:
     """A batch that would follow the slot for ten minutes ends when `snapshot --tables` asks, so
     the re-snapshot comes within a minute or two rather than after the batch."""
