@@ -84,3 +84,26 @@ def test_a_batch_in_flight_is_planned_anew_for_a_sink_that_shows_batches_in_part
     assert "in flight" in said[-1]
     _plan(state, 0, _offset(100), committed=False)  # recorded by the sink, not committed by Spark: replayed
     assert resume(state, ledger, said.append, in_parts=True) is None
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_followed_batch_the_sink_recorded_more_of_is_told_apart_from_another_runner(tmp_path: Path,
+                                                                                     committed: bool) -> None:
+    """Low-latency mode: Spark logs a followed batch with where it starts, and its sink records
+    sub-windows past that as it goes. The query starts again from the sink either way, and the
+    report says which it was: the batch's own work, or a later batch of another runner."""
+    from dataclasses import replace
+
+    state, said = FeedState(tmp_path, "f"), []
+    ledger = Recorded(tmp_path / "ledger.jsonl")
+    _record(ledger, 3, _offset(100))
+    _plan(state, 3, _offset(100))
+    _plan(state, 4, replace(_offset(100), follow=7), committed)  # follows the slot from 100
+    for lsn in (120, 140):  # its sub-windows
+        _record(ledger, 4, replace(_offset(lsn), follow=7))
+    assert resume(state, ledger, said.append) == replace(_offset(140), follow=7)
+    assert "its last batch followed the slot" in said[-1] and "another runner" not in said[-1]
+    _plan(state, 5, replace(_offset(140), follow=7))  # the new query's first batch
+    _record(ledger, 6, replace(_offset(300), follow=8))  # a standby's next followed batch
+    assert resume(state, ledger, said.append) == replace(_offset(300), follow=8)
+    assert "another runner moved the feed on" in said[-1]

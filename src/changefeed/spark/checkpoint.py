@@ -165,7 +165,11 @@ def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None], *, i
         aside = state.checkpoint.with_name("checkpoint.replaced")
         shutil.rmtree(aside, ignore_errors=True)
         state.checkpoint.rename(aside)
+        # (a batch that follows the slot, low-latency mode, is logged with where it starts, and its
+        # sink records its sub-windows as it goes: a sink ahead within that batch is its own work)
+        own = end.follow > 0 and offset.follow == end.follow
         why = ("its last batch was in flight (parts of it may have been sent by another runner since)" if in_flight
+               else "its last batch followed the slot, and the sink recorded more of it than Spark logged" if own
                else "older than the sink (another runner moved the feed on)")
         report(f"feed {state.dir.name}: the checkpoint in {state.checkpoint}: {why}; moved aside to {aside}, "
                "resuming from the sink's last batch")

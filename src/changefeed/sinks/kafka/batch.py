@@ -107,18 +107,12 @@ class KafkaBatch:
     # -- life of the batch ----------------------------------------------------------------------
     def open(self) -> ProgressRecord | None:
         """Start the batch; returns the committed progress record if this batch is already in Kafka."""
-        from confluent_kafka import KafkaException
-
         if not self._start():
             return None
         if self._last is not None and self._last.query == self.query and self._last.batch >= self.batch:
             self._drop()
             return self._last
-        try:
-            self._producer.begin_transaction()
-        except KafkaException as e:
-            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
-        self._in_txn = True
+        self._begin()
         return None
 
     def open_in_parts(self) -> ProgressRecord | None:
@@ -126,8 +120,6 @@ class KafkaBatch:
         a whole batch or sub-window (kafka.followed), exactly once. Returns the committed progress
         record if all of the batch is in Kafka already: a later batch's is there, or this (not
         followed) batch's own. A followed batch's own record says only that some of it is."""
-        from confluent_kafka import KafkaException
-
         assert self.exactly_once, "a batch in parts commits a transaction per part"
         self._start()
         last = self._last
@@ -135,11 +127,7 @@ class KafkaBatch:
                 last.batch > self.batch or (last.batch == self.batch and not _followed(last))):
             self._drop()
             return last
-        try:
-            self._producer.begin_transaction()
-        except KafkaException as e:
-            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
-        self._in_txn = True
+        self._begin()
         return None
 
     def restart(self) -> None:
@@ -148,12 +136,19 @@ class KafkaBatch:
 
         try:
             self._producer.abort_transaction(self.opts.timeout_s)
-            self._in_txn = False
-            self._committed = self.sent
-            self._producer.begin_transaction()
-            self._in_txn = True
         except KafkaException as e:
-            raise self._fail(kafka_error(e, f"restarting the transaction of batch {self.batch}", self.opts)) from None
+            raise self._fail(kafka_error(e, f"aborting a transaction of batch {self.batch}", self.opts)) from None
+        self._in_txn, self._committed = False, self.sent
+        self._begin()
+
+    def _begin(self) -> None:
+        from confluent_kafka import KafkaException
+
+        try:
+            self._producer.begin_transaction()
+        except KafkaException as e:
+            raise self._fail(kafka_error(e, "beginning a transaction", self.opts)) from None
+        self._in_txn = True
 
     def _start(self) -> bool:
         """A fresh producer; exactly once (returns True), its transactions initialised (which fences

@@ -15,6 +15,7 @@ next, never between, and merging overlaps with reading the rest of the batch.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,12 @@ from changefeed.postgres.ddl_capture import PREFIX as DDL_PREFIX
 from changefeed.sinks.replica import merge
 from changefeed.sinks.replica import shape as replica_shape
 from changefeed.sinks.replica.insert_run import INSERT_RUN_ROWS, DirectCopy, insert_runs
-from changefeed.sinks.replica.ledger import META_SCHEMA, applied_upto, check_fence, lock_feed
+from changefeed.sinks.replica.ledger import META_SCHEMA, applied_upto, check_fence, fold_sub_windows, lock_feed
 
 SESSION_MEMORY = "256MB"
 APPLIED_OPS = ("c", "u", "r", "d", "t")
+FOLD_EVERY_S = 10.0  # low-latency mode: how often a sub-window's transaction folds the older ones' progress rows
+_folded_at = [float("-inf")]  # when this process folded last (monotonic)
 _CONTROL_OPS = pa.array([ch.RELATION, ch.PROGRESS, ch.MESSAGE])
 _APPLIED_OPS = pa.array(APPLIED_OPS)
 
@@ -170,6 +173,9 @@ class BatchApplier:
                         "batch_id, read_task) VALUES (%s, %s, %s, %s, %s::pg_lsn, %s, %s)",
                         [(self.feed, c["no"], c["table"], c["rows"], format_lsn(c["read_lsn"]), self.batch_id,
                           c.get("task")) for c in p.chunks])
+            if p.offset and p.offset.get("follow") and time.monotonic() - _folded_at[0] >= FOLD_EVERY_S:
+                fold_sub_windows(self.conn, self.feed)  # (low-latency mode: a row per sub-window)
+                _folded_at[0] = time.monotonic()
             faults.reach("before_sink_commit")
         self.conn.execute("COMMIT")
         faults.reach("after_sink_commit")

@@ -47,6 +47,11 @@ def ensure_meta(conn: psycopg.Connection[Any]) -> None:
         " read_lsn pg_lsn NOT NULL, batch_id bigint NOT NULL,"
         " applied_at timestamptz NOT NULL DEFAULT clock_timestamp(), read_task bigint, PRIMARY KEY (feed, chunk_no))")
     _ensure_column(conn, "snapshot_chunks", "read_task", "bigint")
+    # folded: per feed, what the progress rows folded away held (fold_sub_windows), which the
+    # ledger's totals add to the rows left
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {META_SCHEMA}.folded ("
+        " feed text PRIMARY KEY, rows bigint NOT NULL, changes bigint NOT NULL, resolved_ts bigint NOT NULL)")
     # fences: per feed, the latest lease term (postgres.lease) that claimed the replica; a batch of
     # an earlier term is refused (check_fence), so a runner that lost its lease lands nothing.
     conn.execute(
@@ -116,6 +121,36 @@ def applied_upto(conn: psycopg.Connection[Any], feed: str) -> int:
     row = conn.execute(f"SELECT max(end_lsn) - '0/0'::pg_lsn FROM {META_SCHEMA}.progress WHERE feed = %s",
                        (feed,)).fetchone()
     return int(row[0]) if row and row[0] is not None else 0
+
+
+def fold_sub_windows(conn: psycopg.Connection[Any], feed: str, keep_s: float = RATE_WINDOW_S) -> int:
+    """Delete the progress rows of followed batches' sub-windows (low-latency mode: tens a
+    second) applied more than `keep_s` ago, but each followed batch's last, adding what they
+    held to the feed's `folded` row; returns how many went. Every reader of the ledger answers as
+    before: the last row, a batch's end and the recent rate are kept, the totals add the folded.
+    Run in a batch's transaction (its feed lock held)."""
+    follow = "end_offset ? 'follow'"
+    row = one_row(conn.execute(
+        f"WITH gone AS (DELETE FROM {META_SCHEMA}.progress WHERE feed = %(feed)s AND {follow} "
+        "AND applied_at < clock_timestamp() - make_interval(secs => %(keep)s) "
+        f"AND end_lsn NOT IN (SELECT max(end_lsn) FROM {META_SCHEMA}.progress WHERE feed = %(feed)s AND {follow} "
+        "GROUP BY end_offset ->> 'follow') RETURNING changes, resolved_ts), "
+        "sums AS (SELECT count(*) AS n, coalesce(sum(changes), 0) AS c, coalesce(max(resolved_ts), 0) AS r "
+        f"FROM gone), kept AS (INSERT INTO {META_SCHEMA}.folded AS f (feed, rows, changes, resolved_ts) "
+        "SELECT %(feed)s, n, c, r FROM sums WHERE n > 0 ON CONFLICT (feed) DO UPDATE SET "
+        "rows = f.rows + excluded.rows, changes = f.changes + excluded.changes, "
+        "resolved_ts = greatest(f.resolved_ts, excluded.resolved_ts)) "
+        "SELECT n FROM sums", {"feed": feed, "keep": keep_s}))
+    return int(row[0])
+
+
+def _folded(conn: psycopg.Connection[Any], feed: str) -> tuple[int, int, int]:
+    """(rows, changes, the highest resolved ts) the feed's folded progress rows held (0s: none)."""
+    if not has_meta(conn, "folded"):
+        return 0, 0, 0
+    row = conn.execute(f"SELECT rows, changes, resolved_ts FROM {META_SCHEMA}.folded WHERE feed = %s",
+                       (feed,)).fetchone()
+    return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
 
 class AppliedUpto:
@@ -198,7 +233,7 @@ class ReplicaLedger:
             f"FROM {_PROGRESS_BEGAN} WHERE feed = %s ORDER BY end_lsn DESC LIMIT 1", (self.feed,) * 3).fetchone()
         if row is None:
             return None
-        return LastBatch(int(row[0]), row[1], int(row[2]), int(row[3]),
+        return LastBatch(int(row[0]), row[1], int(row[2]), int(row[3]) + _folded(self.conn, self.feed)[0],
                          None if row[4] is None else round(float(row[4]), 3))
 
     def recent_rate(self) -> float:
@@ -216,7 +251,8 @@ class ReplicaLedger:
             return 0, 0
         row = one_row(self.conn.execute(f"SELECT count(*), coalesce(sum(changes), 0) FROM {META_SCHEMA}.progress "
                                         "WHERE feed = %s", (self.feed,)))
-        return int(row[0]), int(row[1])
+        rows, changes, _ = _folded(self.conn, self.feed)
+        return int(row[0]) + rows, int(row[1]) + changes
 
     def snapshot_totals(self) -> dict[str, tuple[int, int]]:
         if not has_meta(self.conn, "snapshot_chunks"):
@@ -228,7 +264,7 @@ class ReplicaLedger:
     def forget(self) -> bool:
         """Delete the feed's bookkeeping rows (its replica tables stay)."""
         deleted = False
-        for table in ("progress", "snapshot_chunks"):
+        for table in ("progress", "snapshot_chunks", "folded"):
             if has_meta(self.conn, table):
                 deleted |= self.conn.execute(f"DELETE FROM {META_SCHEMA}.{table} WHERE feed = %s",
                                              (self.feed,)).rowcount > 0
