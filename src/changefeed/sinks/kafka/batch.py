@@ -30,12 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from changefeed import faults
 from changefeed.core.change import BatchProgress
 from changefeed.core.envelope import Record
 from changefeed.core.offsets import Offset
 from changefeed.errors import ChangefeedError, LeaseLost, SinkError, TransientError
 from changefeed.sinks.kafka.failures import ProducerFenced, kafka_error
 from changefeed.sinks.kafka.options import KafkaOptions
+from changefeed.sinks.messages import Message, Run
 
 POLL_S = 0.05
 CLAIM_TRIES = 8  # a claim fenced by a leftover task of the runner's stopped query is tried again this often
@@ -96,6 +98,7 @@ class KafkaBatch:
         self.epoch = epoch  # the runner's lease term; None: a run that holds none
         self.exactly_once = opts.delivery == "exactly_once"
         self.sent = 0
+        self._marked = 0  # of `sent`, how many the sink_write fault point was reached for (send_part)
         self._committed = 0  # of `sent`, those in committed transactions (a followed batch commits several)
         self._producer: Any = None
         self._failed: list[Any] = []
@@ -209,6 +212,17 @@ class KafkaBatch:
         finally:
             if not self._in_txn:
                 self._producer = None
+
+    def send_part(self, part: Message | Run) -> None:
+        """Queue a message or a run of them (sinks.messages). The crash tests' `sink_write` fault
+        point is reached once per thousand messages queued, however they came."""
+        if isinstance(part, Run):
+            self.send_run(*part)
+        else:
+            self.send(part.topic, part.record)
+        while self.sent >= self._marked + 1000:
+            self._marked += 1000
+            faults.reach("sink_write")  # (in the middle of a transaction)
 
     def send(self, topic: str, record: Record, partition: int | None = None) -> None:
         """Queue one message; librdkafka sends in order per partition (idempotent producer)."""

@@ -27,7 +27,7 @@ from changefeed.sinks import handoff
 from changefeed.sinks.batch_input import BatchInput, unsent
 from changefeed.sinks.kafka.batch import KafkaBatch, committed_progress
 from changefeed.sinks.kafka.options import KafkaOptions
-from changefeed.sinks.messages import MessageStream, Run
+from changefeed.sinks.messages import MessageStream
 
 FOLD_S = 0.05  # the longest a transaction takes in sub-windows that wait (group commit)
 RESOLVED_S = 1.0  # resolved messages of a followed batch: at most this often
@@ -46,18 +46,12 @@ def deliver_followed(batch: BatchInput, stream: MessageStream, out: KafkaBatch,
     committed: list[ch.BatchProgress] = []
 
     def deliver(chunks: handoff.Handoff) -> None:
-        began, resolved_at, mark = 0.0, 0.0, 0
+        began, resolved_at = 0.0, 0.0
         for rb in chunks:
             if not out.uncommitted:
                 began = time.monotonic()
             for part in stream.parts(unsent(rb, done)):
-                if isinstance(part, Run):
-                    out.send_run(*part)
-                else:
-                    out.send(part.topic, part.record)
-                if out.sent >= mark + 1000:
-                    mark = out.sent
-                    faults.reach("sink_write")  # crash tests: in the middle of a transaction
+                out.send_part(part)
             if not (handoff.ends_with_progress(rb) and stream.whole()):
                 continue
             if time.monotonic() - began < FOLD_S and chunks.progress_waits():

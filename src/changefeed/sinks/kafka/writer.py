@@ -19,7 +19,7 @@ from changefeed.sinks.kafka.batch import KafkaBatch
 from changefeed.sinks.kafka.followed import deliver_followed
 from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.message_writer import Delivered, MessageWriter
-from changefeed.sinks.messages import MessageStream, Run, outbox_spec
+from changefeed.sinks.messages import MessageStream, outbox_spec
 
 
 class KafkaWriter(MessageWriter):
@@ -43,16 +43,9 @@ class KafkaWriter(MessageWriter):
             return Delivered(done.progress, began, time.time())
         recorded = out.recorded_end if not batch.multi_node else 0  # (a WAL position on one node only)
         try:
-            mark = 0
             for rb in batch.in_order():
                 for part in stream.parts(unsent(rb, recorded)):
-                    if isinstance(part, Run):
-                        out.send_run(*part)
-                    else:
-                        out.send(part.topic, part.record)
-                    if out.sent >= mark + 1000:
-                        mark = out.sent
-                        faults.reach("sink_write")  # crash tests: in the middle of a transaction
+                    out.send_part(part)
             progress = stream.progress()
             if topics is not None:
                 out.resolved(topics, resolved(progress.resolved_ts))
