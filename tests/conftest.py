@@ -239,6 +239,24 @@ def moving_money(accounts: int, amount: int = 1) -> Callable[[str, threading.Eve
     return mover
 
 
+def money_tables(dbs: Dbs, accounts: int, balance: int = 1000) -> None:
+    """`moving_money`'s tables on the source: an empty `ledger`, and `accounts` accounts of `balance`."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
+        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
+        c.execute("INSERT INTO accounts SELECT g, %s FROM generate_series(0, %s) g", (balance, accounts - 1))
+
+
+def kafka_sink(bootstrap: str, partitions: int) -> tuple[str, str, str]:
+    """(A Kafka sink URI whose topics and progress topic are the caller's own, its topic prefix,
+    its progress topic), the topics made with `partitions` partitions."""
+    import uuid
+
+    prefix, progress_topic = f"k{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
+    return (f"kafka://{bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}"
+            f"&topic_partitions={partitions}", prefix, progress_topic)
+
+
 def replicated(uri: str) -> int:
     """The highest `ledger` id on the replica at `uri` (moving_money's rows; 0 before the table exists)."""
     with psycopg.connect(uri) as d:

@@ -7,7 +7,6 @@ yet is refused with nothing created."""
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,10 @@ from conftest import (
     changefeed_cli,
     fingerprint,
     kafka_partitions,
+    kafka_sink,
     kill_group,
     kill_runs,
+    money_tables,
     most_sub_windows,
     moving_money,
     replicated,
@@ -36,10 +37,8 @@ SNAPSHOT_ROWS = 3000  # rows the snapshot delivers (in micro-batches) before the
 
 @pytest.mark.slow
 def test_a_low_latency_feed_is_exactly_once_through_kills(dbs: Dbs, tmp_path: Path) -> None:
+    money_tables(dbs, ACCOUNTS)
     with dbs.src() as c:
-        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
-        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
-        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
         c.execute("INSERT INTO ledger SELECT -g, 'old' FROM generate_series(1, %s) g", (SNAPSHOT_ROWS,))
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
@@ -80,12 +79,8 @@ def test_a_low_latency_feed_into_kafka_is_exactly_once_through_kills(dbs: Dbs, t
     from changefeed.local.kafka import committed
     from changefeed.sinks.kafka.batch import ProgressRecord
 
-    with dbs.src() as c:
-        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
-        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
-        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
-    prefix, progress_topic = f"k{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
-    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}&topic_partitions=2"
+    money_tables(dbs, ACCOUNTS)
+    sink, prefix, progress_topic = kafka_sink(kafka.bootstrap, 2)
     state = str(tmp_path / "state")
     base = ["run", "--name", dbs.name, "--state", state]
     written = [0]
@@ -126,10 +121,7 @@ def test_a_frozen_low_latency_runner_is_taken_over_and_lands_nothing_when_woken(
     """Frozen (SIGSTOP) with a sub-window's transaction open on the replica and its replication
     connection reading the slot: a standby ends its sessions once its lease lapses, follows the slot
     itself, and the woken runner lands nothing (its lease is gone) and stops."""
-    with dbs.src() as c:
-        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
-        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
-        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
+    money_tables(dbs, ACCOUNTS)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     armed = tmp_path / "armed"
     written = [0]
@@ -174,12 +166,8 @@ def test_a_frozen_low_latency_runner_into_kafka_is_fenced_by_the_standby(dbs: Db
     from changefeed.local.kafka import committed, read_partition
     from changefeed.sinks.kafka.batch import ProgressRecord
 
-    with dbs.src() as c:
-        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
-        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
-        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
-    prefix, progress_topic = f"f{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
-    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}&topic_partitions=1"
+    money_tables(dbs, ACCOUNTS)
+    sink, prefix, progress_topic = kafka_sink(kafka.bootstrap, 1)
     topic = f"{prefix}public.ledger"
 
     def ids() -> list[int]:

@@ -20,8 +20,10 @@ from conftest import (
     Dbs,
     assert_no_traceback,
     changefeed_cli,
+    kafka_sink,
     kill_running,
     kill_turns,
+    money_tables,
     moving_money,
     standby_starter,
     start_changefeed,
@@ -46,12 +48,8 @@ def _ids(kafka: LocalKafka, topic: str) -> list[int]:
 
 def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path, kafka: LocalKafka,
                                                       spark_server: str) -> None:
-    with dbs.src() as c:
-        c.execute("CREATE TABLE ledger (id bigint PRIMARY KEY, v text NOT NULL)")
-        c.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL)")
-        c.execute("INSERT INTO accounts SELECT g, 1000 FROM generate_series(0, %s) g", (ACCOUNTS - 1,))
-    prefix, progress_topic = f"s{uuid.uuid4().hex[:8]}.", f"progress-{uuid.uuid4().hex[:8]}"
-    sink = f"kafka://{kafka.bootstrap}?topic_prefix={prefix}&progress_topic={progress_topic}&topic_partitions=1"
+    money_tables(dbs, ACCOUNTS)
+    sink, prefix, progress_topic = kafka_sink(kafka.bootstrap, 1)
     topic = f"{prefix}public.ledger"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     states = [tmp_path / "a", tmp_path / "b"]
