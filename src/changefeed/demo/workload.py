@@ -92,7 +92,7 @@ def transfers_while_feeding(source: str, feed: FeedThread, writers: int, seconds
                             first_batch: Callable[[], bool] | None = None) -> int:
     """Once the feed's slot exists, fill the accounts and run `writers` transfer writers for
     `seconds` (counted once `first_batch()` holds: the feed's start is not the workload's time);
-    the source's WAL position after the last transfer."""
+    the source's WAL position past the last transfer's commit."""
     with psycopg.connect(source, autocommit=True) as c:
         while not c.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (feed.spec.slot,)).fetchone():
             feed.check("start")
@@ -111,9 +111,17 @@ def transfers_while_feeding(source: str, feed: FeedThread, writers: int, seconds
     for t in threads:
         t.join()
     with psycopg.connect(source, autocommit=True) as c:
-        target = int(one_row(c.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn"))[0])
+        target = committed_end(c)
     print(f"demo: workload done ({sum(counts)} transfers); waiting for the feed to catch up")
     return target
+
+
+def committed_end(conn: psycopg.Connection) -> int:
+    """A WAL position past every commit so far: where WAL is inserted, not where it is written
+    (`pg_current_wal_lsn`). The demo's server commits asynchronously, so the last commits' records
+    may still wait in WAL buffers past the write position, and a feed whose window ended there
+    would look caught up without them."""
+    return int(one_row(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn"))[0])
 
 
 def wait_until(caught_up: Callable[[], bool], feed: FeedThread, timeout_s: float = 300) -> None:
