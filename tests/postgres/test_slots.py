@@ -2,8 +2,11 @@
 `Lsn` goes into SQL as the number it is."""
 from __future__ import annotations
 
+import psycopg
+
 from changefeed.core.lsn import Lsn
 from changefeed.postgres import slots
+from changefeed.postgres import source as src
 from conftest import Dbs
 
 
@@ -26,3 +29,45 @@ def test_a_slot_moves_forward_only_and_its_positions_are_lsns(dbs: Dbs) -> None:
         finally:
             slots.drop(conn, "changefeed_slot_probe")
         assert slots.slot_state(conn, "changefeed_slot_probe") is None
+
+
+def _restart(conn: psycopg.Connection, slot: str) -> Lsn:
+    state = slots.slot_state(conn, slot)
+    assert state is not None and state.restart_lsn is not None
+    return state.restart_lsn
+
+
+def _insert_lsn(conn: psycopg.Connection) -> Lsn:
+    return Lsn.parse(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])  # type: ignore[index]
+
+
+def test_a_restart_mark_lets_the_slot_restart_where_it_was_confirmed(dbs: Dbs) -> None:
+    """A slot moved on restarts at the last running-transactions record it passed: with a mark
+    just before its new position, there (without, where the server last wrote one by itself)."""
+    slot = f"{dbs.name}_restart"
+    with dbs.src() as conn:
+        conn.execute("CREATE TABLE probe (v int)")
+        slots.create_slot(conn, slot)
+        mark = slots.RestartMark(every=60)
+        conn.execute("INSERT INTO probe SELECT g FROM generate_series(1, 1000) g")
+        before = _insert_lsn(conn)
+        mark.maybe(conn)
+        slots.advance(conn, slot, src.heartbeat(conn, "probe")[0])  # (decoding reads flushed WAL)
+        assert _restart(conn, slot) >= before  # (the server's own record comes only every 15 s or so)
+        assert not mark.refused
+
+
+def test_a_restart_mark_the_role_may_not_write_stops_trying(dbs: Dbs) -> None:
+    role = f"weak_{dbs.name}"
+    with dbs.src() as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN REPLICATION PASSWORD 'weak'")
+    weak = psycopg.conninfo.make_conninfo(dbs.source, user=role, password="weak")
+    try:
+        with psycopg.connect(weak, autocommit=True) as conn:
+            mark = slots.RestartMark(every=0)
+            mark.maybe(conn)
+            assert mark.refused
+            assert conn.execute("SELECT 1").fetchone() == (1,)  # the connection goes on
+    finally:
+        with dbs.src() as conn:
+            conn.execute(f"DROP ROLE {role}")

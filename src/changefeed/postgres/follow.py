@@ -31,6 +31,7 @@ import psycopg
 
 from changefeed.core.change import HEARTBEAT_PREFIX
 from changefeed.core.lsn import Lsn
+from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import one_row, server_version
 from changefeed.postgres.decode.builder import ChangeBuilder
@@ -60,6 +61,7 @@ class Follower:
         self.builder = ChangeBuilder(at, FOLLOWED, start_ts, FOLLOWED, lambda rel: src.column_catalog(conn, rel),
                                      node=node.name, publication=node.publication)
         self.cuts = 0  # sub-windows ended so far
+        self.mark = slots.RestartMark(WANTED_S)  # the next batch's stream starts near where this one's ends
 
     @property
     def position(self) -> tuple[int, int]:
@@ -104,6 +106,7 @@ class Follower:
                 if time.monotonic() >= asked + WANTED_S:
                     asked = time.monotonic()
                     if recorded is not None:
+                        self.mark.maybe(self.conn)  # (confirmed past by a later round)
                         stream.confirm(recorded())
                     if wanted is not None and wanted():
                         until = asked  # (ends now, or once the transaction being received is whole)

@@ -6,6 +6,7 @@ has a prepare slot beside it on each node (see postgres/twophase.py), moved with
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -97,6 +98,29 @@ def advance(conn: psycopg.Connection[Any], slot: str, lsn: Lsn) -> None:
     state = slot_state(conn, slot)
     if state is not None and state.confirmed_flush is not None and lsn > state.confirmed_flush:
         conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, format_lsn(lsn)))
+
+
+class RestartMark:
+    """Where a slot's reader may start again: a logical slot restarts decoding at its `restart_lsn`,
+    which moves only to a running-transactions record its reader decoded and confirmed past, and the
+    server writes one only every 15 s or so. Every peek, advance and stream start then decodes those
+    seconds of WAL again before its window (bench/README.md, "restart marks"). `maybe` writes such a
+    record (`pg_log_standby_snapshot`, PostgreSQL 16+) at most every `every` seconds, so that the
+    restart position trails the confirmed one by about that much; where the role may not (it needs
+    superuser or EXECUTE on that function), or on a standby, it stops trying: only slower."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every, self._at, self.refused = every, float("-inf"), False
+
+    def maybe(self, conn: psycopg.Connection[Any]) -> None:
+        if self.refused or time.monotonic() - self._at < self.every:
+            return
+        self._at = time.monotonic()
+        try:
+            conn.execute("SELECT pg_log_standby_snapshot()")
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedFunction,
+                psycopg.errors.ObjectNotInPrerequisiteState):
+            self.refused = True
 
 
 def release(conn: psycopg.Connection[Any], node: SourceNode, lsn: Lsn, multi_node: bool) -> None:

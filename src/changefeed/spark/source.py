@@ -126,6 +126,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
+        self._marks: dict[str, slots.RestartMark] = {}  # per node (postgres.slots.RestartMark)
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
         self._available_now: Readings | None = None  # an AvailableNow run's end
         self._seen: dict[str, tuple[int, bool]] = {}  # node -> (the last plan's frontier, fixed for the run)
@@ -207,6 +208,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         out = {}
         for name in self.nodes:
             with self._on(name):
+                self._marks.setdefault(name, slots.RestartMark()).maybe(self.conn(name))  # (before the end)
                 out[name] = Frontier(*self.wal.heartbeat(self.conn(name)))
         return out
 
