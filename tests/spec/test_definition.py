@@ -70,6 +70,17 @@ def test_cli_captures_the_outbox_table(tmp_path: Path) -> None:
     assert spec.outbox_ttl_s == 600.0
 
 
+@pytest.mark.parametrize("given, seconds", [([], 0.0), (["--low-latency"], 45.0), (["--low-latency", "2m"], 120.0)])
+def test_a_bare_low_latency_follows_for_less_than_a_minute(tmp_path: Path, given: list[str], seconds: float) -> None:
+    """Spark stops a Python worker idle for a minute; past that, each batch boundary waits for
+    the driver's sink commit to start one anew (spec.definition.DEFAULT_FOLLOW_S)."""
+    from changefeed.cli import _spec_from_args, parser
+
+    args = parser().parse_args(["run", "--name", "f", "--source", "postgresql://h/db", "--sink", "postgresql://h/r",
+                                "--tables", "a", "--state", str(tmp_path), *given])
+    assert _spec_from_args(args, FeedState(tmp_path, "f")).low_latency_s == seconds
+
+
 A, B = "postgresql://u:p@a:5432/db", "postgresql://u:p@b:5432/db"
 
 
