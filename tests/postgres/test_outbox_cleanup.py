@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from changefeed.core.lsn import parse_lsn
 from changefeed.core.outbox import OutboxSpec, parse_columns
 from changefeed.errors import ConfigError, ConnectionFailed, DefiniteError, SourceNotReady
+from changefeed.postgres.connect import insert_lsn
 from changefeed.postgres.outbox import OutboxCleanup, check_outbox_table
 from conftest import Dbs
 
@@ -46,7 +46,7 @@ def count(conn: psycopg.Connection[Any]) -> int:
 
 
 def wal_now(conn: psycopg.Connection[Any]) -> int:
-    return parse_lsn(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])  # type: ignore[index]
+    return insert_lsn(conn)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import psycopg
 from changefeed.core.lsn import Lsn
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
+from changefeed.postgres.connect import insert_lsn
 from conftest import Dbs
 
 
@@ -37,10 +38,6 @@ def _restart(conn: psycopg.Connection, slot: str) -> Lsn:
     return state.restart_lsn
 
 
-def _insert_lsn(conn: psycopg.Connection) -> Lsn:
-    return Lsn.parse(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])  # type: ignore[index]
-
-
 def test_a_restart_mark_lets_the_slot_restart_where_it_was_confirmed(dbs: Dbs) -> None:
     """A slot moved on restarts at the last running-transactions record it passed: with a mark
     just before its new position, there (without, where the server last wrote one by itself)."""
@@ -50,7 +47,7 @@ def test_a_restart_mark_lets_the_slot_restart_where_it_was_confirmed(dbs: Dbs) -
         slots.create_slot(conn, slot)
         mark = slots.RestartMark(every=60)
         conn.execute("INSERT INTO probe SELECT g FROM generate_series(1, 1000) g")
-        before = _insert_lsn(conn)
+        before = insert_lsn(conn)
         mark.maybe(conn)
         slots.advance(conn, slot, src.heartbeat(conn, "probe")[0])  # (decoding reads flushed WAL)
         assert _restart(conn, slot) >= before  # (the server's own record comes only every 15 s or so)

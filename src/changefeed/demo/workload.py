@@ -10,7 +10,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 
 from changefeed.errors import ChangefeedError, DefiniteError
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import insert_lsn, one_row
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -117,11 +117,10 @@ def transfers_while_feeding(source: str, feed: FeedThread, writers: int, seconds
 
 
 def committed_end(conn: psycopg.Connection) -> int:
-    """A WAL position past every commit so far: where WAL is inserted, not where it is written
-    (`pg_current_wal_lsn`). The demo's server commits asynchronously, so the last commits' records
-    may still wait in WAL buffers past the write position, and a feed whose window ended there
-    would look caught up without them."""
-    return int(one_row(conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn"))[0])
+    """A WAL position past every commit so far (postgres.connect.insert_lsn). The demo's server
+    commits asynchronously, so the last commits' records may still wait in WAL buffers past the
+    write position, and a feed whose window ended there would look caught up without them."""
+    return int(insert_lsn(conn))
 
 
 def wait_until(caught_up: Callable[[], bool], feed: FeedThread, timeout_s: float = 300) -> None:

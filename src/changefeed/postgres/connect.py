@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import pq
 
+from changefeed.core.lsn import Lsn, parse_lsn
 from changefeed.errors import AuthenticationFailed, ChangefeedError, ConfigError, ConnectionFailed
 from changefeed.postgres.watchdog import WATCHDOG, WatchedConnection
 from changefeed.spec.definition import FeedSpec
@@ -144,6 +145,13 @@ def one_row(cur: psycopg.Cursor[_Row]) -> _Row:
     row = cur.fetchone()
     assert row is not None, "a query that always gives one row gave none"
     return row
+
+
+def insert_lsn(conn: psycopg.Connection[Any]) -> Lsn:
+    """A WAL position past every commit so far: where WAL is inserted, not where it is written
+    (`pg_current_wal_lsn`). Under `synchronous_commit = off` a commit is visible before its record
+    is written out, so only the insert position is sure to lie past it."""
+    return parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])
 
 
 def _credentials_hint(uri: str) -> str:

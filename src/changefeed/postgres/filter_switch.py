@@ -28,10 +28,9 @@ from psycopg.abc import Buffer
 from psycopg.adapt import Loader
 
 from changefeed.core.copytext import join_line
-from changefeed.core.lsn import parse_lsn
 from changefeed.errors import SourceNotReady, TransientError
 from changefeed.postgres import row_filter
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import insert_lsn, one_row
 from changefeed.postgres.decode import pgoutput as po
 from changefeed.postgres.decode.leaving import LINES_PER_MESSAGE, PREFIX, pieces
 from changefeed.postgres.source import SourceTable, table_oid
@@ -64,7 +63,7 @@ def switch(conn: psycopg.Connection[Any], publication: str, table: SourceTable, 
         raise TransientError(f"table {table.qualified} stayed locked by writers for {LOCK_TIMEOUT}: its row filter "
                              "was not changed", "run the same changefeed alter again (a long transaction may "
                              "hold it: see pg_stat_activity)") from None
-    return left, parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])
+    return left, insert_lsn(conn)
 
 
 def _relation(conn: psycopg.Connection[Any], oid: int, table: SourceTable) -> po.Relation:

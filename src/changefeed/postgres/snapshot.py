@@ -33,12 +33,11 @@ import psycopg
 from psycopg import sql
 
 from changefeed.core import change as ch
-from changefeed.core.lsn import parse_lsn
 from changefeed.core.rate import Pace
 from changefeed.core.snapshot import Key
 from changefeed.errors import SourceNotReady, TransientError
 from changefeed.postgres import copy_out, keyless_cut, row_filter
-from changefeed.postgres.connect import one_row
+from changefeed.postgres.connect import insert_lsn, one_row
 from changefeed.postgres.source import SourceTable, describe_tables, missing_values, split_table
 
 STALL_RETRIES = 200  # snapshots retried while a commit is not yet visible (~10 s in all)
@@ -186,9 +185,7 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
         if cut is not None:  # the filter the stream applies where this snapshot reads (alter --where changes it)
             held, published = row_filter.published(conn, cut.publication, qualified)
             where = published if held else where
-        # (where WAL is inserted, not written: under synchronous_commit off a commit is visible
-        # before its record is written out, and it must lie before read_lsn all the same)
-        result.read_lsn = parse_lsn(one_row(conn.execute("SELECT pg_current_wal_insert_lsn()::text"))[0])
+        result.read_lsn = insert_lsn(conn)  # past every commit the snapshot sees, asynchronous ones too
         undo = None if cut is None or cut_slot is None else keyless_cut.undo(
             conn, cut_slot, cut.publication, qualified, len(table.columns), cut.window_end, result.read_lsn,
             keyless_cut.seen(conn))

@@ -208,7 +208,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         out = {}
         for name in self.nodes:
             with self._on(name):
-                self._marks.setdefault(name, slots.RestartMark()).maybe(self.conn(name))  # (before the end)
+                mark = self._marks.get(name) or self._marks.setdefault(name, slots.RestartMark())
+                mark.maybe(self.conn(name))  # (before the end)
                 out[name] = Frontier(*self.wal.heartbeat(self.conn(name)))
         return out
 
