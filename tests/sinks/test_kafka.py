@@ -54,6 +54,13 @@ def test_client_settings_pass_through(tmp_path: Path) -> None:
     assert inline.client_config()["compression.type"] == "gzip"
 
 
+def test_clients_connect_to_every_broker_unless_told_otherwise() -> None:
+    """Sparse connections make a fresh transactional producer wait for a retry timer (bench/README.md)."""
+    assert KafkaOptions.parse("kafka://k:9092").producer_config("f")["enable.sparse.connections"] == "false"
+    sparse = KafkaOptions.parse("kafka://k:9092?enable.sparse.connections=true")
+    assert sparse.producer_config("f")["enable.sparse.connections"] == "true"
+
+
 @pytest.mark.parametrize("uri, words", [
     ("kafka://", "HOST:PORT"),
     ("kafka://k", "HOST:PORT"),

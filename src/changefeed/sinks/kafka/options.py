@@ -174,10 +174,14 @@ class KafkaOptions:
         """What every client of the sink (producer, admin, progress reader) connects with.
 
         librdkafka's own log lines are off (`log_level` 0) unless the URI sets one: the sink reports
-        what failed as a typed error, and stray lines would bury it."""
+        what failed as a typed error, and stray lines would bury it. Connections are not sparse:
+        with sparse ones a client that has just dropped its bootstrap connection for the broker
+        the metadata named finds no broker up, and its first transactional or coordinator request
+        waits for a retry timer (50 or 500 ms), which every batch's fresh producer would pay."""
         socket = {"socket.timeout.ms": str(self.timeouts.socket_ms)}  # a hung request ends within `timeout`
         client = mapped(dict(self.client), lambda k: f"the Kafka setting {k}") if resolved else dict(self.client)
-        return {"log_level": "0", **socket, **client, "bootstrap.servers": self.bootstrap}
+        return {"log_level": "0", "enable.sparse.connections": "false", **socket, **client,
+                "bootstrap.servers": self.bootstrap}
 
     @property
     def timeouts(self) -> Timeouts:
