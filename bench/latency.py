@@ -147,6 +147,59 @@ def measure(watcher: ReplicaWatcher | KafkaWatcher, source: str, first: int, rat
              "p99": quantile(lat, 0.99), "max": max(lat), "missing": missing}, writer.next_id)
 
 
+def run_session(args: argparse.Namespace, work: Path, session: int, src_uri: str, replica_uri: str, rates: list[int],
+                runs: int, next_id: int, results: dict[int, list[dict[str, float]]]) -> int:
+    """One feed (and, into Kafka, one broker) through `runs` runs of every rate; returns the next id.
+    A later session's feed starts on an emptied table, so its snapshot adds nothing to measure."""
+    kafka = None
+    name = f"lat{session}" if session else "lat"
+    if session:
+        with psycopg.connect(src_uri, autocommit=True) as c:
+            c.execute("TRUNCATE lat")
+    if args.sink == "kafka":
+        from changefeed.local.kafka import LocalKafka
+
+        kafka = LocalKafka.start(work / f"kafka{session}")
+        sink = "&".join([f"kafka://{kafka.bootstrap}?delivery=exactly_once", *args.sink_setting])
+    else:
+        sink = replica_uri
+    feed_log = work / "logs" / f"{name}.log"
+    feed = subprocess.Popen([sys.executable, "-m", "changefeed", "run", "--name", name, "--source", src_uri,
+                             "--sink", sink, "--tables", "public.lat", "--state", str(work / "state"), *args.feed_arg],
+                            stdout=open(feed_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    watcher: ReplicaWatcher | KafkaWatcher
+    watcher = (KafkaWatcher(kafka.bootstrap, "public.lat") if kafka
+               else ReplicaWatcher(replica_uri, args.poll_ms / 1000))
+    try:
+        deadline = time.monotonic() + 120
+        while ": running (" not in feed_log.read_text():
+            if feed.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the feed did not start:\n{feed_log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        time.sleep(2)
+        watcher.start()
+        # a first trickle, not measured, until it arrives: the consumer has joined, the feed is warm
+        _, next_id = measure(watcher, src_uri, next_id, 100, argparse.Namespace(warmup=0.0, seconds=2.0))
+        for run in range(runs):
+            for rate in rates:
+                quiet(src_uri, *([] if kafka else [replica_uri]))
+                got, next_id = measure(watcher, src_uri, next_id, rate, args)
+                results[rate].append(got)
+                log(f"run {session * runs + run + 1} {rate}/s  sustained {got['sustained']:,.0f}/s  "
+                    f"p50 {got['p50']:.3f} p90 {got['p90']:.3f} p99 {got['p99']:.3f} max {got['max']:.3f}"
+                    + (f"  ({got['missing']:.0f} transactions never seen)" if got["missing"] else ""))
+    finally:
+        watcher.stop.set()
+        feed.terminate()
+        try:
+            feed.wait(60)
+        except subprocess.TimeoutExpired:
+            feed.kill()
+        if kafka:
+            kafka.stop()
+    return next_id
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="1000,10000,50000", help="changes/s, comma-separated")
@@ -161,6 +214,10 @@ def main() -> int:
     ap.add_argument("--workdir")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--feed-arg", action="append", default=[], help="extra argument for `changefeed run` (repeatable)")
+    ap.add_argument("--broker-per-run", action=argparse.BooleanOptionalAction, default=True,
+                    help="kafka: a fresh broker and feed for each run (the local broker slows as it fills)")
+    ap.add_argument("--sink-setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="kafka: one more setting of the sink URI, e.g. enable.sparse.connections=true (repeatable)")
     args = ap.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
     began = time.monotonic()
@@ -169,56 +226,22 @@ def main() -> int:
     src_uri = source.uri()
     with psycopg.connect(src_uri, autocommit=True) as c:
         c.execute("CREATE TABLE lat (id bigint PRIMARY KEY, v text)")
-    kafka = None
-    if args.sink == "kafka":
-        from changefeed.local.kafka import LocalKafka
-
-        kafka = LocalKafka.start(work / "kafka")
-        sink = f"kafka://{kafka.bootstrap}?delivery=exactly_once"
-    else:
-        sink = replica.uri()
-    feed_log = work / "logs" / "feed.log"
-    feed = subprocess.Popen([sys.executable, "-m", "changefeed", "run", "--name", "lat", "--source", src_uri,
-                             "--sink", sink, "--tables", "public.lat", "--state", str(work / "state"), *args.feed_arg],
-                            stdout=open(feed_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    watcher: ReplicaWatcher | KafkaWatcher
-    watcher = (KafkaWatcher(kafka.bootstrap, "public.lat") if kafka
-               else ReplicaWatcher(replica.uri(), args.poll_ms / 1000))
-    try:
-        deadline = time.monotonic() + 120
-        while ": running (" not in feed_log.read_text():
-            if feed.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the feed did not start:\n{feed_log.read_text()[-3000:]}")
-            time.sleep(0.2)
-        time.sleep(2)
-        watcher.start()
-        results: dict[int, list[dict[str, float]]] = {r: [] for r in rates}
-        # a first trickle, not measured, until it arrives: the consumer has joined, the feed is warm
-        _, next_id = measure(watcher, src_uri, 0, 100, argparse.Namespace(warmup=0.0, seconds=2.0))
-        for run in range(args.runs):
-            for rate in rates:
-                quiet(src_uri, *([] if kafka else [replica.uri()]))
-                got, next_id = measure(watcher, src_uri, next_id, rate, args)
-                results[rate].append(got)
-                log(f"run {run + 1} {rate}/s  sustained {got['sustained']:,.0f}/s  p50 {got['p50']:.3f} "
-                    f"p90 {got['p90']:.3f} p99 {got['p99']:.3f} max {got['max']:.3f}"
-                    + (f"  ({got['missing']:.0f} transactions never seen)" if got["missing"] else ""))
-        print(f"\n{'=' * 90}\ncommit-to-visible on the {args.sink}, seconds, median [min - max] over {args.runs} "
-              f"run(s) of {args.seconds:.0f} s; feed args {' '.join(args.feed_arg) or '(defaults)'}"
-              + (f"; replica polled every {args.poll_ms:.0f} ms" if args.sink == "replica" else ""))
-        for rate, runs in results.items():
-            line = "  ".join(f"{k} {fmt_ratio(spread([r[k] for r in runs]))}" for k in ("p50", "p90", "p99", "max"))
-            print(f"{rate}/s  sustained {statistics.median(r['sustained'] for r in runs):,.0f}/s  {line}")
-    finally:
-        watcher.stop.set()
-        feed.terminate()
-        try:
-            feed.wait(60)
-        except subprocess.TimeoutExpired:
-            feed.kill()
-        if kafka:
-            kafka.stop()
-    print(f"total benchmark time {(time.monotonic() - began) / 60:.1f} min; feed log {feed_log}")
+    results: dict[int, list[dict[str, float]]] = {r: [] for r in rates}
+    # Into Kafka each run gets a broker and a feed of its own (--broker-per-run): the local broker
+    # keeps every message in memory and slows as it fills (bench/broker_read_committed.py).
+    sessions = args.runs if args.sink == "kafka" and args.broker_per_run else 1
+    runs_each = args.runs // sessions
+    next_id = 0
+    for session in range(sessions):
+        next_id = run_session(args, work, session, src_uri, replica.uri(), rates, runs_each, next_id, results)
+    print(f"\n{'=' * 90}\ncommit-to-visible on the {args.sink}, seconds, median [min - max] over {args.runs} "
+          f"run(s) of {args.seconds:.0f} s; feed args {' '.join(args.feed_arg) or '(defaults)'}"
+          + (f"; replica polled every {args.poll_ms:.0f} ms" if args.sink == "replica" else "")
+          + ("; a broker and a feed per run" if sessions > 1 else ""))
+    for rate, runs in results.items():
+        line = "  ".join(f"{k} {fmt_ratio(spread([r[k] for r in runs]))}" for k in ("p50", "p90", "p99", "max"))
+        print(f"{rate}/s  sustained {statistics.median(r['sustained'] for r in runs):,.0f}/s  {line}")
+    print(f"total benchmark time {(time.monotonic() - began) / 60:.1f} min; feed logs {work / 'logs'}")
     return 0
 
 
