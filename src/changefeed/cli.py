@@ -511,7 +511,8 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--low-latency", nargs="?", const=f"{DEFAULT_FOLLOW_S:g}s", metavar="DURATION",
                      help="low-latency mode: each batch's one task follows the slot for DURATION (default "
                           f"{DEFAULT_FOLLOW_S:g}s) and commits each change on the sink within tens of "
-                          "milliseconds, still exactly once (a replica or Kafka sink, one node; 0 = off; see Running)")
+                          "milliseconds, as exactly once as the sink is (a replica, Kafka or a webhook, one "
+                          "node; 0 = off; see Running)")
     cmd.add_argument("--outbox-snapshot-events", action="store_true",
                      help="also send the rows a snapshot reads from the outbox as events (default: only inserts; "
                           "every re-snapshot then sends them again)")

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import (
     Dbs,
+    Receiver,
     assert_no_traceback,
     changefeed_cli,
     fingerprint,
@@ -115,6 +116,50 @@ def test_a_low_latency_feed_into_kafka_is_exactly_once_through_kills(dbs: Dbs, t
             resolved.append(record.progress.resolved_ts)
     assert resolved == sorted(resolved)  # the resolved ts never went back
     assert max(per_batch.values()) >= 10, per_batch  # followed batches committed many sub-windows each
+
+
+@pytest.mark.slow
+def test_a_low_latency_feed_into_a_webhook_is_at_least_once_through_kills(dbs: Dbs, tmp_path: Path,
+                                                                          receiver: tuple[Receiver, str]) -> None:
+    """The same into a webhook, at least once: each sub-window posted as it ends. The endpoint gets
+    every ledger row, their first arrivals in commit order, each account's last message its
+    balance on the source, resolved messages that never go back, and followed batches of many
+    requests each."""
+    rec, url = receiver
+    money_tables(dbs, ACCOUNTS)
+    sink = f"{url}?retry_backoff=50ms&retry_max_backoff=300ms&timeout=2s&retry_max=inf&resolved=true"
+    state = str(tmp_path / "state")
+    base = ["run", "--name", dbs.name, "--state", state]
+    written = [0]
+    first = changefeed_cli(*base, "--source", dbs.source, "--sink", sink, "--tables", "public.ledger,public.accounts",
+                           "--low-latency", "3s", "--available-now")  # the snapshot, before any change
+    assert first.returncode == 0, first.stderr[-3000:]
+    kills = ["webhook_request:30", "read:60", "webhook_request:90", "random"]
+    with writing(moving_money(ACCOUNTS), dbs.source, written):
+        kill_runs(base, kills, tmp_path, random_after=(15, 25))
+    final = changefeed_cli(*base, "--available-now")  # the rest in micro-batches, from where the last run was
+    assert final.returncode == 0, final.stderr[-3000:]
+
+    messages = rec.messages()  # (idempotency key, message), repeated keys dropped as a receiver would
+    changes = [m for _, m in messages if "resolved" not in m]
+    ledger = [m["key"][0] for m in changes if m["table"] == "public.ledger" and m["after"] is not None]
+    firsts = list(dict.fromkeys(ledger))  # each row's first arrival, in arrival order
+    assert sorted(firsts) == list(range(1, written[0] + 1))  # every committed row, none missing
+    assert firsts == sorted(firsts)  # first arrivals in commit order (a replay repeats a run of them)
+    last: dict[int, int] = {}
+    for m in changes:
+        if m["table"] == "public.accounts":
+            last[m["key"][0]] = m["after"]["balance"]
+    with dbs.src() as c:
+        assert last == dict(c.execute("SELECT id, balance FROM accounts").fetchall())
+    resolved = [int(m["resolved"]) for _, m in messages if "resolved" in m]
+    assert resolved and resolved == sorted(resolved)  # the resolved ts never went back
+    per_batch: dict[str, int] = {}
+    for key, _ in messages:
+        if not key.endswith("-resolved"):
+            batch = key.split("-")[1]  # {feed}-{batch}-{first}-{last}-{hash}
+            per_batch[batch] = per_batch.get(batch, 0) + 1
+    assert max(per_batch.values()) >= 10, per_batch  # followed batches posted many sub-windows each
 
 
 def test_a_frozen_low_latency_runner_is_taken_over_and_lands_nothing_when_woken(dbs: Dbs, tmp_path: Path) -> None:
@@ -249,7 +294,7 @@ def _count(uri: str, where: str) -> int:
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["--sink", "webhook-http://127.0.0.1:9/x"], "not a PostgreSQL replica or Kafka"),
+    (["--sink", "delta:///tmp/never"], "not a PostgreSQL replica, Kafka or a webhook"),
     (["--sink", "kafka://127.0.0.1:9?delivery=at_least_once"], "needs delivery=exactly_once"),
     (["--max-rate", "100"], "--max-rate"),
     (["--low-latency", "0.5s"], "at least 1s"),

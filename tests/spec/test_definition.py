@@ -70,6 +70,17 @@ def test_cli_captures_the_outbox_table(tmp_path: Path) -> None:
     assert spec.outbox_ttl_s == 600.0
 
 
+@pytest.mark.parametrize("sink, refused", [
+    ("postgresql://r/db", False), (KAFKA, False), ("webhook-https://h/hook", False), ("delta:///lake", True)])
+def test_low_latency_takes_a_replica_kafka_or_a_webhook(sink: str, refused: bool) -> None:
+    spec = FeedSpec("f", "postgresql://h/db", sink, ("public.a",), low_latency_s=3.0)
+    if refused:
+        with pytest.raises(ConfigError, match="not available on a sink that is not"):
+            validated(spec)
+    else:
+        assert validated(spec).low_latency_s == 3.0
+
+
 @pytest.mark.parametrize("given, seconds", [([], 0.0), (["--low-latency"], 45.0), (["--low-latency", "2m"], 120.0)])
 def test_a_bare_low_latency_follows_for_less_than_a_minute(tmp_path: Path, given: list[str], seconds: float) -> None:
     """Spark stops a Python worker idle for a minute; past that, each batch boundary waits for

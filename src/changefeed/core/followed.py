@@ -20,7 +20,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from changefeed.core.change import Progress
+from changefeed.core.change import BatchProgress, Progress
 from changefeed.core.offsets import Offset, OffsetError
 
 END_FILE = "changefeed-follow-end.json"  # in the checkpoint folder: moved aside or deleted with it
@@ -69,3 +69,12 @@ def folded(parts: list[Progress]) -> list[Progress]:
         return parts
     times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
     return [replace(parts[-1], changes=sum(p.changes for p in parts), last_commit_time=max(times) if times else None)]
+
+
+def together(parts: list[BatchProgress]) -> BatchProgress | None:
+    """What a followed batch's sub-windows delivered, as a sink's ledger records one batch: the
+    last one's end, every one's changes (None: no sub-window came)."""
+    if not parts:
+        return None
+    times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
+    return replace(parts[-1], last_commit_time=max(times) if times else None, changes=sum(p.changes for p in parts))

@@ -310,7 +310,8 @@ class FeedSpec:
         refused = ("a feed of several nodes (its batches are cut at a point in commit time)" if self.multi_node else
                    "a feed of several sinks" if self.several_sinks else
                    "--max-rate (a followed batch delivers what is committed as it comes)" if self.max_rate else
-                   "a sink that is not a PostgreSQL replica or Kafka" if kind_of(self.sink) not in ("replica", "kafka")
+                   "a sink that is not a PostgreSQL replica, Kafka or a webhook"
+                   if kind_of(self.sink) not in ("replica", "kafka", "webhook")
                 else None)
         if refused:
             raise ConfigError(f"--low-latency is not available on {refused} yet",

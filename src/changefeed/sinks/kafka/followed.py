@@ -17,10 +17,10 @@ transaction, rather than with each.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from changefeed import faults
 from changefeed.core import change as ch
+from changefeed.core import followed
 from changefeed.core.envelope import resolved
 from changefeed.errors import IncompleteBatch
 from changefeed.sinks import handoff
@@ -77,15 +77,7 @@ def deliver_followed(batch: BatchInput, stream: MessageStream, out: KafkaBatch,
         handoff.run(batch.batches(), deliver)
     finally:
         out.abort()  # the transaction begun after the last commit (or one cut short)
-    return _together(committed)
-
-
-def _together(parts: list[ch.BatchProgress]) -> ch.BatchProgress | None:
-    """What the batch's commits delivered, as the ledger file records a batch."""
-    if not parts:
-        return None
-    times = [p.last_commit_time for p in parts if p.last_commit_time is not None]
-    return replace(parts[-1], last_commit_time=max(times) if times else None, changes=sum(p.changes for p in parts))
+    return followed.together(committed)
 
 
 class CommittedEnd:

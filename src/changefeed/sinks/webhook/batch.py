@@ -48,16 +48,21 @@ class WebhookBatch:
     def __init__(self, client: WebhookClient, opts: WebhookOptions, feed: str, log: RequestLog | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.client, self.opts, self.feed, self.log, self.clock = client, opts, feed, log, clock
-        self.batch = Batch(0, 0, 0)  # until `begin`
+        self.batch, self.begun = Batch(0, 0, 0), False  # until `begin`
         self._cuts: list[int] = []  # where the batch's requests were cut before, by request
         self._pending: list[bytes] = []
         self._first_at = 0.0
         self.sent = 0  # messages acknowledged
         self.requests = 0
 
+    @property
+    def pending(self) -> int:
+        """Messages queued and not posted yet."""
+        return len(self._pending)
+
     def begin(self, batch: Batch) -> None:
         """Before the first message: the batch's identity, and the cuts made when it was sent before."""
-        self.batch = batch
+        self.batch, self.begun = batch, True
         self._cuts = self.log.cuts(batch) if self.log is not None else []
 
     def add(self, message: bytes) -> None:
@@ -90,6 +95,15 @@ class WebhookBatch:
                          f"batch {self.batch.key}, messages {first}-{last}")
         self.sent, self._pending = last + 1, []
         self.requests += 1
+
+    def window_end(self) -> bool:
+        """A sub-window ended (low-latency mode): post what is queued, unless the cuts of an
+        earlier attempt of the batch still say where its requests end (the same keys again).
+        Whether a request went out."""
+        if self.requests < len(self._cuts) or not self._pending:
+            return False
+        self.flush()
+        return True
 
     def resolved(self, ts: int) -> None:
         """Post `{"resolved": ts}`: every change up to ts was delivered (sent after the batch's messages)."""
