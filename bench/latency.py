@@ -2,13 +2,14 @@
 
 A feed runs (`changefeed run`, a subprocess) from a source table `lat (id bigint primary key, v
 text)` to a replica, or to Kafka (`--sink kafka`: a local broker, exactly-once delivery, read by a
-`read_committed` consumer). A writer commits transactions of consecutive ids at a fixed pace and
-stamps each at its commit (the wall time COMMIT returned); a watcher sees them arrive: on the
-replica it polls `max(id)` every --poll-ms (the replica applies in commit order, whole batches at
-once, so max(id) >= n means transaction n is visible); on Kafka it stamps each message as the
-consumer gets it. Per rate: VACUUM, ANALYZE and CHECKPOINT on both servers (the previous phase's
-rows would keep autovacuum busy on the 2 cores), a warm-up, then --seconds measured, then the
-tail is waited for.
+`read_committed` consumer), or to a webhook (`--sink webhook`: a local HTTP endpoint in this
+process). A writer commits transactions of consecutive ids at a fixed pace and stamps each at its
+commit (the wall time COMMIT returned); a watcher sees them arrive: on the replica it polls
+`max(id)` every --poll-ms (the replica applies in commit order, whole batches at once, so max(id)
+>= n means transaction n is visible); on Kafka it stamps each message as the consumer gets it, at
+the webhook as its request comes in. Per rate: VACUUM, ANALYZE and CHECKPOINT on both servers
+(the previous phase's rows would keep autovacuum busy on the 2 cores), a warm-up, then --seconds
+measured, then the tail is waited for.
 Prints one line per rate and run (`10000/s ... p50 0.21 p99 0.44`, seconds), then medians over
 the runs with their spread.
 """
@@ -120,6 +121,47 @@ class KafkaWatcher(threading.Thread):
         return [self.arrived.get(last) for last, _ in commits]
 
 
+class WebhookWatcher(threading.Thread):
+    """A local HTTP endpoint for the webhook sink: `arrived` maps an id to the wall time the
+    request holding its message came in (the first time, a request sent again is not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        arrived: dict[int, float] = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                now = time.time()
+                for m in body.get("payload", []):
+                    if m.get("key"):
+                        arrived.setdefault(int(m["key"][0]), now)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.arrived = arrived
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"webhook-http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.stop.wait()
+        self.server.shutdown()
+
+    def visible_at(self, commits: list[tuple[int, float]]) -> list[float | None]:
+        return [self.arrived.get(last) for last, _ in commits]
+
+
+Watcher = ReplicaWatcher | KafkaWatcher | WebhookWatcher
+
+
 def quiet(*uris: str) -> None:
     """Vacuum, analyze and checkpoint now, so that a phase does not pay for the previous one's
     rows in autovacuum and checkpoints running meanwhile (2 cores)."""
@@ -130,7 +172,7 @@ def quiet(*uris: str) -> None:
             c.execute("CHECKPOINT")
 
 
-def measure(watcher: ReplicaWatcher | KafkaWatcher, source: str, first: int, rate: int, args: argparse.Namespace
+def measure(watcher: Watcher, source: str, first: int, rate: int, args: argparse.Namespace
             ) -> tuple[dict[str, float], int]:
     writer = Writer(source, first, rate, args.warmup, args.seconds)
     writer.start()
@@ -156,19 +198,22 @@ def run_session(args: argparse.Namespace, work: Path, session: int, src_uri: str
     if session:
         with psycopg.connect(src_uri, autocommit=True) as c:
             c.execute("TRUNCATE lat")
+    hook = WebhookWatcher() if args.sink == "webhook" else None
     if args.sink == "kafka":
         from changefeed.local.kafka import LocalKafka
 
         kafka = LocalKafka.start(work / f"kafka{session}")
         sink = "&".join([f"kafka://{kafka.bootstrap}?delivery=exactly_once", *args.sink_setting])
+    elif hook is not None:
+        hook.start()  # (before the feed: it checks the endpoint is reachable)
+        sink = "&".join([f"{hook.url}?retry_backoff=50ms", *args.sink_setting])
     else:
         sink = replica_uri
     feed_log = work / "logs" / f"{name}.log"
     feed = subprocess.Popen([sys.executable, "-m", "changefeed", "run", "--name", name, "--source", src_uri,
                              "--sink", sink, "--tables", "public.lat", "--state", str(work / "state"), *args.feed_arg],
                             stdout=open(feed_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    watcher: ReplicaWatcher | KafkaWatcher
-    watcher = (KafkaWatcher(kafka.bootstrap, "public.lat") if kafka
+    watcher: Watcher = (KafkaWatcher(kafka.bootstrap, "public.lat") if kafka else hook if hook is not None
                else ReplicaWatcher(replica_uri, args.poll_ms / 1000))
     try:
         deadline = time.monotonic() + 120
@@ -177,12 +222,13 @@ def run_session(args: argparse.Namespace, work: Path, session: int, src_uri: str
                 raise SystemExit(f"the feed did not start:\n{feed_log.read_text()[-3000:]}")
             time.sleep(0.2)
         time.sleep(2)
-        watcher.start()
+        if watcher is not hook:
+            watcher.start()
         # a first trickle, not measured, until it arrives: the consumer has joined, the feed is warm
         _, next_id = measure(watcher, src_uri, next_id, 100, argparse.Namespace(warmup=0.0, seconds=2.0))
         for run in range(runs):
             for rate in rates:
-                quiet(src_uri, *([] if kafka else [replica_uri]))
+                quiet(src_uri, *([replica_uri] if args.sink == "replica" else []))
                 got, next_id = measure(watcher, src_uri, next_id, rate, args)
                 results[rate].append(got)
                 log(f"run {session * runs + run + 1} {rate}/s  sustained {got['sustained']:,.0f}/s  "
@@ -206,7 +252,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per rate")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds at each rate before measuring")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--sink", choices=("replica", "kafka"), default="replica")
+    ap.add_argument("--sink", choices=("replica", "kafka", "webhook"), default="replica")
     ap.add_argument("--poll-ms", type=float, default=5.0, help="replica: how often max(id) is polled")
     ap.add_argument("--synchronous-commit", choices=("on", "off"), default="off",
                     help="the servers' synchronous_commit: with off, a commit reaches a WAL reader only once the "
@@ -217,7 +263,8 @@ def main() -> int:
     ap.add_argument("--broker-per-run", action=argparse.BooleanOptionalAction, default=True,
                     help="kafka: a fresh broker and feed for each run (the local broker slows as it fills)")
     ap.add_argument("--sink-setting", action="append", default=[], metavar="NAME=VALUE",
-                    help="kafka: one more setting of the sink URI, e.g. enable.sparse.connections=true (repeatable)")
+                    help="kafka, webhook: one more setting of the sink URI, e.g. enable.sparse.connections=true "
+                         "(repeatable)")
     args = ap.parse_args()
     rates = [int(r) for r in args.rates.split(",")]
     began = time.monotonic()
