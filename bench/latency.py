@@ -149,9 +149,10 @@ class WebhookWatcher(threading.Thread):
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"webhook-http://127.0.0.1:{self.server.server_address[1]}/hook"
         self.stop = threading.Event()
+        # answering from now on: the feed checks the endpoint is reachable before it creates anything
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def run(self) -> None:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.stop.wait()
         self.server.shutdown()
 
@@ -205,7 +206,6 @@ def run_session(args: argparse.Namespace, work: Path, session: int, src_uri: str
         kafka = LocalKafka.start(work / f"kafka{session}")
         sink = "&".join([f"kafka://{kafka.bootstrap}?delivery=exactly_once", *args.sink_setting])
     elif hook is not None:
-        hook.start()  # (before the feed: it checks the endpoint is reachable)
         sink = "&".join([f"{hook.url}?retry_backoff=50ms", *args.sink_setting])
     else:
         sink = replica_uri
@@ -222,8 +222,7 @@ def run_session(args: argparse.Namespace, work: Path, session: int, src_uri: str
                 raise SystemExit(f"the feed did not start:\n{feed_log.read_text()[-3000:]}")
             time.sleep(0.2)
         time.sleep(2)
-        if watcher is not hook:
-            watcher.start()
+        watcher.start()
         # a first trickle, not measured, until it arrives: the consumer has joined, the feed is warm
         _, next_id = measure(watcher, src_uri, next_id, 100, argparse.Namespace(warmup=0.0, seconds=2.0))
         for run in range(runs):

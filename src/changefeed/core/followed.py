@@ -24,6 +24,7 @@ from changefeed.core.change import BatchProgress, Progress
 from changefeed.core.offsets import Offset, OffsetError
 
 END_FILE = "changefeed-follow-end.json"  # in the checkpoint folder: moved aside or deleted with it
+RESOLVED_S = 1.0  # a followed batch's resolved messages (message sinks): at most this often
 
 
 def note_end(path: Path, end: Offset) -> None:

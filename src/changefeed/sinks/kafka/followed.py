@@ -11,7 +11,7 @@ its transaction commits, every change once.
 
 Group commit, as the replica's: a whole sub-window already waiting in the task's input joins
 the open transaction, for up to FOLD_S, so a writer behind its reader commits less often.
-Resolved messages (emit_resolved) go out at most once every RESOLVED_S, in a sub-window's
+Resolved messages (emit_resolved) go out at most once every followed.RESOLVED_S, in a sub-window's
 transaction, rather than with each.
 """
 from __future__ import annotations
@@ -30,7 +30,6 @@ from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.messages import MessageStream
 
 FOLD_S = 0.05  # the longest a transaction takes in sub-windows that wait (group commit)
-RESOLVED_S = 1.0  # resolved messages of a followed batch: at most this often
 
 
 def deliver_followed(batch: BatchInput, stream: MessageStream, out: KafkaBatch,
@@ -61,7 +60,7 @@ def deliver_followed(batch: BatchInput, stream: MessageStream, out: KafkaBatch,
                 if out.uncommitted:
                     out.restart()
                 continue
-            if resolved_topics is not None and time.monotonic() - resolved_at >= RESOLVED_S:
+            if resolved_topics is not None and time.monotonic() - resolved_at >= followed.RESOLVED_S:
                 out.resolved(resolved_topics, resolved(progress.resolved_ts))
                 resolved_at = time.monotonic()
             faults.reach("before_sink_commit")

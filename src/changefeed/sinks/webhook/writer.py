@@ -32,8 +32,6 @@ from changefeed.sinks.webhook.client import WebhookClient
 from changefeed.sinks.webhook.cuts import Batch, RequestLog
 from changefeed.sinks.webhook.options import WebhookOptions
 
-RESOLVED_S = 1.0  # resolved messages of a followed batch: at most this often
-
 
 class WebhookWriter(MessageWriter):
     """The options of message_options, and `source` (the feed's first source node, where its
@@ -93,7 +91,7 @@ def deliver_followed(batch: BatchInput, stream: MessageStream, out: WebhookBatch
             continue
         if not (parts[-1].offset or {}).get("follow"):  # a batch in micro-batches (a snapshot's): at its end
             out.resolved(parts[-1].resolved_ts)
-        elif posted and time.monotonic() - resolved_at >= RESOLVED_S:
+        elif posted and time.monotonic() - resolved_at >= followed.RESOLVED_S:
             # only right after a request of this attempt: an attempt read again posts none until it
             # passed the cuts of the one before, so a resolved message never comes after a later one
             out.resolved(parts[-1].resolved_ts)
