@@ -135,6 +135,8 @@ def carried(component: str) -> Iterator[None]:
     not ours becomes QueryFailed, its traceback printed first (to the worker's log)."""
     try:
         yield
+    except Carried:  # (from code inside that ran as another component)
+        raise
     except ChangefeedError as e:
         raise Carried(_marker(e, component)) from None
     except Exception as e:  # noqa: BLE001 - anything else is a failure nobody foresaw

@@ -92,6 +92,12 @@ class Sink:
         and no shuffle is paid for."""
         return changes.repartition(1) if parallel_reads or spec.multi_node else changes.coalesce(1)
 
+    @property
+    def takes_rows_as_read(self) -> bool:
+        """Whether the writer task takes the batch's packed rows as the read yields them (`plan`
+        as here), so that a snapshot chunk may travel as a reference the writer reads itself."""
+        return type(self).plan is Sink.plan
+
     def beside(self, packed: Iterator[Any], options: dict[str, str]) -> Iterator[Any]:
         """The batch's packed rows (one task's, all of them) as this sink's writer takes them when it
         writes beside other sinks in one task (sinks.fan_out): as `plan` shapes them, in that task."""

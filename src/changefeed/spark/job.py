@@ -84,12 +84,16 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
                         "multi_node": str(spec.multi_node).lower(), "resync": ",".join(resync),
                         "epoch": "" if epoch is None else str(epoch), "follow_end": follow_end,
                         **sink.writer_options(one, state)})
+    # several sinks write side by side in one task (sinks.fan_out), as the base shape has it
+    only = spec if spec.several_sinks else spec.for_sink(spec.sink_targets[0])
+    shape = Sink() if spec.several_sinks else sink_of(only.sink)
     reader = (spark.readStream.format("changefeed")
               .option("nodes", json.dumps(nodes)).option("feed", spec.name)
               .option("max_bytes_per_batch", str(spec.max_bytes_per_batch))
               .option("max_changes_per_batch", str(spec.max_changes_per_batch))
               .option("wal_reader", spec.wal_reader)
               .option("parallel_reads", str(parallel_reads or spec.multi_node).lower())
+              .option("chunks_in_writer", str(shape.takes_rows_as_read).lower())
               .option("resolved_interval_s", str(spec.resolved_interval_s))
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
@@ -112,9 +116,6 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("checkpoint", str(state.checkpoint))
               .option("follow_s", str(spec.low_latency_s)).option("follow_end", follow_end)
               .option("follow_sink", json.dumps(targets[0]) if follow_end else ""))
-    # several sinks write side by side in one task (sinks.fan_out), as the base shape has it
-    only = spec if spec.several_sinks else spec.for_sink(spec.sink_targets[0])
-    shape = Sink() if spec.several_sinks else sink_of(only.sink)
     writer = (shape.plan(reader.load(), only, parallel_reads).writeStream.format("changefeed-sink")
               .queryName(f"changefeed_{spec.name}").option("targets", json.dumps(targets))
               .option("checkpointLocation", str(state.checkpoint)))

@@ -70,7 +70,9 @@ class ChangefeedSource(DataSource):
     request files, taken in by postgres.requests), barrier_file (see core.barrier), joining_file
     (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see
     postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
-    as one GroupPartition), max_clock_skew_us (see core.distributed), sinks (the names of the
+    as one GroupPartition), chunks_in_writer ("true": the sink's writer takes the rows as they are
+    read, so a chunk one task reads may be read by the writer, spark.reads.resolve),
+    max_clock_skew_us (see core.distributed), sinks (the names of the
     feed's sinks, by which a snapshot request for some sinks alone is taken in: spec.sinks),
     resume_offset (where a query without a checkpoint starts, see initialOffset), resume_until
     (where its first batch then ends: the furthest of several sinks, sinks.ledgers), row_filters
@@ -107,6 +109,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
         self.wal: WalReader = wal_reader(options.get("wal_reader") or DEFAULT_WAL_READER)
         self.parallel_reads = options.get("parallel_reads", "true") != "false"
+        self.chunks_in_writer = options.get("chunks_in_writer") == "true"
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
         tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
@@ -408,7 +411,17 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 frontier, fixed = seen
                 part.ahead = read_ahead.predict(part.end_lsn, frontier, 0 if self.max_changes else self.max_bytes,
                                                 self.wal.block_size, fixed)
-        return parts if self.parallel_reads and not self._sequential(end) or len(parts) < 2 else [GroupPartition(parts)]
+        if self.parallel_reads and not self._sequential(end) or len(parts) < 2:
+            in_tasks = self.parallel_reads and len(parts) > 1
+            return [self._by_reference(p) if not in_tasks else p for p in parts]
+        return [GroupPartition([self._by_reference(p) for p in parts])]
+
+    def _by_reference(self, part: BatchPartition) -> BatchPartition:
+        """`part`, a chunk read by the batch's writer task where the sink's writer takes the rows as
+        they are read (spark.reads.resolve): one task reads the batch, so nothing runs in parallel."""
+        if isinstance(part, ChunkPartition) and self.chunks_in_writer:
+            part.by_reference = True
+        return part
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return read_followed(partition) if isinstance(partition, FollowPartition) else read_partition(partition)

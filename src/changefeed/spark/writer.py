@@ -81,8 +81,10 @@ class SinkStreamWriter(DataSourceStreamArrowWriter):
         from changefeed.sinks.batch_input import BatchInput
         from changefeed.sinks.fan_out import Writing, write_all
         from changefeed.sinks.registry import sink_named
+        from changefeed.spark.reads import resolve
 
         with carried("sink"):
+            iterator = resolve(iterator)  # (the chunks this task reads itself)
             multi_node = self.targets[0].get("multi_node") == "true"
             if len(self.targets) == 1:
                 rows = BatchInput(iterator, task(), multi_node=multi_node, sink=self.targets[0]["name"])

@@ -1,0 +1,102 @@
+"""A snapshot chunk read by its writer task (spark.reads.resolve): where one task reads and writes
+a batch, the read yields a reference and the writer reads the chunk where the reference arrived.
+The rows it reads are the ones a reader task would have yielded, in the same place of the batch."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from changefeed.core import change as ch
+from changefeed.core import snapshot
+from changefeed.core.lsn import Lsn
+from changefeed.core.offsets import Offset
+from changefeed.errors import Carried, carried, carried_in
+from changefeed.sinks.base import Sink
+from changefeed.sinks.registry import sink_of
+from changefeed.spark import reads
+from changefeed.spec.definition import SourceNode
+from conftest import Dbs
+
+
+def _packed(tags: list[int]) -> Any:
+    """A record batch of packed rows, one per tag: `rows` the tag, or a chunk reference for a negative tag."""
+    rows = [reads.CHUNK_REFERENCE if t < 0 else t for t in tags]
+    changes = [pickle.dumps(-t) if t < 0 else t.to_bytes(4, "big") for t in tags]
+    return pa.RecordBatch.from_arrays([pa.array(rows, pa.int32()), pa.array(changes, pa.binary())],
+                                      names=["rows", "changes"])
+
+
+def _what(packed: list[Any]) -> list[int]:
+    return [int.from_bytes(c, "big") if r >= 0 else -1 for rb in packed
+            for r, c in zip(rb.column("rows").to_pylist(), rb.column("changes").to_pylist())]
+
+
+@settings(max_examples=200, deadline=None)  # (the first call imports Arrow)
+@given(st.lists(st.lists(st.one_of(st.integers(1, 1000), st.integers(-9, -1)), max_size=6), max_size=6))
+def test_each_reference_is_replaced_by_its_chunk_in_its_place(batches: list[list[int]]) -> None:
+    """Tag -k stands for chunk k, which reads as the rows 10000k+1 and 10000k+2 (two packed batches):
+    whatever the batches' cuts, the output holds every row in order, each chunk where its reference was."""
+    def read_chunk(part: int) -> Any:
+        yield _packed([10_000 * part + 1])
+        yield _packed([10_000 * part + 2])
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(reads, "_read_chunk", read_chunk)
+        got = _what(list(reads.resolve(iter([_packed(b) for b in batches]))))
+    expected = [x for b in batches for t in b for x in ([10_000 * -t + 1, 10_000 * -t + 2] if t < 0 else [t])]
+    assert got == expected
+
+
+def test_a_failed_chunk_read_is_the_sources_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's own errors are the sink's; a chunk it reads fails as the source's part."""
+    def read_chunk(part: int) -> Any:
+        raise psycopg.OperationalError("gone")
+        yield  # (a generator)
+
+    monkeypatch.setattr(reads, "_read_chunk", read_chunk)
+    with pytest.raises(Carried) as raised, carried("sink"):
+        list(reads.resolve(iter([_packed([1, -1])])))
+    got = carried_in(str(raised.value))
+    assert got is not None and got.component == "source", got
+
+
+def test_sinks_that_take_the_rows_as_read_are_the_ones_that_may_get_references() -> None:
+    assert Sink().takes_rows_as_read  # several sinks: side by side in the one task (sinks.fan_out)
+    assert sink_of("postgresql://h/db").takes_rows_as_read
+    assert not sink_of("delta:///tmp/x").takes_rows_as_read  # split before a shuffle: rows needed there
+
+
+def test_a_chunk_read_by_reference_gives_the_rows_a_reader_task_gives(dbs: Dbs) -> None:
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE t (id int PRIMARY KEY, v text, x numeric)")
+        c.execute("INSERT INTO t SELECT g, repeat(md5(g::text), g % 5) || E'\\t\\n\\\\', g / 7.0 "
+                  "FROM generate_series(1, 3000) g")
+    node = SourceNode("default", dbs.source, "no_such_slot", "no_such_publication")
+    start, end = Offset({"default": Lsn(16)}, 1), Offset({"default": Lsn(32)}, 2)
+
+    def part(by_reference: bool) -> reads.ChunkPartition:
+        p = reads.ChunkPartition(node, snapshot.Chunk(0, "public.t", [100], [2500]), start, end, 1000, False)
+        p.by_reference = by_reference
+        return p
+
+    direct = list(reads.read_partition(reads.GroupPartition([part(False)])))
+    referred = list(reads.read_partition(reads.GroupPartition([part(True)])))
+    assert [rb.column("rows").to_pylist() for rb in referred[:1]] == [[reads.CHUNK_REFERENCE]]
+
+    def rows(packed: list[Any]) -> list[dict[str, Any]]:
+        out = [r for p in packed for rb in ch.unpack(p) for r in rb.to_pylist()]
+        for r in out:
+            if r["op"] == ch.PROGRESS:  # who read it, and when, differ
+                r["meta"] = dataclasses.replace(ch.Progress.from_meta(r["meta"]), read=None)
+        return out
+
+    got, want = rows(list(reads.resolve(iter(referred)))), rows(direct)
+    assert len([r for r in want if r["op"] == "r"]) == 2400
+    assert got == want
