@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from changefeed.core.envelope import FORMATS
+from changefeed.core.snapshot import MAX_AUTO_CHUNKS, PARALLEL_CHUNKS
 from changefeed.errors import UNEXPECTED_EXIT, ChangefeedError, ConfigError, unexpected
 from changefeed.sinks.registry import validated
 from changefeed.spark.connect import DEFAULT_PORT
@@ -455,8 +456,9 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--snapshot-chunk-rows", type=int,
                      help=f"rows per snapshot chunk, a primary-key range, >= 1 (default {DEFAULT_CHUNK_ROWS})")
     cmd.add_argument("--snapshot-chunks-per-batch", type=int,
-                     help="snapshot chunks per batch, >= 1, each read by a Spark task of its own "
-                          f"(default {DEFAULT_CHUNKS_PER_BATCH})")
+                     help="snapshot chunks per batch, each read by a Spark task of its own with parallel reads "
+                          f"(default {DEFAULT_CHUNKS_PER_BATCH}: auto, {PARALLEL_CHUNKS} with parallel reads, else "
+                          f"as many as --max-bytes-per-batch holds at the table's row size, at most {MAX_AUTO_CHUNKS})")
     cmd.add_argument("--snapshot-reads", choices=SNAPSHOT_READS,
                      help="how a batch's snapshot chunks are read: parallel (a Spark task each, shuffled to the "
                           "writer), sequential (by the writer's task, one after the other, no shuffle) or auto "

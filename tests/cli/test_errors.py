@@ -292,7 +292,7 @@ def test_foreign_slot_with_the_feeds_name(fresh: Dbs, tmp_path: Path) -> None:
     ({"--max-retained-wal": "abc"}, ["--max-retained-wal", "'abc'", "size"]),
     ({"--snapshot": "sometimes"}, ["--snapshot", "'sometimes'", "initial"]),
     ({"--snapshot-chunk-rows": "0"}, ["--snapshot-chunk-rows", "at least 1"]),
-    ({"--snapshot-chunks-per-batch": "0"}, ["--snapshot-chunks-per-batch", "at least 1"]),
+    ({"--snapshot-chunks-per-batch": "-1"}, ["--snapshot-chunks-per-batch", "0 (auto) or more"]),
     ({"--snapshot-reads": "fast"}, ["--snapshot-reads", "'fast'", "auto"]),
     ({"--metrics-port": "70000"}, ["metrics", "127.0.0.1:70000", "0-65535"]),
     ({"--metrics-port": "http"}, ["--metrics-port", "'http'"]),

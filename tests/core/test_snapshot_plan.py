@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from changefeed.core.requests import SnapshotRequests
-from changefeed.core.snapshot import Chunk, Cursor
+from changefeed.core.snapshot import MAX_AUTO_CHUNKS, PARALLEL_CHUNKS, Chunk, Cursor, auto_chunks
 
 
 def boundary_over(tables: dict[str, list[int]]):  # type: ignore[no-untyped-def]
@@ -123,3 +123,23 @@ def test_a_request_file_keeps_the_positions_it_waits_for(tmp_path: Path) -> None
     reqs.add(["s.a"], after={"source": 1234})
     (got,) = reqs.after(0)
     assert got.after == (("source", 1234),) and not got.due({"source": 1233}) and got.due({"source": 1234})
+
+
+@given(st.booleans(), st.integers(0, 1 << 32), st.integers(1, 10**6), st.one_of(st.none(), st.floats(-1, 1e6)))
+def test_auto_chunks_fill_a_batch_by_bytes_when_one_task_reads(parallel: bool, max_bytes: int, rows: int,
+                                                               row_bytes: float | None) -> None:
+    """--snapshot-chunks-per-batch 0: the read's parallelism with parallel reads or an unknown row
+    size; else as many chunks as the byte budget holds, at least one, at most MAX_AUTO_CHUNKS."""
+    got = auto_chunks(parallel, max_bytes, rows, row_bytes)
+    if parallel or not max_bytes or not row_bytes or row_bytes <= 0:
+        assert got == PARALLEL_CHUNKS
+        return
+    assert 1 <= got <= MAX_AUTO_CHUNKS
+    assert got == MAX_AUTO_CHUNKS or got == 1 or got * rows * row_bytes <= max_bytes < (got + 1) * rows * row_bytes
+
+
+def test_auto_chunks_of_the_benchmark_table() -> None:
+    """snap_t of bench/snapshot_throughput.py: ~136 bytes per row on disk, 50,000-row chunks, 64 MB."""
+    assert auto_chunks(False, 64 << 20, 50_000, 136.0) == 9
+    assert auto_chunks(False, 64 << 20, 50_000, 5_000.0) == 1  # wide rows: one chunk (250 MB) a batch
+    assert auto_chunks(False, 64 << 20, 100, 50.0) == MAX_AUTO_CHUNKS

@@ -13,6 +13,8 @@ import pytest
 from test_replica import SCHEMA, TABLES, workload
 
 from changefeed.control.runner import run
+from changefeed.core.snapshot import MAX_AUTO_CHUNKS, auto_chunks
+from changefeed.postgres import snapshot as snap_pg
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 from conftest import Dbs, changefeed_cli, fingerprint, killed_by_fault, start_changefeed, wait_for, writing
@@ -45,6 +47,29 @@ def test_existing_rows_of_every_type_arrive_by_snapshot(dbs: Dbs, tmp_path: Path
     assert per_batch == (6,)  # --snapshot-chunks-per-batch
     assert {t: n for t, n, _ in chunks} == {t: max(1, -(-n // 37)) for t, n in counts.items()}  # no empty tail
 
+
+
+def test_by_default_a_batch_read_in_one_task_carries_what_max_bytes_per_batch_holds(dbs: Dbs, tmp_path: Path,
+                                                                                      spark: object) -> None:
+    """--snapshot-chunks-per-batch auto, chunks read by the writer's task (local[2]: sequential):
+    a batch carries as many chunks as --max-bytes-per-batch holds at the table's bytes per row."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE items (id bigint PRIMARY KEY, v text, n int)")
+        c.execute("INSERT INTO items SELECT g, md5(g::text), 0 FROM generate_series(1, 20000) g")
+        c.execute("ANALYZE items")
+        per_row = snap_pg.row_bytes(c, "public.items")
+    budget = 256 << 10
+    expected = auto_chunks(False, budget, 500, per_row)
+    assert 1 < expected < MAX_AUTO_CHUNKS, (per_row, expected)  # (the table's size sets it)
+    spec = FeedSpec(dbs.name, dbs.source, dbs.sink, ("public.items",), snapshot_chunk_rows=500,
+                    max_bytes_per_batch=budget, snapshot="only").validate()
+    run(spec, FeedState(tmp_path / "state", dbs.name), available_now=True, master="local[2]",
+        handle_signals=False, report=lambda s: None)
+    assert fingerprint(dbs.source, "public.items") == fingerprint(dbs.sink, "public.items")
+    with dbs.dst() as d:
+        per_batch = [n for n, in d.execute("SELECT count(*) FROM changefeed.snapshot_chunks WHERE feed = %s "
+                                           "GROUP BY batch_id ORDER BY min(chunk_no)", (dbs.name,))]
+    assert sum(per_batch) == 40 and set(per_batch[:-1]) == {expected}, per_batch
 
 
 def writer(uri: str, stop: threading.Event, counts: list[int]) -> None:
@@ -96,7 +121,7 @@ def test_snapshot_under_writes_survives_sigkill_and_resumes(dbs: Dbs, tmp_path: 
     state = tmp_path / "state"
     base = ["run", "--name", dbs.name, "--state", str(state)]
     first = [*base, "--source", dbs.source, "--sink", dbs.sink, "--tables", "public.accounts,public.items",
-             "--snapshot-chunk-rows", str(CHUNK), "--snapshot-reads", reads]
+             "--snapshot-chunk-rows", str(CHUNK), "--snapshot-chunks-per-batch", "4", "--snapshot-reads", reads]
     stop, counts = threading.Event(), [0]
     w = threading.Thread(target=writer, args=(dbs.source, stop, counts))
     w.start()

@@ -92,3 +92,22 @@ def test_a_chunk_read_in_blocks_equals_the_rows_copy_gives(dbs: Dbs) -> None:
         conn.execute("CREATE TABLE nothing (id int PRIMARY KEY)")
         empty = list(snap_pg.read_chunk(conn, "public.nothing", None, None, 7, 9, snap_pg.ChunkRead(), 100))
         assert [rb.column("op").to_pylist() for rb in empty] == [[ch.RELATION]]
+
+
+def test_row_bytes_come_from_the_tables_statistics(dbs: Dbs) -> None:
+    """What --snapshot-chunks-per-batch auto sizes a batch by: bytes on disk per row, a partitioned
+    table's over its partitions, None before the table was ever analysed or when it is empty."""
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE plain (id int PRIMARY KEY, v text)")
+        c.execute("INSERT INTO plain SELECT g, repeat('x', 200) FROM generate_series(1, 20000) g")
+        c.execute('CREATE TABLE "Parted" (id int PRIMARY KEY, v text) PARTITION BY RANGE (id)')
+        c.execute('CREATE TABLE p1 PARTITION OF "Parted" FOR VALUES FROM (0) TO (10000)')
+        c.execute('CREATE TABLE p2 PARTITION OF "Parted" FOR VALUES FROM (10000) TO (30000)')
+        c.execute('INSERT INTO "Parted" SELECT g, repeat(\'y\', 50) FROM generate_series(1, 20000) g')
+        c.execute("CREATE TABLE empty (id int PRIMARY KEY)")
+        assert snap_pg.row_bytes(c, "public.plain") is None  # never analysed
+        c.execute('ANALYZE plain, "Parted", empty')
+        plain, parted = snap_pg.row_bytes(c, "public.plain"), snap_pg.row_bytes(c, "public.Parted")
+        assert snap_pg.row_bytes(c, "public.empty") is None
+    assert plain is not None and 200 < plain < 400, plain  # 200 bytes of text and a tuple's overhead
+    assert parted is not None and 50 < parted < plain, parted

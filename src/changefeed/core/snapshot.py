@@ -25,6 +25,11 @@ from typing import Any
 from changefeed.core.nodes import classic
 
 Key = list[str]
+# --snapshot-chunks-per-batch 0 (auto): chunks a batch read in parallel tasks carries (one task
+# each), and the most a batch read in one task carries (each is a savepoint on a replica, whose
+# batch may hold 48: sinks.replica.insert_run).
+PARALLEL_CHUNKS = 4
+MAX_AUTO_CHUNKS = 16
 # (table, exclusive lower key or None, rows, last key or None) -> the key closing a chunk of that
 # many rows up to the last key, or None when fewer rows remain (the chunk runs to the last key, or
 # without one to the table's end)
@@ -143,6 +148,17 @@ class Cursor:
             else:
                 after = hi
         return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else (), upto)
+
+
+def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: float | None) -> int:
+    """How many chunks a batch carries under --snapshot-chunks-per-batch 0 (auto). Read in
+    parallel tasks, PARALLEL_CHUNKS: the read's parallelism. Read one after the other by one task,
+    as many as --max-bytes-per-batch holds at the table's bytes per row (`row_bytes`, None if not
+    known), 1 to MAX_AUTO_CHUNKS: Spark's cycle between two batches costs about as much as a
+    small batch's rows at COPY speed, and larger batches spread it (bench/README.md)."""
+    if parallel or not max_bytes or not row_bytes or row_bytes <= 0:
+        return PARALLEL_CHUNKS
+    return max(1, min(MAX_AUTO_CHUNKS, int(max_bytes // (chunk_rows * row_bytes))))
 
 
 def held_back(rows: Any, tables: frozenset[str]) -> Any:

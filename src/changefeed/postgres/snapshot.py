@@ -119,6 +119,17 @@ def estimated_rows(conn: psycopg.Connection[Any], qualified: str) -> int | None:
     return int(row[0]) if row and row[0] >= 0 else None
 
 
+def row_bytes(conn: psycopg.Connection[Any], qualified: str) -> float | None:
+    """The table's bytes on disk per row (TOAST included, a partitioned table's over its
+    partitions), from the planner's statistics: None if never analysed or empty."""
+    schema, name = split_table(qualified)
+    row = conn.execute("SELECT sum(pg_table_size(c.oid))::float8 / nullif(sum(greatest(c.reltuples, 0)), 0) "
+                       "FROM pg_class r JOIN pg_namespace n ON n.oid = r.relnamespace JOIN pg_class c "
+                       "ON c.oid = r.oid OR c.oid IN (SELECT relid FROM pg_partition_tree(r.oid) WHERE isleaf) "
+                       "WHERE n.nspname = %s AND r.relname = %s AND c.relkind <> 'p'", (schema, name)).fetchone()
+    return float(row[0]) if row and row[0] else None
+
+
 def _shape(conn: psycopg.Connection[Any], table: SourceTable) -> ch.TableShape:
     oid, ident = one_row(conn.execute("SELECT oid, relreplident::text FROM pg_class WHERE oid = %s::regclass",
                                       (f'"{table.schema}"."{table.name}"',)))

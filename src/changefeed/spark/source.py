@@ -114,7 +114,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
-        self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)
+        self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)  # 0: auto
+        self._row_bytes: dict[tuple[str, str], float | None] = {}  # (node, table) -> bytes per row, for auto
         first = next(iter(self.nodes))  # the feed's snapshot requests are on its first node
         self.requests = SourceRequests(lambda: self.conn(first), self.feed, options.get("requests_dir") or None)
         self.barrier_file = Path(options["barrier_file"]) if options.get("barrier_file") else None
@@ -253,8 +254,19 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if not r.due(start.lsns):
                 break  # a row filter changed past this batch's start: the batch after that takes it in
             cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only)
-        return cursor.plan(self._boundary_key, self.chunks_per_batch, self.chunk_rows, self._keyless,
-                           self._last_key)
+        return cursor.plan(self._boundary_key, self.chunks_per_batch or self._auto_chunks(cursor), self.chunk_rows,
+                           self._keyless, self._last_key)
+
+    def _auto_chunks(self, cursor: snapshot.Cursor) -> int:
+        """--snapshot-chunks-per-batch auto (core.snapshot.auto_chunks), by the next table's rows."""
+        size = None
+        if not self.parallel_reads and cursor.pending:
+            node, table = snapshot.node_of(cursor.pending[0], DEFAULT_NODE)
+            if (node, table) not in self._row_bytes:
+                with self._on(node):
+                    self._row_bytes[(node, table)] = snap_pg.row_bytes(self.conn(node), table)
+            size = self._row_bytes[(node, table)]
+        return snapshot.auto_chunks(self.parallel_reads, self.max_bytes, self.chunk_rows, size)
 
     def _keyless(self, entry: str) -> bool:
         node, table = snapshot.node_of(entry, DEFAULT_NODE)

@@ -21,7 +21,7 @@ DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_RESOLVED_S = 1.0
 SNAPSHOT_MODES = ("initial", "never", "only")
 DEFAULT_CHUNK_ROWS = 50_000
-DEFAULT_CHUNKS_PER_BATCH = 4  # also the snapshot's read parallelism: one Spark task per chunk
+DEFAULT_CHUNKS_PER_BATCH = 0  # auto: by how chunks are read and how big the rows are (core.snapshot.auto_chunks)
 # How a batch's snapshot chunks are read: `auto` reads them in parallel tasks (shuffled to the
 # writer) when Spark has at least PARALLEL_READ_SLOTS task slots, else in the writer's task one
 # after the other (measured faster with 2: bench/snapshot_throughput.py).
@@ -296,9 +296,11 @@ class FeedSpec:
             raise ConfigError(f"--snapshot-reads must be one of {', '.join(SNAPSHOT_READS)}, "
                               f"got {self.snapshot_reads!r}",
                               f"auto: parallel with {PARALLEL_READ_SLOTS} or more Spark task slots, else sequential")
-        if self.snapshot_chunks_per_batch < 1:
-            raise ConfigError(f"--snapshot-chunks-per-batch must be at least 1, got {self.snapshot_chunks_per_batch}",
-                              f"the default is {DEFAULT_CHUNKS_PER_BATCH}; more reads more chunks at once")
+        if self.snapshot_chunks_per_batch < 0:
+            raise ConfigError(f"--snapshot-chunks-per-batch must be 0 (auto) or more, got "
+                              f"{self.snapshot_chunks_per_batch}",
+                              "the default, 0, reads 4 at once with parallel reads, else as many as "
+                              "--max-bytes-per-batch holds")
         if self.outbox:
             self._validate_outbox()
         return self
