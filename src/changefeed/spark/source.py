@@ -423,10 +423,10 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 frontier, fixed = seen
                 part.ahead = read_ahead.predict(part.end_lsn, frontier, 0 if self.max_changes else self.max_bytes,
                                                 self.wal.block_size, fixed)
-        if self.parallel_reads and not self._sequential(end) or len(parts) < 2:
-            in_tasks = self.parallel_reads and len(parts) > 1
-            return [self._by_reference(p) if not in_tasks else p for p in parts]
-        return [GroupPartition([self._by_reference(p) for p in parts])]
+        if self.parallel_reads and not self._sequential(end) and len(parts) > 1:
+            return parts  # read by a task each
+        one_task = [self._by_reference(p) for p in parts]
+        return one_task if len(one_task) < 2 else [GroupPartition(one_task)]
 
     def _by_reference(self, part: BatchPartition) -> BatchPartition:
         """`part`, a chunk read by the batch's writer task where the sink's writer takes the rows as
