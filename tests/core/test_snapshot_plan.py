@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+from fractions import Fraction
 from pathlib import Path
 
 from hypothesis import given
@@ -62,6 +63,24 @@ def test_chunks_cover_every_key_once_in_order(data: dict[str, set[int]], rows: i
         assert all(len(rows_of(c, tables[table])) <= max(rows, 1) for c in mine[:-1])
         assert mine[-1].hi == ([str(keys[-1])] if keys else None)  # up to the last key then
     assert cursor.plan(boundary_over(tables), per_batch, rows) == ([], cursor)
+
+
+@given(st.dictionaries(st.sampled_from(["s.a", "s.b", "s.c"]), st.sets(st.integers(0, 300)), min_size=1),
+       st.integers(1, 40), st.fixed_dictionaries({t: st.integers(1, 6) for t in ["s.a", "s.b", "s.c"]}))
+def test_a_batch_takes_each_tables_share_of_it(data: dict[str, set[int]], rows: int, per: dict[str, int]) -> None:
+    """Chunks per batch by table (--snapshot-chunks-per-batch auto): a chunk of table t takes 1/per[t]
+    of its batch; a batch holds at least one chunk, never more than fills it, and stops only
+    where the next chunk would not fit; every key is still read once, in order."""
+    tables = {t: sorted(k) for t, k in data.items()}
+    cursor, chunks = Cursor(pending=tuple(tables)), []
+    while cursor.pending:
+        planned, cursor = cursor.plan(boundary_over(tables), per.__getitem__, rows, last=last_over(tables))
+        used = sum(Fraction(1, per[c.table]) for c in planned)
+        assert planned and (used <= 1 or len(planned) == 1)
+        assert not cursor.pending or used + Fraction(1, per[cursor.pending[0]]) > 1
+        chunks += planned
+    for table, keys in tables.items():
+        assert [k for c in chunks if c.table == table for k in rows_of(c, keys)] == keys
 
 
 def test_a_request_reads_a_table_again_after_what_is_pending() -> None:
@@ -135,7 +154,9 @@ def test_auto_chunks_fill_a_batch_by_bytes_when_one_task_reads(parallel: bool, m
         assert got == PARALLEL_CHUNKS
         return
     assert 1 <= got <= MAX_AUTO_CHUNKS
-    assert got == MAX_AUTO_CHUNKS or got == 1 or got * rows * row_bytes <= max_bytes < (got + 1) * rows * row_bytes
+    fits = got * rows * row_bytes <= max_bytes * (1 + 1e-9)  # (as floating point divides)
+    assert got == 1 or fits
+    assert got == MAX_AUTO_CHUNKS or max_bytes < (got + 1) * rows * row_bytes * (1 + 1e-9)
 
 
 def test_auto_chunks_of_the_benchmark_table() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Any
 
 from changefeed.core.nodes import classic
@@ -123,17 +124,23 @@ class Cursor:
         return [(node_of(t, node)[1], not s) for t, s in zip(self.pending, self._targets())
                 if node_of(t, node)[0] == node]
 
-    def plan(self, boundary: Boundary, chunks: int, rows: int,
+    def plan(self, boundary: Boundary, chunks: int | Callable[[str], int], rows: int,
              alone: Callable[[str], bool] = lambda entry: False,
              last: LastKey = lambda entry: None) -> tuple[list[Chunk], "Cursor"]:
-        """The next `chunks` chunks of about `rows` rows each, and the cursor after them. A chunk
-        of a table `alone` says so of is the only chunk of its batch (a table without a key:
-        its batch is read again exactly as before, see spark.source.partitions). A table's first
-        chunk asks `last` where its read ends."""
+        """The next chunks of about `rows` rows each that fill a batch, and the cursor after them:
+        `chunks` of them, or, per table, `chunks(table)` of its own fill one (each chunk takes
+        that share of the batch, so a batch that runs on into a table of wider rows takes fewer
+        of them; at least one chunk). A chunk of a table `alone` says so of is the only chunk of
+        its batch (a table without a key: its batch is read again exactly as before, see
+        spark.source.partitions). A table's first chunk asks `last` where its read ends."""
+        def share(entry: str) -> Fraction:
+            return Fraction(1, chunks(entry) if callable(chunks) else chunks)
+
         out: list[Chunk] = []
         pending, targets, after, no = list(self.pending), self._targets(), self.after, self.next_no
-        upto = self.upto
-        while pending and len(out) < chunks and not (out and (alone(pending[0]) or alone(out[-1].table))):
+        upto, used = self.upto, Fraction(0)
+        while pending and not (out and (used + share(pending[0]) > 1 or alone(pending[0]) or alone(out[-1].table))):
+            used += share(pending[0])
             if after is None and upto is None:
                 upto = last(pending[0])
             hi = boundary(pending[0], after, rows, upto)
@@ -158,7 +165,7 @@ def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: floa
     small batch's rows at COPY speed, and larger batches spread it (bench/README.md)."""
     if parallel or not max_bytes or not row_bytes or row_bytes <= 0:
         return PARALLEL_CHUNKS
-    return max(1, min(MAX_AUTO_CHUNKS, int(max_bytes // (chunk_rows * row_bytes))))
+    return max(1, int(min(MAX_AUTO_CHUNKS, max_bytes / (chunk_rows * row_bytes))))
 
 
 def held_back(rows: Any, tables: frozenset[str]) -> Any:

@@ -254,14 +254,14 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if not r.due(start.lsns):
                 break  # a row filter changed past this batch's start: the batch after that takes it in
             cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only)
-        return cursor.plan(self._boundary_key, self.chunks_per_batch or self._auto_chunks(cursor), self.chunk_rows,
+        return cursor.plan(self._boundary_key, self.chunks_per_batch or self._auto_chunks, self.chunk_rows,
                            self._keyless, self._last_key)
 
-    def _auto_chunks(self, cursor: snapshot.Cursor) -> int:
-        """--snapshot-chunks-per-batch auto (core.snapshot.auto_chunks), by the next table's rows."""
+    def _auto_chunks(self, entry: str) -> int:
+        """--snapshot-chunks-per-batch auto (core.snapshot.auto_chunks): a batch's chunks of the table `entry`."""
         size = None
-        if not self.parallel_reads and cursor.pending:
-            node, table = snapshot.node_of(cursor.pending[0], DEFAULT_NODE)
+        if not self.parallel_reads:
+            node, table = snapshot.node_of(entry, DEFAULT_NODE)
             if (node, table) not in self._row_bytes:
                 with self._on(node):
                     self._row_bytes[(node, table)] = snap_pg.row_bytes(self.conn(node), table)
