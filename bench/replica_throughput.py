@@ -17,6 +17,8 @@ every run's three figures come from the same moment:
      first batch's apply to the end of the last, from the replica's progress table) and "from
      batch 2" (the same changes / time from the start of the second batch's apply: without the one-off
      start of the driver's Python sink runners, about 2 s, that follows the first batch).
+  cw with --warm: c on a Spark Connect server that the bench starts once, before the runs
+     (`run --master sc://...`, the warm start), on feeds of its own; c and cw take turns at going first.
 
 Every replica (b and c) is checked against the source (count + md5 of rows in key order); a
 mismatch or a failed feed run makes the script exit 1.
@@ -34,6 +36,7 @@ import platform
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -281,6 +284,38 @@ def run_feed(name: str, source_uri: str, sink_uri: str, state: Path, logdir: Pat
                    [ln for _, _, ln in stamped], tail, out_path)
 
 
+def measure_feed(name: str, k: int, n: int, source_uri: str, sink_uri: str, src_fp: tuple[int, str], state: Path,
+                 logdir: Path, timeout: float, extra: list[str],
+                 failures: list[str]) -> tuple[float, float, float, float]:
+    """The measured run of feed `name` over the workload of `n` changes, its replica checked against the source:
+    changes/s whole process, steady state, from batch 2 and query only (NaN where not known)."""
+    c_rate = c_steady = c_from2 = c_q = float("nan")
+    r = run_feed(name, source_uri, sink_uri, state, logdir, "2-measured", timeout, extra)
+    if r.rc != 0:
+        failures.append(feed_failure(r, f"run {k} feed {name} (measured run)"))
+        log(f"  feed {name} FAILED: exit {r.rc} after {r.wall:.1f}s (see report below)")
+        return c_rate, c_steady, c_from2, c_q
+    fp = fingerprint(sink_uri)
+    ok = fp == src_fp
+    if not ok:
+        failures.append(f"run {k} feed {name}: its {TABLE} differs from the source: {fp} vs {src_fp}")
+    c_rate = n / r.wall
+    batches = steady_batches(sink_uri, name)
+    if len(batches) >= 2:
+        later = sum(b[0] for b in batches[1:])
+        c_steady = later / (batches[-1][2] - batches[0][2])
+        c_from2 = later / (batches[-1][2] - batches[1][1])
+    if r.query_s:
+        c_q = n / r.query_s
+    log(f"  feed {name}: {r.wall:.2f}s whole process, {c_rate:,.0f} changes/s; steady "
+        f"{c_steady:,.0f} changes/s, from batch 2's start {c_from2:,.0f} changes/s "
+        f"(batches 2..{len(batches)}); query (log) {r.query_s or float('nan'):.2f}s, {c_q:,.0f} changes/s")
+    log(f"    feed said: {(r.lines[-1] if r.lines else '').strip()}")
+    log(f"    replica {'EQUALS' if ok else 'DIFFERS FROM'} source "
+        f"({fp[0]:,} rows, md5 {fp[1][:12]} vs {src_fp[1][:12]})")
+    return c_rate, c_steady, c_from2, c_q
+
+
 def feed_failure(r: FeedRun, what: str) -> str:
     return (f"{what} exited {r.rc} after {r.wall:.1f}s (log {r.log_file})\n"
             f"--- stdout ---\n" + "\n".join(r.lines[-20:]) + f"\n--- stderr (tail) ---\n{r.stderr_tail}")
@@ -422,12 +457,37 @@ def verdict(total_s: float, logdir: Path, removed: bool, failures: list[str], ok
     return 0
 
 
-def workload_args(doc: str, feed_arg_example: str) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """The command line of a bench that runs this workload: --changes, --runs and bench_args."""
+def warm_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--warm", action="store_true",
+                    help="also measure each feed run on a Spark Connect server that the bench starts first "
+                         "(`run --master sc://...`, the warm start), beside its run on a Spark of its own")
+
+
+def warm_server(out: Path) -> str:
+    """Start a Spark Connect server on a free loopback port, stopped with the bench's other
+    children at exit, and return its `--master` URI."""
+    from changefeed.spark.connect import start_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log(f"starting a Spark Connect server on 127.0.0.1:{port} (its log: {out}) ...")
+    t0 = time.monotonic()
+    _children.append(start_server("127.0.0.1", port, "local[*]", out=open(out, "ab")))
+    log(f"  up in {time.monotonic() - t0:.1f}s")
+    return f"sc://127.0.0.1:{port}"
+
+
+def workload_args(doc: str, feed_arg_example: str,
+                  warm: bool = False) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line of a bench that runs this workload: --changes, --runs and bench_args
+    (and --warm where the bench measures the warm start)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--changes", type=int, default=1_000_000, help="changes in the workload (default 1,000,000)")
     ap.add_argument("--runs", type=int, default=3, help="measured runs of each system (default 3)")
     bench_args(ap, "the work directory", feed_arg_example)
+    if warm:
+        warm_args(ap)
     args = ap.parse_args()
     if args.changes < 10 or args.runs < 1:
         ap.error("need --changes >= 10 and --runs >= 1")
@@ -435,7 +495,7 @@ def workload_args(doc: str, feed_arg_example: str) -> tuple[argparse.ArgumentPar
 
 
 def main() -> int:
-    ap, args = workload_args(__doc__, "--max-bytes-per-batch=256MB")
+    ap, args = workload_args(__doc__, "--max-bytes-per-batch=256MB", warm=True)
 
     t_start = time.monotonic()
     work, remove_work, (source, replica) = bench_setup(ap, args.workdir, args.keep, "replica-bench-",
@@ -444,25 +504,30 @@ def main() -> int:
     with psycopg.connect(src_uri, autocommit=True) as c:
         c.execute(f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, a int, b text, c timestamptz)")
         c.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE {TABLE}")
+    # c: system -> (feed name and replica database prefix, extra `run` arguments)
+    feeds = {"c": ("bench", args.feed_arg)}
+    if args.warm:
+        feeds["cw"] = ("warm", [*args.feed_arg, f"--master={warm_server(work / 'spark-server.log')}"])
     with psycopg.connect(replica.uri(), autocommit=True) as c:
         for k in range(1, args.runs + 1):
-            c.execute(f"CREATE DATABASE replica_{k}")
+            for name, _ in feeds.values():
+                c.execute(f"CREATE DATABASE {name}_{k}")
             c.execute(f"CREATE DATABASE apply_{k}")
             c.execute(f"CREATE DATABASE tuned_{k}")
 
     failures: list[str] = []
     # c, step 1: a first (empty) run of each feed creates its publication, slot and target table
-    first_runs: list[FeedRun | None] = []
+    set_up: set[str] = set()
     for k in range(1, args.runs + 1):
-        log(f"feed bench{k}: first --available-now run (creates slot changefeed_bench{k}) ...")
-        r = run_feed(f"bench{k}", src_uri, replica.uri(f"replica_{k}"), state, logdir, "1-setup",
-                     args.feed_timeout, args.feed_arg)
-        log(f"  exit {r.rc} in {r.wall:.1f}s")
-        if r.rc != 0:
-            failures.append(feed_failure(r, f"feed bench{k} first run"))
-            first_runs.append(None)
-        else:
-            first_runs.append(r)
+        for name, extra in feeds.values():
+            log(f"feed {name}{k}: first --available-now run (creates slot changefeed_{name}{k}) ...")
+            r = run_feed(f"{name}{k}", src_uri, replica.uri(f"{name}_{k}"), state, logdir, "1-setup",
+                         args.feed_timeout, extra)
+            log(f"  exit {r.rc} in {r.wall:.1f}s")
+            if r.rc != 0:
+                failures.append(feed_failure(r, f"feed {name}{k} first run"))
+            else:
+                set_up.add(f"{name}{k}")
     # a: one pgoutput slot per run, all created before the workload
     with psycopg.connect(src_uri, autocommit=True) as c:
         for k in range(1, args.runs + 1):
@@ -477,7 +542,8 @@ def main() -> int:
         f"COPY file {wl.copy_file.stat().st_size / 2**20:,.0f} MiB; source has {src_fp[0]:,} rows")
 
     n = args.changes
-    res: dict[str, list[float]] = {k: [] for k in ("a", "b", "b_tuned", "c", "c_steady", "c_from2", "c_query")}
+    res: dict[str, list[float]] = {k + t: [] for k in ("c", "cw") for t in ("", "_steady", "_from2", "_query")}
+    res.update(a=[], b=[], b_tuned=[])
     per_run: list[str] = []
     for k in range(1, args.runs + 1):
         log(f"run {k}/{args.runs}")
@@ -507,41 +573,20 @@ def main() -> int:
             f"replica {'EQUALS' if fp == src_fp else 'DIFFERS FROM'} source")
         if fp != src_fp:
             failures.append(f"run {k} b tuned: tuned_{k}.{TABLE} differs from the source: {fp} vs {src_fp}")
-        # c
-        c_rate = c_steady = c_from2 = c_q = float("nan")
-        if first_runs[k - 1] is not None:
-            r = run_feed(f"bench{k}", src_uri, replica.uri(f"replica_{k}"), state, logdir, "2-measured",
-                         args.feed_timeout, args.feed_arg)
-            if r.rc != 0:
-                failures.append(feed_failure(r, f"run {k} feed bench{k} (measured run)"))
-                log(f"  c feed FAILED: exit {r.rc} after {r.wall:.1f}s (see report below)")
-            else:
-                fp = fingerprint(replica.uri(f"replica_{k}"))
-                ok = fp == src_fp
-                if not ok:
-                    failures.append(f"run {k} c: replica_{k}.{TABLE} differs from the source: {fp} vs {src_fp}")
-                c_rate = n / r.wall
-                batches = steady_batches(replica.uri(f"replica_{k}"), f"bench{k}")
-                if len(batches) >= 2:
-                    later = sum(b[0] for b in batches[1:])
-                    c_steady = later / (batches[-1][2] - batches[0][2])
-                    c_from2 = later / (batches[-1][2] - batches[1][1])
-                if r.query_s:
-                    c_q = n / r.query_s
-                log(f"  c feed:           {r.wall:.2f}s whole process, {c_rate:,.0f} changes/s; steady "
-                    f"{c_steady:,.0f} changes/s, from batch 2's start {c_from2:,.0f} changes/s "
-                    f"(batches 2..{len(batches)}); query (log) "
-                    f"{r.query_s or float('nan'):.2f}s, {c_q:,.0f} changes/s")
-                log(f"    feed said: {(r.lines[-1] if r.lines else '').strip()}")
-                log(f"    replica {'EQUALS' if ok else 'DIFFERS FROM'} source "
-                    f"({fp[0]:,} rows, md5 {fp[1][:12]} vs {src_fp[1][:12]})")
-        res["c"].append(c_rate)
-        res["c_steady"].append(c_steady)
-        res["c_from2"].append(c_from2)
-        res["c_query"].append(c_q)
+        # c, and c on the warm server (which of the two goes first alternates)
+        for system in sorted(feeds, reverse=k % 2 == 0):
+            name, extra = feeds[system]
+            measured = (measure_feed(f"{name}{k}", k, n, src_uri, replica.uri(f"{name}_{k}"), src_fp, state,
+                                               logdir, args.feed_timeout, extra, failures)
+                        if f"{name}{k}" in set_up else (float("nan"),) * 4)
+            for key, value in zip(("", "_steady", "_from2", "_query"), measured):
+                res[system + key].append(value)
         per_run.append(f"  run {k}: a {res['a'][-1]:>11,.0f}  b {res['b'][-1]:>11,.0f}"
-                       f"  b tuned {res['b_tuned'][-1]:>11,.0f}  c {c_rate:>11,.0f}  c steady {c_steady:>11,.0f}"
-                       f"  c from 2 {c_from2:>11,.0f}  c query {c_q:>11,.0f}")
+                       f"  b tuned {res['b_tuned'][-1]:>11,.0f}" + "".join(
+                           f"  {system} {res[system][-1]:>11,.0f}"
+                           f"  {system} steady {res[system + '_steady'][-1]:>11,.0f}"
+                           f"  {system} from 2 {res[system + '_from2'][-1]:>11,.0f}"
+                           f"  {system} query {res[system + '_query'][-1]:>11,.0f}" for system in feeds))
 
     def ratios(num: str, den: str) -> tuple[float, float, float] | None:
         return spread([x / y for x, y in zip(res[num], res[den])])
@@ -559,19 +604,28 @@ def main() -> int:
     print(f"{'a  pg_recvlogical, pgoutput (decode limit)':<52}{fmt_rate(spread(res['a']))}")
     print(f"{'b  COPY + set-based merge, 50k/batch (apply limit)':<52}{fmt_rate(spread(res['b']))}")
     print(f"{'b  same, temp staging + sink session memory':<52}{fmt_rate(spread(res['b_tuned']))}")
-    print(f"{'c  feed, whole process (incl. Spark start-up)':<52}{fmt_rate(spread(res['c']))}")
-    print(f"{'c  feed, query only (running -> stopped log lines)':<52}{fmt_rate(spread(res['c_query']))}")
-    print(f"{'c  feed, steady state (batches after the first)':<52}{fmt_rate(spread(res['c_steady']))}")
-    print(f"{'c  feed, from the start of the second batch':<52}{fmt_rate(spread(res['c_from2']))}")
+    titles = {"c": "c  feed", "cw": "cw feed on a warm Spark Connect server"}
+    for system in feeds:
+        print(f"{titles[system] + ', whole process' + (' (incl. Spark start-up)' if system == 'c' else ''):<52}"
+              f"{fmt_rate(spread(res[system]))}")
+        print(f"{titles[system][:2] + '  ... query only (running -> stopped log lines)':<52}"
+              f"{fmt_rate(spread(res[system + '_query']))}")
+        print(f"{titles[system][:2] + '  ... steady state (batches after the first)':<52}"
+              f"{fmt_rate(spread(res[system + '_steady']))}")
+        print(f"{titles[system][:2] + '  ... from the start of the second batch':<52}"
+              f"{fmt_rate(spread(res[system + '_from2']))}")
     print()
     print("ratios, computed per run, median [min - max]:")
-    print(f"  c/a                    {fmt_ratio(ratios('c', 'a'))}")
-    print(f"  c/b                    {fmt_ratio(ratios('c', 'b'))}")
-    print(f"  c(query only)/b        {fmt_ratio(ratios('c_query', 'b'))}")
-    print(f"  c(steady)/a            {fmt_ratio(ratios('c_steady', 'a'))}")
-    print(f"  c(steady)/b            {fmt_ratio(ratios('c_steady', 'b'))}")
-    print(f"  c(steady)/b tuned      {fmt_ratio(ratios('c_steady', 'b_tuned'))}")
-    print(f"  c(from batch 2)/b      {fmt_ratio(ratios('c_from2', 'b'))}")
+    for system in feeds:
+        print(f"  {system}/a{'':<{21 - len(system)}}{fmt_ratio(ratios(system, 'a'))}")
+        print(f"  {system}/b{'':<{21 - len(system)}}{fmt_ratio(ratios(system, 'b'))}")
+        print(f"  {system}(query only)/b{'':<{9 - len(system)}}{fmt_ratio(ratios(system + '_query', 'b'))}")
+        print(f"  {system}(steady)/a{'':<{13 - len(system)}}{fmt_ratio(ratios(system + '_steady', 'a'))}")
+        print(f"  {system}(steady)/b{'':<{13 - len(system)}}{fmt_ratio(ratios(system + '_steady', 'b'))}")
+        print(f"  {system}(steady)/b tuned{'':<{7 - len(system)}}{fmt_ratio(ratios(system + '_steady', 'b_tuned'))}")
+        print(f"  {system}(from batch 2)/b{'':<{7 - len(system)}}{fmt_ratio(ratios(system + '_from2', 'b'))}")
+    if "cw" in feeds:
+        print(f"  cw/c (whole process)   {fmt_ratio(ratios('cw', 'c'))}")
     print()
     print("per run (changes/s):")
     print("\n".join(per_run))

@@ -13,6 +13,8 @@ interleaved so that every run's figures come from the same moment:
          and shuffled to the one writer task (`repartition(1)`);
   c-seq  the same with `--snapshot-reads sequential`: the writer task reads the batch's chunks
          itself, one after the other, as one input partition (no shuffle).
+  c-sc   with --warm: c-seq on a Spark Connect server that the bench starts once, before the
+         runs (`run --master sc://...`): the feed's run without the JVM's start.
 
 A feed run is timed four ways: its whole-process wall time (JVM and Spark start-up included);
 "snapshot only", from the start of the first batch that carried chunks (its progress row's
@@ -61,6 +63,8 @@ from replica_throughput import (  # noqa: E402
     run_stamped,
     spread,
     verdict,
+    warm_args,
+    warm_server,
 )
 
 TABLE = "snap_t"
@@ -69,7 +73,8 @@ COLUMNS = "id bigint PRIMARY KEY, a int, b text, c timestamptz"
 COPY_ROWS = 100_000  # rows per COPY statement while writing the table
 
 MODES = ("par", "seq")
-MODE_TEXT = {"par": "--snapshot-reads parallel (repartition(1))", "seq": "--snapshot-reads sequential"}
+MODE_TEXT = {"par": "--snapshot-reads parallel (repartition(1))", "seq": "--snapshot-reads sequential",
+             "sc": "--snapshot-reads sequential, on a warm Spark Connect server (--warm)"}
 # how a feed run is timed: (key, label); rows/s = rows / seconds
 WAYS = (("whole", "whole process (incl. JVM/Spark start-up)"),
         ("snap", "snapshot only (1st chunk batch began -> last applied)"),
@@ -228,6 +233,7 @@ def main() -> int:
     ap.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS,
                     help=f"--snapshot-chunk-rows of the feed (default {DEFAULT_CHUNK_ROWS:,})")
     bench_args(ap, "the work directory and the sink databases", "--master=local[2]")
+    warm_args(ap)
     args = ap.parse_args()
     if args.rows < 1 or args.runs < 1 or args.chunk_rows < 1:
         ap.error("need --rows >= 1, --runs >= 1 and --chunk-rows >= 1")
@@ -255,15 +261,19 @@ def main() -> int:
         with psycopg.connect(sink.uri(), autocommit=True) as c:
             c.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
+    modes = (*MODES, "sc") if args.warm else MODES
+    extra = {m: args.feed_arg for m in MODES}
+    if args.warm:
+        extra["sc"] = [*args.feed_arg, f"--master={warm_server(work / 'spark-server.log')}"]
     n = args.rows
-    res: dict[str, list[float]] = {"b": [], **{f"{m}_{w}": [] for m in MODES for w, _ in WAYS}}
-    shapes: dict[str, list[str]] = {m: [] for m in MODES}  # per run: chunks and read tasks per batch
+    res: dict[str, list[float]] = {"b": [], **{f"{m}_{w}": [] for m in modes for w, _ in WAYS}}
+    shapes: dict[str, list[str]] = {m: [] for m in modes}  # per run: chunks and read tasks per batch
     failures: list[str] = []
     per_run: list[str] = []
     for k in range(1, args.runs + 1):
         log(f"run {k}/{args.runs}")
         with psycopg.connect(sink.uri(), autocommit=True) as c:
-            for db in (f"copy_{k}", f"par_{k}", f"seq_{k}"):
+            for db in (f"copy_{k}", *(f"{m}_{k}" for m in modes)):
                 c.execute(f"CREATE DATABASE {db}")
         # b
         table = f"snap_copy_{k}"
@@ -277,11 +287,11 @@ def main() -> int:
             failures.append(f"run {k} b: copy_{k}.{table} differs from the source: {fp} vs {src_fp}")
         drop_db(f"copy_{k}")
         # c-par and c-seq, taking turns at going first, so that neither always runs right after b
-        for mode in (MODES if k % 2 else MODES[::-1]):
+        for mode in (modes if k % 2 else modes[::-1]):
             name, db = f"{mode}{k}", f"{mode}_{k}"
             rates = dict.fromkeys((w for w, _ in WAYS), float("nan"))
             r = run_feed(mode, name, src_uri, sink.uri(db), state, logdir, args.chunk_rows, args.feed_timeout,
-                         args.feed_arg)
+                         extra[mode])
             if r.rc != 0:
                 failures.append(feed_failure(r, f"run {k} c-{mode} feed {name}"))
                 log(f"  c-{mode} FAILED: exit {r.rc} after {r.wall:.1f}s (see report below)")
@@ -340,7 +350,7 @@ def main() -> int:
             for w, _ in WAYS:
                 res[f"{mode}_{w}"].append(rates[w])
         per_run.append(f"  run {k}: b {res['b'][-1]:>9,.0f}" + "".join(
-            f"  c-{m} " + " /".join(fmt_one(res[f"{m}_{w}"][-1]) for w, _ in WAYS) for m in MODES))
+            f"  c-{m} " + " /".join(fmt_one(res[f"{m}_{w}"][-1]) for w, _ in WAYS) for m in modes))
 
     def ratios(num: str, den: str) -> tuple[float, float, float] | None:
         return spread([x / y for x, y in zip(res[num], res[den])])
@@ -361,8 +371,8 @@ def main() -> int:
     print()
     print(f"{'rows/s':<64}{'median':>13} {'min':>13} {'max':>13}")
     print(f"{'b      COPY TO STDOUT -> COPY FROM STDIN (baseline)':<64}{fmt_rate(spread(res['b']))}")
-    for m in MODES:
-        print(f"c-{m}  feed, {MODE_TEXT[m]}:")
+    for m in modes:
+        print(f"c-{m}{' ' * (5 - len(m))}feed, {MODE_TEXT[m]}:")
         for w, text in WAYS:
             print(f"{'         ' + text:<64}{fmt_rate(spread(res[f'{m}_{w}']))}")
     print()
@@ -372,9 +382,12 @@ def main() -> int:
         print(f"    c-par/b        {fmt_ratio(ratios(f'par_{w}', 'b'))}")
         print(f"    c-seq/b        {fmt_ratio(ratios(f'seq_{w}', 'b'))}")
         print(f"    c-par/c-seq    {fmt_ratio(ratios(f'par_{w}', f'seq_{w}'))}")
+        if args.warm:
+            print(f"    c-sc/b         {fmt_ratio(ratios(f'sc_{w}', 'b'))}")
+            print(f"    c-sc/c-seq     {fmt_ratio(ratios(f'sc_{w}', f'seq_{w}'))}")
     print()
     print("chunk reads per run (Spark read tasks, from snapshot_chunks.read_task):")
-    for m in MODES:
+    for m in modes:
         for k, s in enumerate(shapes[m], 1):
             print(f"  c-{m} run {k}: {s}")
     print()
