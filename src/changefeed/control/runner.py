@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from typing import Any
@@ -35,6 +36,8 @@ from changefeed.sinks.registry import sinks_of, validated
 from changefeed.spark.checkpoint import chunks_to_read, resume, resume_until, resyncing
 from changefeed.spec.definition import PARALLEL_READ_SLOTS, FeedSpec
 from changefeed.spec.state import FeedState
+
+SNAPSHOT_DONE_POLL_S = 0.1  # how often a --snapshot only run looks whether it is done
 
 
 def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master: str = "local[*]",
@@ -327,7 +330,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
             while query.isActive and not stop.is_set():
                 keeper.check()  # another runner took the feed over: stop writing
                 with suppress(StreamingQueryException):  # a failed query is handled below
-                    query.awaitTermination(report_every_s)
+                    _await(query, report_every_s, spec.snapshot == "only")
                 meter.update(query)
                 lag_budget.tick(prepared, lag, report)
                 if retry.current is not None and meter.batches > batches_at_start:
@@ -426,6 +429,21 @@ def _clean_outbox(cleanup: OutboxCleanup | None, prepared: Prepared, report: Cal
         return
     if deleted:
         report(f"feed {prepared.spec.name}: outbox cleanup deleted {deleted} delivered rows of {cleanup.spec.table}")
+
+
+def _await(query: Any, seconds: float, snapshot_only: bool) -> None:
+    """Wait up to `seconds` for the query to end. With --snapshot only, look every
+    SNAPSHOT_DONE_POLL_S whether the snapshot is done, which ends the run: the query would go on
+    with batches of heartbeats until the next look (on average half a report's interval more)."""
+    if not snapshot_only:
+        query.awaitTermination(seconds)
+        return
+    deadline = time.monotonic() + seconds
+    # (Spark takes whole milliseconds, and refuses 0)
+    while (left := deadline - time.monotonic()) >= 0.001 and \
+            not query.awaitTermination(min(left, SNAPSHOT_DONE_POLL_S)):
+        if _snapshot_done(query):
+            return
 
 
 def _snapshot_done(query: Any) -> bool:
