@@ -2,7 +2,7 @@
 sc://HOST:PORT` runs a feed on it. The same exactly-once replica; a runner SIGKILLed there leaves
 its query running until the feed starts again on that server, which stops the old run first; the
 server going away mid-run is waited out (a new session once it is back); none at the address is
-a clear error."""
+a clear error. Feeds started on the server one after another share its Python workers."""
 from __future__ import annotations
 
 import os
@@ -118,6 +118,52 @@ def test_a_killed_runner_s_query_runs_on_until_the_feed_starts_again(server: Ser
     assert again.returncode == 0, again.stdout + again.stderr
     assert fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t")
     assert _sink_sum(dbs) == 100  # each change once
+
+
+def _python_daemons(root: int) -> set[int]:
+    """The pids of Spark's Python daemons (`pyspark.daemon`, each the parent of its workers) among
+    the processes under `root`."""
+    parent, args = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid = int(stat.parent.name)
+            parent[pid] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            args[pid] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    def daemon(pid: int) -> bool:
+        return b"pyspark.daemon" in args.get(pid, b"")
+
+    return {pid for pid in args if daemon(pid) and not daemon(parent[pid]) and under(pid)}
+
+
+def test_feeds_started_one_after_another_share_the_server_s_python_workers(server: Server, dbs: Dbs,
+                                                                            tmp_path: Path) -> None:
+    """Every Python call Spark makes for a feed (finding the source, planning, reading, writing,
+    the sink's commit) runs in a pool of Python workers, one pool per daemon. The server keeps one
+    pool for all sessions, so a feed started again (a new session) starts no daemon of its own,
+    as each did when Spark Connect's own server class kept a pool per session."""
+    _table(dbs)
+    base = [*_base(dbs, tmp_path, server.master), "--available-now"]
+    first = changefeed_cli(*base)
+    assert first.returncode == 0, first.stdout + first.stderr
+    daemons = _python_daemons(server.proc.pid)
+    assert daemons, "no Python daemon under the server"
+    for ids in (range(1, 11), range(11, 21)):
+        _bump(dbs, ids)
+        again = changefeed_cli(*base)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert _python_daemons(server.proc.pid) == daemons
+    assert fingerprint(dbs.sink, "t") == fingerprint(dbs.source, "t")
+    assert _sink_sum(dbs) == 20
 
 
 def test_a_server_gone_mid_run_is_waited_out(dbs: Dbs, tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ feed's own driver:
 
 * the server's Python workers run the feed's reads and writes: they import changefeed and see
   the server's environment, not the runner's (the variables a feed's URIs name, the key of its
-  stored secrets, must be set where the server runs);
+  stored secrets, must be set where the server runs). Every feed on the server shares them
+  (spark.connect_driver says why), so a changefeed upgraded where the server runs is taken up
+  once the server is started again;
 * Spark's log is the server's, not the state folder's spark.log;
 * a runner killed without stopping its query (SIGKILL) leaves the query running on the server,
   still delivering exactly once from its checkpoint but with no runner to report, retry or stop
@@ -37,7 +39,7 @@ from changefeed.spark.spark_log import SparkDidNotStart
 
 SCHEME = "sc://"
 DEFAULT_PORT = 15002  # Spark Connect's own default
-SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+PLUGIN = "org.apache.spark.sql.connect.SparkConnectPlugin"
 RPC_RETRIES = 4  # pyspark's backoff: ~3 s of retries for a call before the runner sees the fault
 
 
@@ -137,21 +139,24 @@ def _why(e: Exception) -> str:
 
 
 def server_command(host: str, port: int, master: str = "local[*]") -> list[str]:
-    """spark-submit of the installed pyspark starting a Spark Connect server on HOST:PORT."""
+    """spark-submit of the installed pyspark starting a Spark Connect server on HOST:PORT: a
+    pyspark driver (spark.connect_driver) whose Spark runs Spark Connect as a plugin."""
     settings.python_env(loopback=host in ("127.0.0.1", "localhost", "::1"))
     home = os.environ.get("SPARK_HOME")
     if not home:
         import pyspark
 
         home = str(Path(pyspark.__file__).resolve().parent)
-    conf = {**settings.driver(""), "spark.connect.grpc.binding.address": host,
+    conf = {**settings.driver(""), "spark.plugins": PLUGIN, "spark.connect.grpc.binding.address": host,
             "spark.connect.grpc.binding.port": str(port),
+            # one pool of Python workers for every session (spark.connect_driver)
+            "spark.sql.artifact.isolation.enabled": "false",
+            "spark.sql.artifact.isolation.alwaysApplyClassloader": "false",
             "spark.log.level": os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "WARN")}
-    command = [str(Path(home, "bin", "spark-submit")), "--class", SERVER_CLASS, "--name", "changefeed-spark-server",
-               "--master", master]
+    command = [str(Path(home, "bin", "spark-submit")), "--name", "changefeed-spark-server", "--master", master]
     for name, value in conf.items():
         command += ["--conf", f"{name}={value}"]
-    return command
+    return [*command, str(Path(__file__).with_name("connect_driver.py"))]
 
 
 def start_server(host: str, port: int, master: str = "local[*]", out: IO[bytes] | int | None = None,
