@@ -93,7 +93,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("max_changes_per_batch", str(spec.max_changes_per_batch))
               .option("wal_reader", spec.wal_reader)
               .option("parallel_reads", str(parallel_reads or spec.multi_node).lower())
-              .option("chunks_in_writer", str(shape.takes_rows_as_read).lower())
+              .option("read_in_writer", str(shape.takes_rows_as_read).lower())
               .option("resolved_interval_s", str(spec.resolved_interval_s))
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))

@@ -42,8 +42,8 @@ from changefeed.spec.definition import SourceNode, node_role
 # A snapshot chunk travels in pieces of about this size, so that the sink applies one while the
 # next is being read (the replica streams a chunk's pieces into one COPY: sinks.replica.insert_run).
 SNAPSHOT_PIECE_BYTES = 2 << 20
-# The `rows` of a packed row that stands for a snapshot chunk its writer task reads (`resolve`).
-CHUNK_REFERENCE = -1
+# The `rows` of a packed row that stands for a window or chunk its writer task reads (`resolve`).
+REFERENCE = -1
 
 
 class BatchPartition(InputPartition):
@@ -60,6 +60,7 @@ class BatchPartition(InputPartition):
         self.ahead: int | None = None  # where the next window will end, if certain (postgres/read_ahead.py)
         self.positions = dict(end.lsns) if multi_node else None
         self.part, self.parts = 0, 1
+        self.by_reference = False  # read by the writer task where its reference arrives (resolve)
 
     @property
     def start_lsn(self) -> Lsn:
@@ -88,7 +89,6 @@ class ChunkPartition(BatchPartition):
         self.rate = rate  # its share of --snapshot-rate: (rows, bytes) per second (0 = no limit), rows at once
         self.where = where  # the table's row filter (spec.row_filters)
         self.columns = columns  # its column list (spec.column_lists)
-        self.by_reference = False  # read by the writer task where its reference arrives (resolve)
 
 
 class GroupPartition(InputPartition):
@@ -104,14 +104,20 @@ def read_partition(partition: InputPartition) -> Iterator[Any]:
     """The packed rows of a batch's input partition (ChangeStreamReader.read)."""
     with carried("source"):
         for part in partition.parts if isinstance(partition, GroupPartition) else [partition]:
-            if isinstance(part, ChunkPartition) and part.by_reference:
+            assert isinstance(part, BatchPartition)
+            if part.by_reference:
                 yield _reference(part)
                 yield from push_through()
-            elif isinstance(part, ChunkPartition):
-                yield from _read_chunk(part)
             else:
-                assert isinstance(part, WindowPartition)
-                yield from _read_window(part)
+                yield from _read(part)
+
+
+def _read(part: BatchPartition) -> Iterator[Any]:
+    """The packed rows of a window or a chunk."""
+    if isinstance(part, ChunkPartition):
+        return _read_chunk(part)
+    assert isinstance(part, WindowPartition)
+    return _read_window(part)
 
 
 @functools.cache
@@ -191,34 +197,35 @@ def _then(blocks: Iterator[list[bytes]], begin: Callable[[], object]) -> Iterato
         begin()
 
 
-def _reference(part: ChunkPartition) -> Any:
-    """A packed row that stands for the chunk `part`, for its writer task to read (resolve)."""
+def _reference(part: BatchPartition) -> Any:
+    """A packed row that stands for the window or chunk `part`, for its writer task to read (resolve)."""
     import pyarrow as pa
 
-    return pa.RecordBatch.from_arrays([pa.array([CHUNK_REFERENCE], pa.int32()),
+    return pa.RecordBatch.from_arrays([pa.array([REFERENCE], pa.int32()),
                                        pa.array([pickle.dumps(part)], pa.binary())], names=["rows", "changes"])
 
 
 def resolve(packed: Iterator[Any]) -> Iterator[Any]:
-    """A writer task's packed input with each chunk reference replaced by the chunk's packed rows,
-    read here, where the reference arrived.
+    """A writer task's packed input with each reference replaced by the packed rows of the window
+    or chunk it stands for, read here, where the reference arrived.
 
-    Where one task reads a batch's partitions and writes it (sequential reads), a chunk read by
-    the reader's Python worker crosses into the JVM and out again to the writer's, packed and
-    copied on the way, and the two workers and the JVM share the cores with both servers. Read
-    in the writer, its rows cross nothing, as in a plain COPY between the servers. It is as
-    correct: a chunk may be read at any time after its batch was planned (postgres.snapshot),
-    and its rows take the reference's place among the batch's rows; a task tried again reads it
-    again, as a reader task would."""
+    Where one task reads a batch's partitions and writes it (sequential reads), rows read by the
+    reader's Python worker cross into the JVM and out again to the writer's, packed and copied on
+    the way, and the two workers and the JVM share the cores with both servers. Read in the
+    writer, they cross nothing, as in a plain COPY between the servers (bench/README.md). It is
+    as correct: a window is the same WAL however late it is read (the slot holds it until the
+    sink commits), a chunk may be read at any time after its batch was planned
+    (postgres.snapshot), the rows take the reference's place among the batch's rows, and a task
+    tried again reads them again, as a reader task would."""
     import numpy as np
 
     for batch in packed:
         at = 0
-        for i in np.flatnonzero(batch.column("rows").to_numpy() == CHUNK_REFERENCE).tolist():
+        for i in np.flatnonzero(batch.column("rows").to_numpy() == REFERENCE).tolist():
             if i > at:
                 yield batch.slice(at, i - at)
             with carried("source"):
-                yield from _read_chunk(pickle.loads(batch.column("changes")[i].as_py()))
+                yield from _read(pickle.loads(batch.column("changes")[i].as_py()))
             at = i + 1
         if at < batch.num_rows:
             yield batch.slice(at) if at else batch

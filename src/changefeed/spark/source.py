@@ -70,8 +70,8 @@ class ChangefeedSource(DataSource):
     request files, taken in by postgres.requests), barrier_file (see core.barrier), joining_file
     (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see
     postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
-    as one GroupPartition), chunks_in_writer ("true": the sink's writer takes the rows as they are
-    read, so a chunk one task reads may be read by the writer, spark.reads.resolve),
+    as one GroupPartition), read_in_writer ("true": the sink's writer takes the rows as they are
+    read, so a window or chunk one task reads may be read by the writer, spark.reads.resolve),
     max_clock_skew_us (see core.distributed), sinks (the names of the
     feed's sinks, by which a snapshot request for some sinks alone is taken in: spec.sinks),
     resume_offset (where a query without a checkpoint starts, see initialOffset), resume_until
@@ -109,7 +109,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rows_per_batch = int(options.get("arrow_batch_rows") or 65536)
         self.wal: WalReader = wal_reader(options.get("wal_reader") or DEFAULT_WAL_READER)
         self.parallel_reads = options.get("parallel_reads", "true") != "false"
-        self.chunks_in_writer = options.get("chunks_in_writer") == "true"
+        self.read_in_writer = options.get("read_in_writer") == "true"
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
         tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
@@ -429,9 +429,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return one_task if len(one_task) < 2 else [GroupPartition(one_task)]
 
     def _by_reference(self, part: BatchPartition) -> BatchPartition:
-        """`part`, a chunk read by the batch's writer task where the sink's writer takes the rows as
-        they are read (spark.reads.resolve): one task reads the batch, so nothing runs in parallel."""
-        if isinstance(part, ChunkPartition) and self.chunks_in_writer:
+        """`part`, read by the batch's writer task where the sink's writer takes the rows as they
+        are read (spark.reads.resolve): one task reads the batch, so nothing runs in parallel."""
+        if self.read_in_writer:
             part.by_reference = True
         return part
 

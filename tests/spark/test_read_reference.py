@@ -1,6 +1,7 @@
-"""A snapshot chunk read by its writer task (spark.reads.resolve): where one task reads and writes
-a batch, the read yields a reference and the writer reads the chunk where the reference arrived.
-The rows it reads are the ones a reader task would have yielded, in the same place of the batch."""
+"""A WAL window or snapshot chunk read by its writer task (spark.reads.resolve): where one task
+reads and writes a batch, the read yields a reference and the writer reads the window or chunk
+where the reference arrived. The rows it reads are the ones a reader task would have yielded, in
+the same place of the batch."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,8 @@ from conftest import Dbs
 
 
 def _packed(tags: list[int]) -> Any:
-    """A record batch of packed rows, one per tag: `rows` the tag, or a chunk reference for a negative tag."""
-    rows = [reads.CHUNK_REFERENCE if t < 0 else t for t in tags]
+    """A record batch of packed rows, one per tag: `rows` the tag, or a reference for a negative tag."""
+    rows = [reads.REFERENCE if t < 0 else t for t in tags]
     changes = [pickle.dumps(-t) if t < 0 else t.to_bytes(4, "big") for t in tags]
     return pa.RecordBatch.from_arrays([pa.array(rows, pa.int32()), pa.array(changes, pa.binary())],
                                       names=["rows", "changes"])
@@ -40,27 +41,27 @@ def _what(packed: list[Any]) -> list[int]:
 
 @settings(max_examples=200, deadline=None)  # (the first call imports Arrow)
 @given(st.lists(st.lists(st.one_of(st.integers(1, 1000), st.integers(-9, -1)), max_size=6), max_size=6))
-def test_each_reference_is_replaced_by_its_chunk_in_its_place(batches: list[list[int]]) -> None:
-    """Tag -k stands for chunk k, which reads as the rows 10000k+1 and 10000k+2 (two packed batches):
-    whatever the batches' cuts, the output holds every row in order, each chunk where its reference was."""
-    def read_chunk(part: int) -> Any:
+def test_each_reference_is_replaced_by_what_it_stands_for_in_its_place(batches: list[list[int]]) -> None:
+    """Tag -k stands for part k, which reads as the rows 10000k+1 and 10000k+2 (two packed batches):
+    whatever the batches' cuts, the output holds every row in order, each part where its reference was."""
+    def read(part: int) -> Any:
         yield _packed([10_000 * part + 1])
         yield _packed([10_000 * part + 2])
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(reads, "_read_chunk", read_chunk)
+        m.setattr(reads, "_read", read)
         got = _what(list(reads.resolve(iter([_packed(b) for b in batches]))))
     expected = [x for b in batches for t in b for x in ([10_000 * -t + 1, 10_000 * -t + 2] if t < 0 else [t])]
     assert got == expected
 
 
-def test_a_failed_chunk_read_is_the_sources_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The writer's own errors are the sink's; a chunk it reads fails as the source's part."""
-    def read_chunk(part: int) -> Any:
+def test_a_failed_read_is_the_sources_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's own errors are the sink's; a window or chunk it reads fails as the source's part."""
+    def read(part: int) -> Any:
         raise psycopg.OperationalError("gone")
         yield  # (a generator)
 
-    monkeypatch.setattr(reads, "_read_chunk", read_chunk)
+    monkeypatch.setattr(reads, "_read", read)
     with pytest.raises(Carried) as raised, carried("sink"):
         list(reads.resolve(iter([_packed([1, -1])])))
     got = carried_in(str(raised.value))
@@ -71,6 +72,15 @@ def test_sinks_that_take_the_rows_as_read_are_the_ones_that_may_get_references()
     assert Sink().takes_rows_as_read  # several sinks: side by side in the one task (sinks.fan_out)
     assert sink_of("postgresql://h/db").takes_rows_as_read
     assert not sink_of("delta:///tmp/x").takes_rows_as_read  # split before a shuffle: rows needed there
+
+
+def _rows(packed: list[Any]) -> list[dict[str, Any]]:
+    """The rows of packed record batches, as dicts; a progress row without who read it, and when."""
+    out = [r for p in packed for rb in ch.unpack(p) for r in rb.to_pylist()]
+    for r in out:
+        if r["op"] == ch.PROGRESS:
+            r["meta"] = dataclasses.replace(ch.Progress.from_meta(r["meta"]), read=None)
+    return out
 
 
 def test_a_chunk_read_by_reference_gives_the_rows_a_reader_task_gives(dbs: Dbs) -> None:
@@ -88,15 +98,41 @@ def test_a_chunk_read_by_reference_gives_the_rows_a_reader_task_gives(dbs: Dbs) 
 
     direct = list(reads.read_partition(reads.GroupPartition([part(False)])))
     referred = list(reads.read_partition(reads.GroupPartition([part(True)])))
-    assert [rb.column("rows").to_pylist() for rb in referred[:1]] == [[reads.CHUNK_REFERENCE]]
+    assert [rb.column("rows").to_pylist() for rb in referred[:1]] == [[reads.REFERENCE]]
 
-    def rows(packed: list[Any]) -> list[dict[str, Any]]:
-        out = [r for p in packed for rb in ch.unpack(p) for r in rb.to_pylist()]
-        for r in out:
-            if r["op"] == ch.PROGRESS:  # who read it, and when, differ
-                r["meta"] = dataclasses.replace(ch.Progress.from_meta(r["meta"]), read=None)
-        return out
-
-    got, want = rows(list(reads.resolve(iter(referred)))), rows(direct)
+    got, want = _rows(list(reads.resolve(iter(referred)))), _rows(direct)
     assert len([r for r in want if r["op"] == "r"]) == 2400
+    assert got == want
+
+
+def test_a_window_read_by_reference_gives_the_rows_a_reader_task_gives(dbs: Dbs) -> None:
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE w (id int PRIMARY KEY, v text)")
+        c.execute("CREATE PUBLICATION w_pub FOR TABLE w")
+        c.execute("SELECT pg_create_logical_replication_slot('w_slot', 'pgoutput')")
+
+        def insert_lsn() -> Lsn:
+            row = c.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            assert row is not None
+            return Lsn.parse(row[0])
+
+        start = insert_lsn()
+        c.execute("INSERT INTO w SELECT g, md5(g::text) FROM generate_series(1, 3000) g")
+        with c.transaction():
+            c.execute("UPDATE w SET v = E'a\\tb\\n' WHERE id % 3 = 0")
+            c.execute("DELETE FROM w WHERE id % 7 = 0")
+        end = insert_lsn()
+    node = SourceNode("default", dbs.source, "w_slot", "w_pub")
+
+    def part(by_reference: bool) -> reads.WindowPartition:
+        p = reads.WindowPartition(node, Offset({"default": start}, 1), Offset({"default": end}, 2), 1000, False)
+        p.by_reference = by_reference
+        return p
+
+    direct = list(reads.read_partition(part(False)))  # (a peek: the slot is not moved past `start`)
+    referred = list(reads.read_partition(part(True)))
+    assert [rb.column("rows").to_pylist() for rb in referred[:1]] == [[reads.REFERENCE]]
+    got, want = _rows(list(reads.resolve(iter(referred)))), _rows(direct)
+    ops = [r["op"] for r in want]
+    assert (ops.count("c"), ops.count("u"), ops.count("d"), ops.count(ch.PROGRESS)) == (3000, 1000, 428, 1)
     assert got == want
