@@ -44,7 +44,7 @@ def _what(packed: list[Any]) -> list[int]:
 def test_each_reference_is_replaced_by_what_it_stands_for_in_its_place(batches: list[list[int]]) -> None:
     """Tag -k stands for part k, which reads as the rows 10000k+1 and 10000k+2 (two packed batches):
     whatever the batches' cuts, the output holds every row in order, each part where its reference was."""
-    def read(part: int) -> Any:
+    def read(part: int, sources: reads.Sources) -> Any:
         yield _packed([10_000 * part + 1])
         yield _packed([10_000 * part + 2])
 
@@ -57,7 +57,7 @@ def test_each_reference_is_replaced_by_what_it_stands_for_in_its_place(batches: 
 
 def test_a_failed_read_is_the_sources_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """The writer's own errors are the sink's; a window or chunk it reads fails as the source's part."""
-    def read(part: int) -> Any:
+    def read(part: int, sources: reads.Sources) -> Any:
         raise psycopg.OperationalError("gone")
         yield  # (a generator)
 
@@ -136,3 +136,38 @@ def test_a_window_read_by_reference_gives_the_rows_a_reader_task_gives(dbs: Dbs)
     ops = [r["op"] for r in want]
     assert (ops.count("c"), ops.count("u"), ops.count("d"), ops.count(ch.PROGRESS)) == (3000, 1000, 428, 1)
     assert got == want
+
+
+def test_the_chunks_one_task_reads_share_a_source_connection(dbs: Dbs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read one after the other, by a reader task or by the writer, a batch's chunks share one
+    connection (each in its own snapshot), closed when the task's read ends."""
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE s (id int PRIMARY KEY, v text)")
+        c.execute("INSERT INTO s SELECT g, md5(g::text) FROM generate_series(1, 900) g")
+    node = SourceNode("default", dbs.source, "no_such_slot", "no_such_publication")
+    start, end = Offset({"default": Lsn(16)}, 1), Offset({"default": Lsn(32)}, 2)
+    opened: list[Any] = []
+
+    def counted(uri: str, role: str, **kw: Any) -> Any:
+        opened.append(reads_connect(uri, role, **kw))
+        return opened[-1]
+
+    reads_connect = reads.connect
+    monkeypatch.setattr(reads, "connect", counted)
+
+    def group(by_reference: bool) -> reads.GroupPartition:
+        parts = [reads.ChunkPartition(node, snapshot.Chunk(i, "public.s", [300 * i] if i else None,
+                                                           [300 * (i + 1)] if i < 2 else None), start, end, 1000, False)
+                 for i in range(3)]
+        for p in parts:
+            p.by_reference = by_reference
+        return reads.GroupPartition(parts)
+
+    direct = _rows(list(reads.read_partition(group(False))))
+    assert len(opened) == 1 and opened[0].closed
+    referred = list(reads.read_partition(group(True)))
+    assert len(opened) == 1  # (references: nothing read yet)
+    got = _rows(list(reads.resolve(iter(referred))))
+    assert len(opened) == 2 and opened[1].closed
+    assert got == direct and len([r for r in got if r["op"] == "r"]) == 900
+    assert [r["meta"].chunk["no"] for r in got if r["op"] == ch.PROGRESS] == [0, 1, 2]

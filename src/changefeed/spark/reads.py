@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
 
+import psycopg
 from pyspark import TaskContext
 from pyspark.sql.datasource import InputPartition
 
@@ -100,22 +101,48 @@ class GroupPartition(InputPartition):
         self.parts = parts
 
 
+class Sources:
+    """The source connections that the snapshot chunks one task reads, one after the other, share
+    (each chunk in a transaction of its own): a connection per chunk costs a server backend and an
+    authentication, about a quarter of a 50,000-row chunk's read (bench/README.md). Closed with
+    the task's read."""
+
+    def __init__(self) -> None:
+        self._conns: dict[tuple[str, str], Any] = {}
+
+    def __enter__(self) -> "Sources":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for conn in self._conns.values():
+            conn.close()
+
+    def conn(self, uri: str, role: str) -> Any:
+        """An autocommit connection to `uri`, idle: the one the last chunk used, or a new one."""
+        conn = self._conns.get((uri, role))
+        if conn is None or conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            if conn is not None:
+                conn.close()
+            conn = self._conns[(uri, role)] = connect(uri, role)
+        return conn
+
+
 def read_partition(partition: InputPartition) -> Iterator[Any]:
     """The packed rows of a batch's input partition (ChangeStreamReader.read)."""
-    with carried("source"):
+    with carried("source"), Sources() as sources:
         for part in partition.parts if isinstance(partition, GroupPartition) else [partition]:
             assert isinstance(part, BatchPartition)
             if part.by_reference:
                 yield _reference(part)
                 yield from push_through()
             else:
-                yield from _read(part)
+                yield from _read(part, sources)
 
 
-def _read(part: BatchPartition) -> Iterator[Any]:
+def _read(part: BatchPartition, sources: Sources) -> Iterator[Any]:
     """The packed rows of a window or a chunk."""
     if isinstance(part, ChunkPartition):
-        return _read_chunk(part)
+        return _read_chunk(part, sources)
     assert isinstance(part, WindowPartition)
     return _read_window(part)
 
@@ -219,25 +246,27 @@ def resolve(packed: Iterator[Any]) -> Iterator[Any]:
     tried again reads them again, as a reader task would."""
     import numpy as np
 
-    for batch in packed:
-        at = 0
-        for i in np.flatnonzero(batch.column("rows").to_numpy() == REFERENCE).tolist():
-            if i > at:
-                yield batch.slice(at, i - at)
-            with carried("source"):
-                yield from _read(pickle.loads(batch.column("changes")[i].as_py()))
-            at = i + 1
-        if at < batch.num_rows:
-            yield batch.slice(at) if at else batch
+    with Sources() as sources:
+        for batch in packed:
+            at = 0
+            for i in np.flatnonzero(batch.column("rows").to_numpy() == REFERENCE).tolist():
+                if i > at:
+                    yield batch.slice(at, i - at)
+                with carried("source"):
+                    yield from _read(pickle.loads(batch.column("changes")[i].as_py()), sources)
+                at = i + 1
+            if at < batch.num_rows:
+                yield batch.slice(at) if at else batch
 
 
-def _read_chunk(part: ChunkPartition) -> Iterator[Any]:
+def _read_chunk(part: ChunkPartition, sources: Sources) -> Iterator[Any]:
     """A snapshot chunk's rows, then a `P` row naming the chunk (the sink records it)."""
     chunk, node, began = part.chunk, part.node, time.time()
     role = node_role(node.name, part.positions is not None)
     table = snapshot.node_of(chunk.table, node.name)[1]
     cut = snap_pg.Cut((node.slot, node.lag_slot), node.publication, part.end_lsn)
-    with connect(node.uri, role) as conn, lost_connection(role):
+    with lost_connection(role):
+        conn = sources.conn(node.uri, role)
         found = snap_pg.ChunkRead()
         # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
         for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
