@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from changefeed.core.envelope import FORMATS
-from changefeed.core.snapshot import MAX_AUTO_CHUNKS, PARALLEL_CHUNKS
+from changefeed.core.snapshot import MAX_AUTO_CHUNKS, PACED_BATCH_S, PARALLEL_CHUNKS
 from changefeed.errors import UNEXPECTED_EXIT, ChangefeedError, ConfigError, unexpected
-from changefeed.sinks.registry import validated
+from changefeed.sinks.registry import sink_named, validated
 from changefeed.spark.connect import DEFAULT_PORT
 from changefeed.spec.column_lists import parse_columns
 from changefeed.spec.definition import (
@@ -458,7 +458,9 @@ def _definition_args(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--snapshot-chunks-per-batch", type=int,
                      help="snapshot chunks per batch, each read by a Spark task of its own with parallel reads "
                           f"(default {DEFAULT_CHUNKS_PER_BATCH}: auto, {PARALLEL_CHUNKS} with parallel reads, else "
-                          f"as many as --max-bytes-per-batch holds at the table's row size, at most {MAX_AUTO_CHUNKS})")
+                          "as many as --max-bytes-per-batch holds at the table's row size (into a replica, "
+                          f"{sink_named('replica').snapshot_budget} times that), at most {MAX_AUTO_CHUNKS} (times as "
+                          f"many); under --snapshot-rate, no more than it reads in {PACED_BATCH_S:g} s)")
     cmd.add_argument("--snapshot-reads", choices=SNAPSHOT_READS,
                      help="how a batch's snapshot chunks are read: parallel (a Spark task each, shuffled to the "
                           "writer), sequential (by the writer's task, one after the other, no shuffle) or auto "

@@ -9,7 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from changefeed.core.requests import SnapshotRequests
-from changefeed.core.snapshot import MAX_AUTO_CHUNKS, PARALLEL_CHUNKS, Chunk, Cursor, auto_chunks
+from changefeed.core.snapshot import (
+    MAX_AUTO_CHUNKS,
+    PACED_BATCH_S,
+    PARALLEL_CHUNKS,
+    Chunk,
+    Cursor,
+    auto_chunks,
+)
 
 
 def boundary_over(tables: dict[str, list[int]]):  # type: ignore[no-untyped-def]
@@ -144,23 +151,38 @@ def test_a_request_file_keeps_the_positions_it_waits_for(tmp_path: Path) -> None
     assert got.after == (("source", 1234),) and not got.due({"source": 1233}) and got.due({"source": 1234})
 
 
-@given(st.booleans(), st.integers(0, 1 << 32), st.integers(1, 10**6), st.one_of(st.none(), st.floats(-1, 1e6)))
+@given(st.booleans(), st.integers(0, 1 << 32), st.integers(1, 10**6), st.one_of(st.none(), st.floats(-1, 1e6)),
+       st.integers(1, 4), st.sampled_from([0, 1, 1000, 10**5, 10**7]), st.sampled_from([0, 1, 10**6, 10**9]))
 def test_auto_chunks_fill_a_batch_by_bytes_when_one_task_reads(parallel: bool, max_bytes: int, rows: int,
-                                                               row_bytes: float | None) -> None:
+                                                               row_bytes: float | None, budget: int, rate_rows: int,
+                                                               rate_bytes: int) -> None:
     """--snapshot-chunks-per-batch 0: the read's parallelism with parallel reads or an unknown row
-    size; else as many chunks as the byte budget holds, at least one, at most MAX_AUTO_CHUNKS."""
-    got = auto_chunks(parallel, max_bytes, rows, row_bytes)
-    if parallel or not max_bytes or not row_bytes or row_bytes <= 0:
-        assert got == PARALLEL_CHUNKS
+    size; else as many chunks as the sink's budget of bytes holds, at least one, at most
+    MAX_AUTO_CHUNKS per unit of budget; under a --snapshot-rate, no more than it reads in
+    PACED_BATCH_S (still at least one)."""
+    got = auto_chunks(parallel, max_bytes, rows, row_bytes, budget, rate_rows, rate_bytes)
+    sized = bool(row_bytes and row_bytes > 0)
+    paced = [c for c in (rate_rows * PACED_BATCH_S / rows if rate_rows else None,
+                         rate_bytes * PACED_BATCH_S / (rows * row_bytes) if rate_bytes and sized else None)
+             if c is not None]  # (chunks each rate allows a batch)
+    assert 1 <= got
+    assert got == 1 or all(got <= c * (1 + 1e-9) for c in paced)
+    if parallel or not max_bytes or not sized:
+        assert got == PARALLEL_CHUNKS or paced and got == max(1, int(min(paced)))
         return
-    assert 1 <= got <= MAX_AUTO_CHUNKS
-    fits = got * rows * row_bytes <= max_bytes * (1 + 1e-9)  # (as floating point divides)
-    assert got == 1 or fits
-    assert got == MAX_AUTO_CHUNKS or max_bytes < (got + 1) * rows * row_bytes * (1 + 1e-9)
+    assert got <= MAX_AUTO_CHUNKS * budget
+    assert got == 1 or got * rows * row_bytes <= budget * max_bytes * (1 + 1e-9)  # (as floating point divides)
+    full = got + 1 > MAX_AUTO_CHUNKS * budget or budget * max_bytes < (got + 1) * rows * row_bytes * (1 + 1e-9)
+    assert full or any(got + 1 > c * (1 - 1e-9) for c in paced)  # what it leaves out, a rate left out
 
 
 def test_auto_chunks_of_the_benchmark_table() -> None:
     """snap_t of bench/snapshot_throughput.py: ~136 bytes per row on disk, 50,000-row chunks, 64 MB."""
     assert auto_chunks(False, 64 << 20, 50_000, 136.0) == 9
+    assert auto_chunks(False, 64 << 20, 50_000, 136.0, budget=4) == 39  # a replica's
     assert auto_chunks(False, 64 << 20, 50_000, 5_000.0) == 1  # wide rows: one chunk (250 MB) a batch
     assert auto_chunks(False, 64 << 20, 100, 50.0) == MAX_AUTO_CHUNKS
+    assert auto_chunks(False, 64 << 20, 100, 50.0, budget=4) == 4 * MAX_AUTO_CHUNKS
+    assert auto_chunks(False, 64 << 20, 50_000, 136.0, budget=4, rate_rows=100_000) == 4  # 2 s of the rate
+    assert auto_chunks(True, 64 << 20, 50_000, None, rate_rows=5_000) == 1  # (a chunk takes 10 s: one a batch)
+    assert auto_chunks(False, 64 << 20, 50_000, 136.0, budget=4, rate_bytes=20 << 20) == 6

@@ -15,6 +15,7 @@ from test_replica import SCHEMA, TABLES, workload
 from changefeed.control.runner import run
 from changefeed.core.snapshot import MAX_AUTO_CHUNKS, auto_chunks
 from changefeed.postgres import snapshot as snap_pg
+from changefeed.sinks.replica import ReplicaSink
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 from conftest import Dbs, changefeed_cli, fingerprint, killed_by_fault, start_changefeed, wait_for, writing
@@ -52,14 +53,16 @@ def test_existing_rows_of_every_type_arrive_by_snapshot(dbs: Dbs, tmp_path: Path
 def test_by_default_a_batch_read_in_one_task_carries_what_max_bytes_per_batch_holds(dbs: Dbs, tmp_path: Path,
                                                                                       spark: object) -> None:
     """--snapshot-chunks-per-batch auto, chunks read by the writer's task (local[2]: sequential):
-    a batch carries as many chunks as --max-bytes-per-batch holds at the table's bytes per row."""
+    a batch carries as many chunks as the replica's budget (a few times --max-bytes-per-batch)
+    holds at the table's bytes per row."""
     with dbs.src() as c:
         c.execute("CREATE TABLE items (id bigint PRIMARY KEY, v text, n int)")
         c.execute("INSERT INTO items SELECT g, md5(g::text), 0 FROM generate_series(1, 20000) g")
         c.execute("ANALYZE items")
         per_row = snap_pg.row_bytes(c, "public.items")
-    budget = 256 << 10
-    expected = auto_chunks(False, budget, 500, per_row)
+    budget = 64 << 10
+    expected = auto_chunks(False, budget, 500, per_row, ReplicaSink.snapshot_budget)
+    assert ReplicaSink.snapshot_budget > 1 and expected > auto_chunks(False, budget, 500, per_row)
     assert 1 < expected < MAX_AUTO_CHUNKS, (per_row, expected)  # (the table's size sets it)
     spec = FeedSpec(dbs.name, dbs.source, dbs.sink, ("public.items",), snapshot_chunk_rows=500,
                     max_bytes_per_batch=budget, snapshot="only").validate()

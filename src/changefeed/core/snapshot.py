@@ -27,10 +27,12 @@ from changefeed.core.nodes import classic
 
 Key = list[str]
 # --snapshot-chunks-per-batch 0 (auto): chunks a batch read in parallel tasks carries (one task
-# each), and the most a batch read in one task carries (each is a savepoint on a replica, whose
-# batch may hold 48: sinks.replica.insert_run).
+# each); read in one task, as many as --max-bytes-per-batch holds, times the sink's budget
+# (sinks.base.Sink.snapshot_budget), at most MAX_AUTO_CHUNKS times that; under --snapshot-rate,
+# no more than the rate reads in PACED_BATCH_S (the changes made meanwhile wait for the batch).
 PARALLEL_CHUNKS = 4
 MAX_AUTO_CHUNKS = 16
+PACED_BATCH_S = 2.0
 # (table, exclusive lower key or None, rows, last key or None) -> the key closing a chunk of that
 # many rows up to the last key, or None when fewer rows remain (the chunk runs to the last key, or
 # without one to the table's end)
@@ -157,15 +159,24 @@ class Cursor:
         return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else (), upto)
 
 
-def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: float | None) -> int:
+def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: float | None, budget: int = 1,
+                rate_rows: int = 0, rate_bytes: int = 0) -> int:
     """How many chunks a batch carries under --snapshot-chunks-per-batch 0 (auto). Read in
     parallel tasks, PARALLEL_CHUNKS: the read's parallelism. Read one after the other by one task,
-    as many as --max-bytes-per-batch holds at the table's bytes per row (`row_bytes`, None if not
-    known), 1 to MAX_AUTO_CHUNKS: Spark's cycle between two batches costs about as much as a
-    small batch's rows at COPY speed, and larger batches spread it (bench/README.md)."""
+    as many as `budget` times --max-bytes-per-batch holds at the table's bytes per row
+    (`row_bytes`, None if not known), 1 to `budget` times MAX_AUTO_CHUNKS: Spark's cycle between
+    two batches costs a good part of a small batch's time at COPY speed, and larger batches
+    spread it (bench/README.md). Either way, at --snapshot-rate `rate_rows` rows or `rate_bytes`
+    bytes per second (0: none), no more than it reads in PACED_BATCH_S, at least one."""
     if parallel or not max_bytes or not row_bytes or row_bytes <= 0:
-        return PARALLEL_CHUNKS
-    return max(1, int(min(MAX_AUTO_CHUNKS, max_bytes / (chunk_rows * row_bytes))))
+        n = PARALLEL_CHUNKS
+    else:
+        n = int(budget * min(MAX_AUTO_CHUNKS, max_bytes / (chunk_rows * row_bytes)))
+    if rate_rows:
+        n = min(n, int(rate_rows * PACED_BATCH_S / chunk_rows))
+    if rate_bytes and row_bytes and row_bytes > 0:
+        n = min(n, int(rate_bytes * PACED_BATCH_S / (chunk_rows * row_bytes)))
+    return max(1, n)
 
 
 def held_back(rows: Any, tables: frozenset[str]) -> Any:

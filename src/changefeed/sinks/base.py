@@ -50,6 +50,10 @@ class Sink:
     messages = False  # delivers formatted messages (--format), not rows
     parallel_reads = False  # the arrival order of a batch's input partitions at its writer does not matter
     in_parts = False  # a batch shows at its destination in parts before it is recorded (spark.checkpoint.resume)
+    # --snapshot-chunks-per-batch auto, chunks read in one task: how many times --max-bytes-per-batch
+    # of rows a batch carries (core.snapshot.auto_chunks). More where the writer applies the rows
+    # as they stream, holding neither them nor a transaction that times out.
+    snapshot_budget = 1
 
     def validate(self, uri: str) -> None:
         """Check the URI and its options without connecting (ConfigError)."""

@@ -9,7 +9,7 @@ from typing import Any
 from changefeed.core import followed
 from changefeed.core.offsets import Offset
 from changefeed.sinks.base import Sink, task_slots
-from changefeed.sinks.registry import sink_of
+from changefeed.sinks.registry import sink_of, sinks_of
 from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
@@ -98,6 +98,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
               .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
+              .option("snapshot_budget", str(min(sink.snapshot_budget for _, _, sink in sinks_of(spec))))
               .option("requests_dir", str(state.requests))
               .option("barrier_file", str(state.barrier_file))
               .option("joining_file", str(state.joining_file))

@@ -45,6 +45,7 @@ from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
+from changefeed.spark.boundaries_ahead import BoundariesAhead
 from changefeed.spark.checkpoint import record_start, recorded_start, replay_ends
 from changefeed.spark.follow import FollowPartition, Wanted, read_followed
 from changefeed.spark.rates import Rates
@@ -66,8 +67,9 @@ except ImportError:  # pragma: no cover
 class ChangefeedSource(DataSource):
     """Options: nodes (JSON list of [name, uri, slot, publication]), feed, max_bytes_per_batch,
     max_changes_per_batch, resolved_interval_s, snapshot_tables (read first on a fresh checkpoint),
-    snapshot_chunk_rows, snapshot_chunks_per_batch, requests_dir (an older changefeed's snapshot
-    request files, taken in by postgres.requests), barrier_file (see core.barrier), joining_file
+    snapshot_chunk_rows, snapshot_chunks_per_batch, snapshot_budget (the sinks', for auto:
+    core.snapshot.auto_chunks), requests_dir (an older changefeed's snapshot request files,
+    taken in by postgres.requests), barrier_file (see core.barrier), joining_file
     (nodes being added, see postgres/cut.py), wal_reader (peek or stream, see
     postgres/wal_reader.py), parallel_reads ("false": a batch's partitions are read by one task,
     as one GroupPartition), read_in_writer ("true": the sink's writer takes the rows as they are
@@ -115,6 +117,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)  # 0: auto
+        self.snapshot_budget = int(options.get("snapshot_budget") or 1)  # (sinks.base.Sink.snapshot_budget)
         self._row_bytes: dict[tuple[str, str], float | None] = {}  # (node, table) -> bytes per row, for auto
         first = next(iter(self.nodes))  # the feed's snapshot requests are on its first node
         self.requests = SourceRequests(lambda: self.conn(first), self.feed, options.get("requests_dir") or None)
@@ -128,6 +131,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.follow_end = Path(options["follow_end"]) if options.get("follow_end") else None
         self.follow_sink: dict[str, str] | None = json.loads(options.get("follow_sink") or "null")
         self._tables: dict[tuple[str, str], src.SourceTable] = {}
+        self._ahead = BoundariesAhead(self._boundary_on, lambda n: connect(self.nodes[n].uri, self._role(n)),
+                                      lambda entry: snapshot.node_of(entry, DEFAULT_NODE)[0])
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
         self._marks: dict[str, slots.RestartMark] = {}  # per node (postgres.slots.RestartMark)
@@ -219,10 +224,20 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _boundary_key(self, entry: str, after: snapshot.Key | None, rows: int,
                       upto: snapshot.Key | None) -> snapshot.Key | None:
+        found, key = self._ahead.take(entry, after, rows, upto)
+        if found:
+            return key
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         with self._on(node):
             return snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows, upto,
                                           self.row_filters.get(table))
+
+    def _boundary_on(self, conn: Any, entry: str, after: snapshot.Key | None, rows: int,
+                     upto: snapshot.Key | None) -> snapshot.Key | None:
+        """_boundary_key on `conn` (BoundariesAhead's thread), for a table described already."""
+        node, table = snapshot.node_of(entry, DEFAULT_NODE)
+        return snap_pg.chunk_boundary(conn, self._tables[(node, table)], after, rows, upto,
+                                      self.row_filters.get(table))
 
     def _last_key(self, entry: str) -> snapshot.Key | None:
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
@@ -254,19 +269,38 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if not r.due(start.lsns):
                 break  # a row filter changed past this batch's start: the batch after that takes it in
             cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only)
-        return cursor.plan(self._boundary_key, self.chunks_per_batch or self._auto_chunks, self.chunk_rows,
-                           self._keyless, self._last_key)
+        chunks, after = cursor.plan(self._boundary_key, self.chunks_per_batch or self._auto_chunks, self.chunk_rows,
+                                    self._keyless, self._last_key)
+        if chunks:  # the next batch's boundaries, found while this one is applied (spark.boundaries_ahead)
+            self._ahead.start(after, self._known_chunks, self.chunk_rows, self._known_keyless)
+        return chunks, after
 
     def _auto_chunks(self, entry: str) -> int:
         """--snapshot-chunks-per-batch auto (core.snapshot.auto_chunks): a batch's chunks of the table `entry`."""
         size = None
-        if not self.parallel_reads:
+        if self._sized():
             node, table = snapshot.node_of(entry, DEFAULT_NODE)
             if (node, table) not in self._row_bytes:
                 with self._on(node):
                     self._row_bytes[(node, table)] = snap_pg.row_bytes(self.conn(node), table)
             size = self._row_bytes[(node, table)]
-        return snapshot.auto_chunks(self.parallel_reads, self.max_bytes, self.chunk_rows, size)
+        return snapshot.auto_chunks(self.parallel_reads, self.max_bytes, self.chunk_rows, size, self.snapshot_budget,
+                                    self.rates.rows, self.rates.bytes)
+
+    def _known_chunks(self, entry: str) -> int | None:
+        """A batch's chunks of the table `entry`, as planned, where that asks the source nothing (else None)."""
+        if not self.chunks_per_batch and self._sized() and snapshot.node_of(entry, DEFAULT_NODE) not in self._row_bytes:
+            return None
+        return self.chunks_per_batch or self._auto_chunks(entry)
+
+    def _sized(self) -> bool:
+        """Whether auto_chunks needs a table's bytes per row: read in one task, or under a --snapshot-rate in bytes."""
+        return not self.parallel_reads or bool(self.rates.bytes)
+
+    def _known_keyless(self, entry: str) -> bool | None:
+        """_keyless of a table described already (None: not yet)."""
+        table = self._tables.get(snapshot.node_of(entry, DEFAULT_NODE))
+        return None if table is None else not table.key
 
     def _keyless(self, entry: str) -> bool:
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
@@ -455,6 +489,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 self._released[name] = lsn
 
     def stop(self) -> None:
+        self._ahead.close()
         for conn in self._conns.values():
             conn.close()
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class ReplicaSink(Sink):
     name = "replica"
     parallel_reads = True
+    snapshot_budget = 4  # a chunk streams into one COPY in pieces (replica.insert_run); see bench/README.md
 
     def resumable(self, uri: str) -> bool:
         return True  # its ledger commits with each batch, and it has a fence
