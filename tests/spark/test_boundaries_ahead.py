@@ -100,6 +100,23 @@ def test_what_the_planner_does_not_know_yet_stops_the_thread() -> None:
     found.close()
 
 
+def test_its_connections_close_once_the_snapshot_is_planned_to_its_end() -> None:
+    table = Table({"public.a": 100})
+    conns: list[Any] = []
+
+    def connect(node: str) -> Any:
+        conns.append(SimpleNamespace(closed=False))
+        conns[-1].close = lambda c=conns[-1]: setattr(c, "closed", True)
+        return conns[-1]
+
+    found = BoundariesAhead(lambda conn, *q: table.boundary(*q), connect, lambda e: "n")
+    found.start(snapshot.Cursor(pending=("public.a",), after=["20"], upto=["100"]), lambda e: 2, 20, lambda e: False)
+    assert found.take("public.a", ["20"], 20, ["100"]) == (True, ["40"])
+    assert len(conns) == 1 and not conns[0].closed  # (kept for the next batch)
+    found.start(snapshot.Cursor(), lambda e: 2, 20, lambda e: False)  # nothing left to plan
+    assert conns[0].closed
+
+
 def test_a_failing_scan_leaves_the_planner_to_scan() -> None:
     def fails(conn: Any, *q: Any) -> Key | None:
         raise OSError("the server went away")

@@ -61,7 +61,10 @@ class BoundariesAhead:
         if self._thread is not None:
             self._thread.join()
         self._found = {}
-        if not cursor.pending or cursor.after is None:
+        if not cursor.pending:
+            self.close()  # (the snapshot is done: no connection kept for it)
+            return
+        if cursor.after is None:
             return  # (the next chunk starts a table: its end is the planner's to find)
         self._thread = threading.Thread(target=self._plan, args=(cursor, chunks, rows, alone), daemon=True,
                                         name="changefeed-boundaries-ahead")
