@@ -86,6 +86,25 @@ def test_the_thread_answers_the_next_batch_and_stops_where_a_table_s_end_must_be
     found.close()
 
 
+def test_a_batch_planned_again_from_the_same_cursor_scans_nothing_again() -> None:
+    """(A batch not started, --max-rate held it back, is planned again at the next poll.)"""
+    table = Table({"public.a": 1000})
+    found = BoundariesAhead(lambda conn, *q: table.boundary(*q), _conn, lambda e: "n")
+
+    def boundary(entry: str, after: Key | None, n: int, upto: Key | None) -> Key | None:
+        ok, key = found.take(entry, after, n, upto)
+        if not ok:
+            key = table.boundary(entry, after, n, upto)
+            found.keep(entry, after, n, upto, key)
+        return key
+
+    cursor = snapshot.Cursor(pending=("public.a",), after=["100"], upto=["1000"])
+    first = cursor.plan(boundary, 3, 50, last=table.last)
+    assert len(table.asked) == 3
+    assert cursor.plan(boundary, 3, 50, last=table.last) == first and len(table.asked) == 3
+    found.close()
+
+
 def test_what_the_planner_does_not_know_yet_stops_the_thread() -> None:
     table = Table({"public.a": 100})
     found = BoundariesAhead(lambda conn, *q: table.boundary(*q), _conn, lambda e: "n")

@@ -7,9 +7,10 @@ when it is read, and the stream brings what changes later), so the keys the next
 will ask for can be found while this batch is applied: a thread plans the next batch from the
 cursor after this one, on connections of its own, and keeps the keys it found. The planner takes
 a key from here only for exactly the question it asks (table, lower key, rows, upper key, row
-filter); for anything else it scans itself, as before. The thread never looks up where a table's
-read ends (that must be seen when its first chunk is planned) nor anything not known yet: its
-plan stops there, and the planner does the rest.
+filter); for anything else it scans itself, and keeps its own answers here too, so that a batch
+planned again from the same cursor (one not started: --max-rate held it back) scans nothing
+again. The thread never looks up where a table's read ends (that must be seen when its first
+chunk is planned) nor anything not known yet: its plan stops there, and the planner does the rest.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from changefeed.core.snapshot import Key
 # ending a chunk of that many rows, or None (core.snapshot.Boundary, with a connection)
 Find = Callable[[Any, str, Key | None, int, Key | None], Key | None]
 CLOSE_WAIT_S = 5.0
+KEPT = 4096  # answers kept at most (then forgotten all at once: any of them stays a correct boundary)
 _Question = tuple[str, tuple[str, ...] | None, int, tuple[str, ...] | None]
 
 
@@ -54,13 +56,18 @@ class BoundariesAhead:
         q = _question(entry, after, rows, upto)
         return (True, self._found[q]) if q in self._found else (False, None)
 
+    def keep(self, entry: str, after: Key | None, rows: int, upto: Key | None, key: Key | None) -> None:
+        """The planner's own answer to a question (asked again if its batch is planned again)."""
+        self._found[_question(entry, after, rows, upto)] = key
+
     def start(self, cursor: snapshot.Cursor, chunks: Callable[[str], int | None], rows: int,
               alone: Callable[[str], bool | None]) -> None:
         """Plan the batch after the one that leaves `cursor` in a thread, keeping its boundaries.
         `chunks` and `alone` answer from what the planner knows already, None where it does not."""
         if self._thread is not None:
             self._thread.join()
-        self._found = {}
+        if len(self._found) > KEPT:
+            self._found = {}
         if not cursor.pending:
             self.close()  # (the snapshot is done: no connection kept for it)
             return

@@ -229,8 +229,10 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return key
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         with self._on(node):
-            return snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows, upto,
-                                          self.row_filters.get(table))
+            key = snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows, upto,
+                                         self.row_filters.get(table))
+        self._ahead.keep(entry, after, rows, upto, key)
+        return key
 
     def _boundary_on(self, conn: Any, entry: str, after: snapshot.Key | None, rows: int,
                      upto: snapshot.Key | None) -> snapshot.Key | None:
