@@ -6,8 +6,8 @@ Any key inside the table's range ends a chunk correctly (a chunk reads what its 
 when it is read, and the stream brings what changes later), so the keys the next batch's plan
 will ask for can be found while this batch is applied: a thread plans the next batch from the
 cursor after this one, on connections of its own, and keeps the keys it found. The planner takes
-a key from here only for exactly the question it asks (table, lower key, rows, upper key, row
-filter); for anything else it scans itself, and keeps its own answers here too, so that a batch
+a key from here only for exactly the question it asks (table, lower key, rows, upper key; the
+row filter is the query's own); for anything else it scans itself, and keeps its own answers here too, so that a batch
 planned again from the same cursor (one not started: --max-rate held it back) scans nothing
 again. The thread never looks up where a table's read ends (that must be seen when its first
 chunk is planned) nor anything not known yet: its plan stops there, and the planner does the rest.
