@@ -18,15 +18,19 @@ from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, one_row
 from changefeed.postgres.decode.builder import ChangeBuilder
 from changefeed.postgres.follow import FOLLOWED, Follower
+from changefeed.postgres.replication import BLOCK_MESSAGES
 from changefeed.spec.definition import SourceNode
 from conftest import Dbs, decoded
 
 pytestmark = pytest.mark.timeout(300)
+# The big transaction's rows: more messages than two blocks of the stream hold, so that it never
+# reaches the follower whole in one block (a 3,000-row one sometimes did, and went out in one piece).
+BIG = 2 * BLOCK_MESSAGES + 1000
 
 
 def _writer(uri: str, stop: threading.Event, big: list[int] | None = None) -> threading.Thread:
     """Small transactions every few ms (inserts, updates, deletes, a non-transactional message now
-    and then), and one of 3,000 rows, whose end the writer appends to `big`."""
+    and then), and one of BIG rows, whose end the writer appends to `big`."""
     def run() -> None:
         with psycopg.connect(uri, autocommit=True) as c:
             i = 0
@@ -41,7 +45,7 @@ def _writer(uri: str, stop: threading.Event, big: list[int] | None = None) -> th
                 if i % 13 == 0:
                     c.execute("SELECT pg_logical_emit_message(false, 'note', %s)", (str(i),))
                 if i == 40:
-                    c.execute("INSERT INTO t SELECT -g, 'big' FROM generate_series(1, 3000) g")
+                    c.execute("INSERT INTO t SELECT -g, 'big' FROM generate_series(1, %s) g", (BIG,))
                     if big is not None:
                         big.append(one_row(c.execute("SELECT pg_current_wal_insert_lsn() - '0/0'"))[0])
                 time.sleep(0.003)
@@ -90,7 +94,7 @@ def test_followed_sub_windows_chain_and_equal_one_window(dbs: Dbs) -> None:
         assert big and follower.position[0] > big[0], "the follower read past the big transaction"
         windows = _sub_windows(batches)
         assert len(windows) == follower.cuts > 1
-        assert len(batches) > len(windows), "the 3,000-row transaction came in parts"
+        assert len(batches) > len(windows), "the big transaction came in parts"
         lo, lo_ts = start, 0
         for rows in windows:
             p = ch.Progress.from_meta(rows[-1]["meta"])
