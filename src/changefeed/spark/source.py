@@ -229,14 +229,15 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return key
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         with self._on(node):
-            key = snap_pg.chunk_boundary(self.conn(node), self._described(node, table), after, rows, upto,
-                                         self.row_filters.get(table))
+            self._described(node, table)
+            key = self._boundary_on(self.conn(node), entry, after, rows, upto)
         self._ahead.keep(entry, after, rows, upto, key)
         return key
 
     def _boundary_on(self, conn: Any, entry: str, after: snapshot.Key | None, rows: int,
                      upto: snapshot.Key | None) -> snapshot.Key | None:
-        """_boundary_key on `conn` (BoundariesAhead's thread), for a table described already."""
+        """The key ending a chunk (postgres.snapshot.chunk_boundary) on `conn`, the planner's or
+        BoundariesAhead's thread's, of a table described already."""
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         return snap_pg.chunk_boundary(conn, self._tables[(node, table)], after, rows, upto,
                                       self.row_filters.get(table))
