@@ -82,13 +82,19 @@ def _inserts(batches: list[Any]) -> int:
     return sum(rb.column("op").to_pylist().count("c") for rb in batches)
 
 
+@pytest.mark.parametrize("statement", ["MERGE", "upsert"])
 @pytest.mark.parametrize("run_rows, chunk_rows", [(100_000, 500), (40, 500), (40, 100_000)])
 def test_chunked_apply_equals_source_and_a_replay_changes_nothing(dbs: Dbs, run_rows: int, chunk_rows: int,
+                                                                   statement: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Also with short insert runs COPYed straight into the targets, before updates, a key change,
     an unchanged TOAST value, deletes and a TRUNCATE in the same batch; with one big chunk, these
-    share the insert runs' chunk, so the runs and the merges between them must keep stream order."""
+    share the insert runs' chunk, so the runs and the merges between them must keep stream order.
+    Merged by PostgreSQL's MERGE, and as on a replica older than PostgreSQL 15 (a DELETE and an
+    upsert)."""
     monkeypatch.setattr(replica, "INSERT_RUN_ROWS", run_rows)
+    if statement == "upsert":
+        monkeypatch.setattr(merge, "MERGE_VERSION", 10**9)
     batches, tables = _stream(dbs, chunk_rows)
     assert len(batches) > 5 if chunk_rows == 500 else len(batches) == 1
     _prepare_sink(dbs, tables)

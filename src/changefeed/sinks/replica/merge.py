@@ -118,34 +118,66 @@ def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool,
         after = sql.SQL("(_lsn, _seq) > ({}, {})").format(sql.Literal(row[0]), sql.Literal(row[1]))
     if has_unchanged:
         _resolve_unchanged(conn, part, target, stg)
-    cols = [ident(c) for c in part.columns]
     keys = [ident(k) for k in shape.key]
     old_keys = [ident(f"_ok_{i}") for i in range(len(shape.key))]
+    col_list = sql.SQL(", ").join(ident(c) for c in part.columns)
+    rows = sql.SQL("SELECT _lsn, _seq, 1 AS _sub, _op, {col_list} FROM {stg} WHERE _op <> 't' AND {after}").format(
+        col_list=col_list, stg=stg, after=after)
+    if has_key_change:  # the old key's delete, just before the update
+        rows = sql.SQL("{} UNION ALL SELECT _lsn, _seq, 0, 'd', {} FROM {} WHERE {} IS NOT NULL AND {}").format(
+            rows, sql.SQL(", ").join(sql.SQL("{} AS {}").format(old_keys[shape.key.index(c)], ident(c))
+                                     if c in shape.key else sql.SQL("NULL") for c in part.columns),
+            stg, old_keys[0], after)
+    statement = _merge_statement if conn.info.server_version >= MERGE_VERSION else _upsert_statement
+    conn.execute(statement(target, part, rows, keys))
+
+
+MERGE_VERSION = 150000  # PostgreSQL's MERGE; an older replica gets a DELETE and an upsert
+
+
+def _last(rows: sql.Composable, keys: list[sql.Identifier]) -> sql.Composed:
+    """Of `rows`, the last change per key."""
     key_list = sql.SQL(", ").join(keys)
-    col_list = sql.SQL(", ").join(cols)
-    non_key = [c for c in part.columns if c not in shape.key]
+    return sql.SQL("SELECT DISTINCT ON ({k}) * FROM ({rows}) r ORDER BY {k}, _lsn DESC, _seq DESC, _sub DESC").format(
+        k=key_list, rows=rows)
+
+
+def _merge_statement(target: sql.Identifier, part: Part, rows: sql.Composable,
+                     keys: list[sql.Identifier]) -> sql.Composed:
+    """One MERGE: each key's last change is joined to the target once, deleting, updating or
+    inserting in that one pass (cheaper than a DELETE join and an upsert's conflict check each)."""
+    non_key = [ident(c) for c in part.columns if c not in part.shape.key]
+    matched = sql.SQL("UPDATE SET {}").format(sql.SQL(", ").join(
+        sql.SQL("{0} = l.{0}").format(c) for c in non_key)) if non_key else sql.SQL("DO NOTHING")
+    cols = [ident(c) for c in part.columns]
+    return sql.SQL("""
+        MERGE INTO {target} t USING ({last}) l ON ({t_keys}) = ({l_keys})
+        WHEN MATCHED AND l._op = 'd' THEN DELETE
+        WHEN MATCHED THEN {matched}
+        WHEN NOT MATCHED AND l._op <> 'd' THEN INSERT ({col_list}) VALUES ({values})
+    """).format(target=target, last=_last(rows, keys), matched=matched, col_list=sql.SQL(", ").join(cols),
+                values=sql.SQL(", ").join(sql.SQL("l.{}").format(c) for c in cols),
+                t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
+                l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys))
+
+
+def _upsert_statement(target: sql.Identifier, part: Part, rows: sql.Composable,
+                      keys: list[sql.Identifier]) -> sql.Composed:
+    """Before PostgreSQL 15: the deletes as a join, then an upsert of the rest."""
+    non_key = [c for c in part.columns if c not in part.shape.key]
     on_conflict = sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
         sql.SQL("{0} = EXCLUDED.{0}").format(ident(c)) for c in non_key)) if non_key else sql.SQL("DO NOTHING")
-    conn.execute(sql.SQL("""
-        WITH rows AS (
-            SELECT _lsn, _seq, 1 AS _sub, _op, {col_list} FROM {stg} WHERE _op <> 't' AND {after}
-            {old_key_deletes}
-        ), last AS (
-            SELECT DISTINCT ON ({key_list}) * FROM rows ORDER BY {key_list}, _lsn DESC, _seq DESC, _sub DESC
-        ), deleted AS (
+    col_list = sql.SQL(", ").join(ident(c) for c in part.columns)
+    return sql.SQL("""
+        WITH last AS ({last}), deleted AS (
             DELETE FROM {target} t USING last l WHERE l._op = 'd' AND ({t_keys}) = ({l_keys})
         )
         INSERT INTO {target} ({col_list}) SELECT {col_list} FROM last WHERE _op <> 'd'
         ON CONFLICT ({key_list}) {on_conflict}
-    """).format(
-        col_list=col_list, stg=stg, after=after, key_list=key_list, target=target, on_conflict=on_conflict,
-        old_key_deletes=sql.SQL("UNION ALL SELECT _lsn, _seq, 0, 'd', {} FROM {} WHERE {} IS NOT NULL AND {}").format(
-            sql.SQL(", ").join(sql.SQL("{} AS {}").format(old_keys[shape.key.index(c)], ident(c)) if c in shape.key
-                               else sql.SQL("NULL") for c in part.columns),
-            stg, old_keys[0], after) if has_key_change else sql.SQL(""),
-        t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
-        l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys),
-    ))
+    """).format(last=_last(rows, keys), target=target, col_list=col_list, key_list=sql.SQL(", ").join(keys),
+                on_conflict=on_conflict,
+                t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
+                l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys))
 
 
 def _delete_filtered(conn: psycopg.Connection[Any], target: sql.Identifier, shape: ch.TableShape,
