@@ -19,6 +19,8 @@ from changefeed.core.copytext import NULL
 from changefeed.errors import SinkError
 from changefeed.sinks.replica.insert_run import terminated, write_lines
 
+MERGE_VERSION = 150000  # PostgreSQL's MERGE; an older replica gets a DELETE and an upsert
+
 
 def ident(*names: str) -> sql.Identifier:
     return sql.Identifier(*names)
@@ -130,9 +132,6 @@ def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool,
             stg, old_keys[0], after)
     statement = _merge_statement if conn.info.server_version >= MERGE_VERSION else _upsert_statement
     conn.execute(statement(target, part, rows, keys))
-
-
-MERGE_VERSION = 150000  # PostgreSQL's MERGE; an older replica gets a DELETE and an upsert
 
 
 def _last(rows: sql.Composable, keys: list[sql.Identifier]) -> sql.Composed:
