@@ -131,7 +131,7 @@ def merge_part(conn: psycopg.Connection[Any], part: Part, *, has_truncate: bool,
                                      if c in shape.key else sql.SQL("NULL") for c in part.columns),
             stg, old_keys[0], after)
     statement = _merge_statement if conn.info.server_version >= MERGE_VERSION else _upsert_statement
-    conn.execute(statement(target, part, rows, keys))
+    conn.execute(statement(target, part, _last(rows, keys), keys))
 
 
 def _last(rows: sql.Composable, keys: list[sql.Identifier]) -> sql.Composed:
@@ -141,26 +141,31 @@ def _last(rows: sql.Composable, keys: list[sql.Identifier]) -> sql.Composed:
         k=key_list, rows=rows)
 
 
-def _merge_statement(target: sql.Identifier, part: Part, rows: sql.Composable,
+def _same_key(keys: list[sql.Identifier]) -> sql.Composed:
+    """The target row `t` and the change `l` are of the same key."""
+    return sql.SQL("({}) = ({})").format(sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
+                                         sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys))
+
+
+def _merge_statement(target: sql.Identifier, part: Part, last: sql.Composable,
                      keys: list[sql.Identifier]) -> sql.Composed:
-    """One MERGE: each key's last change is joined to the target once, deleting, updating or
-    inserting in that one pass (cheaper than a DELETE join and an upsert's conflict check each)."""
+    """One MERGE of `last` (each key's last change): each is joined to the target once, deleting,
+    updating or inserting in that one pass (cheaper than a DELETE join and an upsert's conflict
+    check each)."""
     non_key = [ident(c) for c in part.columns if c not in part.shape.key]
     matched = sql.SQL("UPDATE SET {}").format(sql.SQL(", ").join(
         sql.SQL("{0} = l.{0}").format(c) for c in non_key)) if non_key else sql.SQL("DO NOTHING")
     cols = [ident(c) for c in part.columns]
     return sql.SQL("""
-        MERGE INTO {target} t USING ({last}) l ON ({t_keys}) = ({l_keys})
+        MERGE INTO {target} t USING ({last}) l ON {same_key}
         WHEN MATCHED AND l._op = 'd' THEN DELETE
         WHEN MATCHED THEN {matched}
         WHEN NOT MATCHED AND l._op <> 'd' THEN INSERT ({col_list}) VALUES ({values})
-    """).format(target=target, last=_last(rows, keys), matched=matched, col_list=sql.SQL(", ").join(cols),
-                values=sql.SQL(", ").join(sql.SQL("l.{}").format(c) for c in cols),
-                t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
-                l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys))
+    """).format(target=target, last=last, same_key=_same_key(keys), matched=matched,
+                col_list=sql.SQL(", ").join(cols), values=sql.SQL(", ").join(sql.SQL("l.{}").format(c) for c in cols))
 
 
-def _upsert_statement(target: sql.Identifier, part: Part, rows: sql.Composable,
+def _upsert_statement(target: sql.Identifier, part: Part, last: sql.Composable,
                       keys: list[sql.Identifier]) -> sql.Composed:
     """Before PostgreSQL 15: the deletes as a join, then an upsert of the rest."""
     non_key = [c for c in part.columns if c not in part.shape.key]
@@ -169,14 +174,12 @@ def _upsert_statement(target: sql.Identifier, part: Part, rows: sql.Composable,
     col_list = sql.SQL(", ").join(ident(c) for c in part.columns)
     return sql.SQL("""
         WITH last AS ({last}), deleted AS (
-            DELETE FROM {target} t USING last l WHERE l._op = 'd' AND ({t_keys}) = ({l_keys})
+            DELETE FROM {target} t USING last l WHERE l._op = 'd' AND {same_key}
         )
         INSERT INTO {target} ({col_list}) SELECT {col_list} FROM last WHERE _op <> 'd'
         ON CONFLICT ({key_list}) {on_conflict}
-    """).format(last=_last(rows, keys), target=target, col_list=col_list, key_list=sql.SQL(", ").join(keys),
-                on_conflict=on_conflict,
-                t_keys=sql.SQL(", ").join(sql.SQL("t.{}").format(k) for k in keys),
-                l_keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in keys))
+    """).format(last=last, target=target, col_list=col_list, key_list=sql.SQL(", ").join(keys),
+                on_conflict=on_conflict, same_key=_same_key(keys))
 
 
 def _delete_filtered(conn: psycopg.Connection[Any], target: sql.Identifier, shape: ch.TableShape,
