@@ -229,7 +229,7 @@ def _take_turn(spec: FeedSpec, spark: Any, stop: threading.Event, report: Callab
     """A standby: start Spark, wait for the active runner to go, then the definition it ran (stored
     on the source), None if stopped meanwhile."""
     from changefeed.spark.connect import is_remote
-    from changefeed.spark.job import warm_workers
+    from changefeed.spark.warm_up import warm_workers
 
     with spark.reached():
         session = spark.get()  # ready before the takeover: its start is most of a runner's
@@ -304,6 +304,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     from pyspark.errors import StreamingQueryException
 
     from changefeed.spark.job import start_query
+    from changefeed.spark.warm_up import warm_commit
 
     spec, state = prepared.spec, prepared.state
     meter.snapshot = SnapshotMeter(report, prepared.source_conn, prepared.ledger)
@@ -321,6 +322,7 @@ def _run_query(prepared: Prepared, spark: Any, meter: Meter, metrics: Any, stop:
     if who is not None:  # on another host: no batch runs
         report(f"feed {spec.name}: paused (by {who}); its slot keeps the WAL until changefeed resume")
         return
+    warm_commit(spark, spec, state.warm_up)
     query = start_query(spark, spec, state, available_now=available_now, parallel_reads=parallel, resync=resync,
                         epoch=prepared.epoch, resume=prepared.resume, until=prepared.until,
                         read_from=prepared.read_from)

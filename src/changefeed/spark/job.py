@@ -126,30 +126,3 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
         writer = writer.trigger(processingTime=f"{spec.trigger_interval_s} seconds")
     return writer.start()
 
-
-def warm_workers(spark: Any, spec: FeedSpec) -> None:
-    """Run one small job whose tasks import what the feed's tasks will (its reader and its sink's
-    writer), so that the Python workers Spark keeps for later tasks have it loaded: a standby
-    does this while it waits, and its first batch after a takeover does not pay the imports.
-    Once per session (a standby that waits on after another took the turn has them loaded)."""
-    from changefeed.sinks.base import task_slots
-
-    if getattr(spark, "_changefeed_warm", False):
-        return
-
-    modules = ["changefeed.spark.reads", "changefeed.spark.writer",
-               *(f"changefeed.sinks.{sink_of(t.uri).name}.writer" for t in spec.sink_targets)]
-    slots = task_slots(spark)
-
-    def load(batches: Any) -> Any:
-        import importlib
-
-        for name in modules:
-            importlib.import_module(name)
-        yield from batches
-
-    try:
-        spark.range(slots, numPartitions=slots).mapInArrow(load, "id long").collect()
-    except Exception:  # noqa: BLE001 (only a speed-up: the feed's own tasks import, and report, what fails)
-        return
-    spark._changefeed_warm = True

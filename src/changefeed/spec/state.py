@@ -28,6 +28,7 @@ class FeedState:
         self.joining_file = self.dir / "joining"  # nodes being added to a running feed (lifecycle.add_node)
         self.behind_file = self.dir / "behind.json"  # sinks the others went on without (control.lag_budget)
         self.replay_file = self.dir / "replay.json"  # the batch ends such a sink is caught up by
+        self.warm_up = self.dir / "warm-up"  # the checkpoint of a run's warm-up query (spark.warm_up)
 
     @property
     def paused(self) -> bool:
