@@ -69,12 +69,13 @@ def test_a_session_is_warmed_once_and_a_warm_up_that_fails_stays_quiet(tmp_path:
         _jsparkSession = object()
 
     session = Session()
-    thread = warm_up.warm_commit(session, _spec(), tmp_path)
+    thread = warm_up.warm_commit(session, _spec(), tmp_path / "warm-up")
     assert thread is not None
     thread.join(60)
     assert not thread.is_alive()  # (its query could not even start: nothing raised)
-    assert warm_up.warm_commit(session, _spec(), tmp_path) is None
-    assert warm_up.warm_commit(object(), _spec(), tmp_path) is None  # a Spark Connect session: no driver of the feed's
+    assert warm_up.warm_commit(session, _spec(), tmp_path / "warm-up") is None
+    remote = object()  # a Spark Connect session: no driver of the feed's own
+    assert warm_up.warm_commit(remote, _spec(), tmp_path / "warm-up") is None
 
 
 def _spec() -> FeedSpec:
