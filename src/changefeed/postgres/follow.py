@@ -61,12 +61,13 @@ class Follower:
         self.builder = ChangeBuilder(at, FOLLOWED, start_ts, FOLLOWED, lambda rel: src.column_catalog(conn, rel),
                                      node=node.name, publication=node.publication)
         self.cuts = 0  # sub-windows ended so far
+        self._ended = (at, start_ts)  # where the last sub-window ended (the builder's ts runs on past it)
         self.mark = slots.RestartMark(WANTED_S)  # the next batch's stream starts near where this one's ends
 
     @property
     def position(self) -> tuple[int, int]:
         """Where the last sub-window ended (its end LSN and resolved ts): the next starts there."""
-        return self.builder.start_lsn, self.builder.last_ts
+        return self._ended
 
     def windows(self, until: float, wanted: Callable[[], bool] | None = None,
                 recorded: Callable[[], int] | None = None) -> Iterator[Any]:
@@ -134,6 +135,7 @@ class Follower:
         if self.offset_at is not None:
             builder.offset = self.offset_at(builder.last_end or 0, builder.last_ts)
         self.cuts += 1
+        self._ended = (builder.last_end or 0, builder.last_ts)
         return builder.cut()
 
 
