@@ -10,7 +10,7 @@ from changefeed.core import followed
 from changefeed.core.offsets import Offset
 from changefeed.sinks.base import Sink, task_slots
 from changefeed.sinks.registry import sink_of, sinks_of
-from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log
+from changefeed.spark import connect, jvm_archive, settings, shipping, spark_log, stop_signals
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 
@@ -23,7 +23,8 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
 
     With `log`, the JVM's output goes to that file instead of the console, and with it that of
     everything the JVM starts (Spark's Python workers, their tracebacks): the console keeps
-    changefeed's own lines, and a failure is reported once, as its typed error.
+    changefeed's own lines, and a failure is reported once, as its typed error. A stop signal
+    sent to the whole process group is the runner's to handle, not the JVM's (stop_signals).
 
     `executor_env` goes to the executors' environment on a cluster (a local master's share the
     driver's): the variables the feed's URIs name and the key of its stored secrets (see
@@ -43,9 +44,12 @@ def spark_session(master: str = "local[*]", app: str = "changefeed", java_option
     if shipping.needs_shipping(master):
         for name, value in (executor_env or {}).items():
             conf.set(f"spark.executorEnv.{name}", value)
-    if log is not None and SparkContext._active_spark_context is None:
-        SparkContext(conf=conf, gateway=spark_log.launch_gateway(conf, log))
-    spark = SparkSession.builder.config(conf=conf).getOrCreate()
+    with stop_signals.handlers_kept():
+        if SparkContext._active_spark_context is None:
+            with stop_signals.jvm_ignores_stop_signals():
+                gateway = spark_log.launch_gateway(conf, log)
+            SparkContext(conf=conf, gateway=gateway)
+        spark = SparkSession.builder.config(conf=conf).getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("CHANGEFEED_SPARK_LOG_LEVEL", "ERROR"))
     shipping.ship(spark, master)  # before the data sources are registered: they take the includes along
     _register_sources(spark)

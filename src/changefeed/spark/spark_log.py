@@ -42,10 +42,12 @@ def open_log(path: Path) -> Any:
     return out
 
 
-def launch_gateway(conf: Any, path: Path) -> Any:
-    """Start the driver JVM (pyspark's launcher) with its output on `path`."""
+def launch_gateway(conf: Any, path: Path | None) -> Any:
+    """Start the driver JVM (pyspark's launcher) with its output on `path` (None: the console)."""
     from pyspark.java_gateway import launch_gateway as launch
 
+    if path is None:
+        return launch(conf)  # type: ignore[no-untyped-call]  # pyspark's is unannotated
     _errors_of_driver_threads_to(path)
 
     with open_log(path) as out:  # the JVM has its own copy of the descriptor
