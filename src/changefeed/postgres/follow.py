@@ -132,10 +132,10 @@ class Follower:
 
     def _cut(self) -> Any:
         builder = self.builder
-        if self.offset_at is not None:
-            builder.offset = self.offset_at(builder.last_end or 0, builder.last_ts)
-        self.cuts += 1
         self._ended = (builder.last_end or 0, builder.last_ts)
+        if self.offset_at is not None:
+            builder.offset = self.offset_at(*self._ended)
+        self.cuts += 1
         return builder.cut()
 
 
