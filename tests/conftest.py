@@ -342,6 +342,35 @@ def kill_runs(base: list[str], kills: list[str], tmp_path: Path, random_after: t
         time.sleep(0.5)  # let the killed group's sockets close
 
 
+def processes() -> dict[int, tuple[int, str]]:
+    """Every process now (from /proc): pid -> (parent pid, command line); one gone meanwhile is left out."""
+    found: dict[int, tuple[int, str]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        found[int(stat.parent.name)] = (parent, cmd)
+    return found
+
+
+def process_tree(root: int, procs: dict[int, tuple[int, str]] | None = None) -> dict[int, str]:
+    """`root` and every process under it (as a service manager's control group holds them): pid ->
+    command line, from `procs` (`processes()`, read now by default)."""
+    procs = processes() if procs is None else procs
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in procs.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in procs:
+            found[pid] = procs[pid][1]
+        todo.extend(children.get(pid, []))
+    return found
+
+
 def free_port() -> int:
     """A TCP port free on loopback now."""
     with socket.socket() as s:

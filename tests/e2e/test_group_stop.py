@@ -20,6 +20,7 @@ from conftest import (
     fingerprint,
     money_tables,
     moving_money,
+    process_tree,
     replicated,
     start_changefeed,
     wait_for,
@@ -29,27 +30,11 @@ from conftest import (
 ACCOUNTS = 20
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process under it (as a service manager's control group holds them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        out.append(todo.pop())
-        todo.extend(children.get(out[-1], []))
-    return out
-
-
 def signal_all(pid: int, sig: int, to: str) -> None:
     if to == "group":
         os.killpg(pid, sig)
         return
-    for each in descendants(pid):
+    for each in process_tree(pid):
         with suppress(ProcessLookupError):
             os.kill(each, sig)
 

@@ -17,32 +17,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed
+from conftest import Dbs, changefeed_cli, fingerprint, process_tree, start_changefeed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROWS = 2_000_000
 WORKER_BOUND_MB = 450  # a Python worker's peak RSS: libraries (~150 MB) and a few batches in flight
-
-
-def _tree(root: int) -> dict[int, str]:
-    """`root` and its descendants: pid -> command line."""
-    parents: dict[int, int] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            found[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:
-            continue
-        todo.extend(p for p, parent in parents.items() if parent == pid)
-    return found
 
 
 def _rss_mb(pid: int) -> float:
@@ -54,7 +34,7 @@ def _rss_mb(pid: int) -> float:
 
 def _sample(root: int, stop: threading.Event, peaks: dict[int, tuple[float, str]]) -> None:
     while not stop.wait(0.2):
-        for pid, cmd in _tree(root).items():
+        for pid, cmd in process_tree(root).items():
             try:
                 rss = _rss_mb(pid)
             except OSError:

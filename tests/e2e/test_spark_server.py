@@ -17,7 +17,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, fingerprint, start_changefeed, wait_for
+from conftest import (
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    fingerprint,
+    process_tree,
+    processes,
+    start_changefeed,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -123,26 +132,10 @@ def test_a_killed_runner_s_query_runs_on_until_the_feed_starts_again(server: Ser
 def _python_daemons(root: int) -> set[int]:
     """The pids of Spark's Python daemons (`pyspark.daemon`, each the parent of its workers) among
     the processes under `root`."""
-    parent, args = {}, {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid = int(stat.parent.name)
-            parent[pid] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            args[pid] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-
-    def under(pid: int) -> bool:
-        while pid > 1:
-            if pid == root:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-
-    def daemon(pid: int) -> bool:
-        return b"pyspark.daemon" in args.get(pid, b"")
-
-    return {pid for pid in args if daemon(pid) and not daemon(parent[pid]) and under(pid)}
+    procs = processes()
+    tree = process_tree(root, procs)
+    return {pid for pid, cmd in tree.items()
+            if "pyspark.daemon" in cmd and "pyspark.daemon" not in tree.get(procs[pid][0], "")}
 
 
 def test_feeds_started_one_after_another_share_the_server_s_python_workers(server: Server, dbs: Dbs,
