@@ -175,7 +175,7 @@ def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: floa
     if rate_rows:
         n = min(n, int(rate_rows * PACED_BATCH_S / chunk_rows))
     if rate_bytes and row_bytes and row_bytes > 0:
-        n = min(n, int(rate_bytes * PACED_BATCH_S / (chunk_rows * row_bytes)))
+        n = int(min(n, rate_bytes * PACED_BATCH_S / (chunk_rows * row_bytes)))  # (inf for a tiny row: n)
     return max(1, n)
 
 
