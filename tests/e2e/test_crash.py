@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, changefeed_cli, fingerprint, kill_runs, writing
+from conftest import WRITE_PAUSE, Dbs, changefeed_cli, fingerprint, kill_runs, writing
 
 ACCOUNTS = 50
 
@@ -43,7 +43,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
             if bulk:
                 loads, last_load = loads + 1, time.monotonic()
             written[:] = [n, loads]
-            time.sleep(0.002)
+            time.sleep(WRITE_PAUSE)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from changefeed.sinks.delta.duck import connect as duckdb
-from conftest import Dbs, changefeed_cli, kill_runs, writing
+from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kill_runs, writing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -37,7 +37,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
                 c.execute("UPDATE accounts SET balance = balance - 1 WHERE id = %s", (n % ACCOUNTS,))
                 c.execute("UPDATE accounts SET balance = balance + 1 WHERE id = %s", ((n * 7) % ACCOUNTS,))
             written[:] = [n]
-            time.sleep(0.003)
+            time.sleep(WRITE_PAUSE)
 
 
 def rows(lake: Path, table: str) -> list[dict[str, Any]]:

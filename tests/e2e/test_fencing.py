@@ -14,7 +14,7 @@ import pytest
 
 from changefeed.postgres import lease
 from changefeed.sinks.replica import ledger as replica_ledger
-from conftest import Dbs, assert_no_traceback, changefeed_cli, fingerprint, start_changefeed, wait_for
+from conftest import WRITE_PAUSE, Dbs, assert_no_traceback, changefeed_cli, fingerprint, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,7 +25,7 @@ def writer(uri: str, stop: threading.Event) -> None:
         while not stop.is_set():
             n += 1
             c.execute("INSERT INTO t VALUES (%s, 'v')", (n,))
-            time.sleep(0.005)
+            time.sleep(WRITE_PAUSE)
 
 
 def count(uri: str) -> int:

@@ -32,7 +32,7 @@ from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.sinks.kafka.log import PartitionReader
 from changefeed.sinks.kafka.records import CODECS, batches
 from changefeed.spec.state import FeedState
-from conftest import Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
+from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
 
 pytestmark = pytest.mark.timeout(600)
 SNAPSHOT = 2100  # rows: the first batch sends over 2000 messages, which the sink_write fault point counts
@@ -46,7 +46,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
         while not stop.is_set():
             written[0] += 1
             c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (SNAPSHOT + written[0], f"entry {written[0]}"))
-            time.sleep(0.005)
+            time.sleep(WRITE_PAUSE)
 
 
 def codecs_in(kafka: LocalKafka, topic: str, partitions: int) -> set[str]:

@@ -27,7 +27,7 @@ import pytest
 
 from changefeed.core.lsn import parse_lsn
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
+from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 COUNTERS = 25
@@ -49,7 +49,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
                 c.execute("INSERT INTO ledger (id, v) VALUES (%s, %s)", (n, f"entry {n}"))
                 c.execute("UPDATE counters SET version = version + 1 WHERE id = %s", (n % COUNTERS,))
             written[0] = n
-            time.sleep(0.001)
+            time.sleep(WRITE_PAUSE)
 
 
 def test_a_bare_kafka_uri_delivers_exactly_once_across_kills(dbs: Dbs, tmp_path: Path, own_kafka: LocalKafka,

@@ -23,7 +23,7 @@ import pytest
 
 from changefeed.core.lsn import parse_lsn
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import Dbs, changefeed_cli, kill_runs, writing
+from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kill_runs, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS = 40
@@ -47,7 +47,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
                 if n % 2 == 0:
                     c.execute("DELETE FROM outbox WHERE id = %s", (f"e{n}",))
             written[0] = n
-            time.sleep(0.001)
+            time.sleep(WRITE_PAUSE)
 
 
 def topic_records(kafka: LocalKafka, topic: str) -> list[list[Any]]:
@@ -178,7 +178,7 @@ def test_an_outbox_snapshot_sends_no_row_it_held_and_racing_inserts_once(dbs: Db
                 written[0] += 1
                 c.execute("INSERT INTO outbox VALUES (%s, 'order', %s, 'Placed', '{}')",
                           (f"new{written[0]}", f"o{written[0] % 7}"))
-                time.sleep(0.002)
+                time.sleep(WRITE_PAUSE)
 
     created = changefeed_cli("create", *base[1:], "--source", dbs.source, "--sink", sink, "--tables", "public.outbox",
                              "--outbox", "public.outbox", "--snapshot-chunk-rows", "300",

@@ -30,6 +30,7 @@ import pytest
 
 from changefeed.local.postgres import LocalPostgres
 from conftest import (
+    WRITE_PAUSE,
     Dbs,
     assert_no_traceback,
     changefeed_cli,
@@ -57,7 +58,7 @@ def writer(uri: str, stop: threading.Event, written: list[int]) -> None:
                     n += 1  # an insert cut off by an outage may have committed: never reuse its id
                     c.execute("INSERT INTO t (id, v) VALUES (%s, %s)", (n, f"row {n}"))
                     written[0] = n
-                    time.sleep(0.002)
+                    time.sleep(WRITE_PAUSE)
         except psycopg.OperationalError:
             time.sleep(0.2)
 

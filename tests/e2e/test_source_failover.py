@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import Dbs, assert_no_traceback, fingerprint, start_changefeed, wait_for, writing
+from conftest import WRITE_PAUSE, Dbs, assert_no_traceback, fingerprint, start_changefeed, wait_for, writing
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -101,7 +101,7 @@ def _moving_money_across_failover(uri: str, stop: threading.Event, written: list
                         c.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s",
                                   (AMOUNT, (n * 7 + 1) % ACCOUNTS))
                     written[:] = [n]
-                    time.sleep(0.003)
+                    time.sleep(WRITE_PAUSE)
         except psycopg.OperationalError:
             time.sleep(0.2)  # no primary yet
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
+from conftest import WRITE_PAUSE, Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("warm_spark")]
 
@@ -46,7 +46,7 @@ def _transfers(uri: str, stop: threading.Event, written: list[int]) -> None:
                     c.execute("UPDATE doc SET body = body || 'x' WHERE k2 = %s", (rnd.randint(1, 50),))
             n += 1
             written.append(n)
-            time.sleep(0.002)
+            time.sleep(WRITE_PAUSE)
 
 
 def _same(dbs: Dbs, table: str) -> bool:
