@@ -112,7 +112,8 @@ def test_changes_the_wal_tells_are_followed_across_a_kill(dbs: Dbs, tmp_path: Pa
             raise
     try:
         rc, report, err = _verify(name)  # the writes have stopped: one consistent point, then equal
-        assert rc == 0 and report["equal"], (err, json.dumps(report, indent=1)[:3000], log.read_text()[-3000:])
+        assert rc == 0 and report["equal"], "\n".join((err, json.dumps(report, indent=1)[:3000],
+                                                         log.read_text()[-3000:]))
         assert {t["table"] for t in report["tables"]} == {f"public.{t}" for t in FOLLOWED}
         assert _replica_key(dbs, "public.c_key") == ["id", "u"]
         with dbs.dst() as c:
@@ -245,12 +246,13 @@ def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_pa
             raise
     try:
         rc, report, err = _verify(name)
-        assert rc == 0 and report["equal"], (err, json.dumps(report, indent=1)[:3000], log.read_text()[-3000:])
+        assert rc == 0 and report["equal"], "\n".join((err, json.dumps(report, indent=1)[:3000],
+                                                         log.read_text()[-3000:]))
         assert [t["table"] for t in report["tables"]] == ["public.d_u"]  # the feed follows the rename
         with dbs.src() as c:  # a change with no row change after it: the replica takes it at once
             c.execute("ALTER TABLE d_u ADD COLUMN late int DEFAULT 9")
         rc, report, err = _verify(name)
-        assert rc == 0 and report["equal"], (err, json.dumps(report, indent=1)[:3000])
+        assert rc == 0 and report["equal"], "\n".join((err, json.dumps(report, indent=1)[:3000]))
         with dbs.dst() as c:
             assert c.execute("SELECT b FROM d_u WHERE id = 7").fetchone() == ("a7",)  # values kept by the rename
             assert c.execute("SELECT count(*) FROM d_u WHERE at IS NULL").fetchone() == (0,)  # the rewrite's values
