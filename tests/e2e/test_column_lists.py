@@ -18,7 +18,16 @@ import psycopg
 import pytest
 
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import Dbs, assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for, writing
+from conftest import (
+    WRITE_PAUSE,
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    kill_running,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = pytest.mark.timeout(600)
 ROWS = 20000
@@ -48,7 +57,7 @@ def _writes(uri: str, stop: threading.Event, written: list[int]) -> None:
                 if n % 4 == 0:
                     c.execute("DELETE FROM customers WHERE id = %s", (rng.randint(1, n),))
             written[0] = n
-            stop.wait(0.005)
+            stop.wait(WRITE_PAUSE)
 
 
 def _rows(uri: str) -> list[tuple[object, ...]]:

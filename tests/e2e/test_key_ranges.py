@@ -12,7 +12,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for, writing
+from conftest import (
+    WRITE_PAUSE,
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    kill_running,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = pytest.mark.timeout(900)
 ROWS = 30000
@@ -33,7 +42,7 @@ def _writes(uri: str, stop: threading.Event, written: list[int]) -> None:
                 c.execute("UPDATE items SET v = 'changed' WHERE id = %s", (rng.randrange(ROWS),))
                 c.execute("DELETE FROM items WHERE id = %s", (rng.randrange(n),))
             written[0] += 1
-            stop.wait(0.004)
+            stop.wait(WRITE_PAUSE)
 
 
 def _rows(uri: str) -> list[tuple[object, ...]]:

@@ -23,6 +23,7 @@ from changefeed.sinks.registry import validated
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
 from conftest import (
+    WRITE_PAUSE,
     Dbs,
     assert_no_traceback,
     changefeed_cli,
@@ -76,6 +77,7 @@ def transfers(node: int) -> object:
                     c.execute("UPDATE accounts SET balance = balance + %s WHERE id = %s", (amount, b))
                     c.execute("INSERT INTO events VALUES (%s, %s, 'transfer')", (f"n{node}", written[0]))
                 written[0] += 1
+                stop.wait(WRITE_PAUSE)
     return write
 
 

@@ -14,7 +14,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for, writing
+from conftest import (
+    WRITE_PAUSE,
+    Dbs,
+    assert_no_traceback,
+    changefeed_cli,
+    kill_running,
+    start_changefeed,
+    wait_for,
+    writing,
+)
 
 pytestmark = pytest.mark.timeout(600)
 SPAN = 10000  # ids per partition
@@ -41,6 +50,7 @@ def _writer(ranges: list[int]) -> object:
                               "AND NOT EXISTS (SELECT 1 FROM events WHERE id = %s)", (j, i, j))
                     c.execute("DELETE FROM events WHERE id = %s", (rng.choice(lows) + rng.randrange(SPAN),))
                 written[0] += 1
+                stop.wait(WRITE_PAUSE)
     return write
 
 
