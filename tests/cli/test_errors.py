@@ -27,7 +27,8 @@ import pytest
 from psycopg import sql
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import Dbs, changefeed_cli, start_changefeed
+from support.feeds import changefeed_cli, start_changefeed
+from support.servers import Dbs
 
 # exit codes documented in changefeed.errors
 EX_USAGE = 64  # ConfigError

@@ -13,7 +13,8 @@ import pytest
 
 from changefeed import cli
 from changefeed.errors import UNEXPECTED_EXIT
-from conftest import Dbs, changefeed_cli
+from support.feeds import changefeed_cli
+from support.servers import Dbs
 
 
 def _trace_file(stderr: str) -> Path:

@@ -13,7 +13,7 @@ from changefeed.errors import CheckpointLost
 from changefeed.sinks.ledger import FileLedger
 from changefeed.spark.checkpoint import resume
 from changefeed.spec.state import FeedState
-from conftest import planned
+from support.feeds import planned
 
 
 class Recorded(FileLedger):

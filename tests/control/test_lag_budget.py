@@ -15,7 +15,7 @@ from changefeed.spec.definition import FeedSpec
 from changefeed.spec.sinks import parse_sinks
 from changefeed.spec.state import FeedState
 from changefeed.spec.units import parse_budget
-from conftest import planned
+from support.feeds import planned
 
 DR, EVENTS = "postgresql://u:p@replica/db", "kafka://broker:9092"
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, fingerprint
+from support.feeds import assert_no_traceback, changefeed_cli
+from support.servers import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -18,16 +18,9 @@ import psycopg
 import pytest
 
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import (
-    WRITE_PAUSE,
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    kill_running,
-    start_changefeed,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.servers import Dbs
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(600)
 ROWS = 20000

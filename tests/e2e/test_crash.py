@@ -15,7 +15,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import WRITE_PAUSE, Dbs, changefeed_cli, fingerprint, kill_runs, writing
+from support.feeds import changefeed_cli, kill_runs
+from support.servers import Dbs, fingerprint
+from support.writers import WRITE_PAUSE, writing
 
 ACCOUNTS = 50
 

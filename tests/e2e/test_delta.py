@@ -22,7 +22,7 @@ from test_replica import SCHEMA, TABLES, workload
 from changefeed.control.runner import run
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-from conftest import Dbs
+from support.servers import Dbs
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -201,7 +201,7 @@ def test_compact_merges_files_keeps_rows_and_vacuum_deletes_orphans(dbs: Dbs, tm
 
     from deltalake import DeltaTable
 
-    from conftest import changefeed_cli
+    from support.feeds import changefeed_cli
 
     lake = tmp_path / "lake"
     with dbs.src() as c:

@@ -19,7 +19,9 @@ import pyarrow as pa
 import pytest
 
 from changefeed.sinks.delta.duck import connect as duckdb
-from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kill_runs, writing
+from support.feeds import changefeed_cli, kill_runs
+from support.servers import Dbs
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import changefeed_cli
+from support.feeds import changefeed_cli
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 NOISE = ("Traceback", "WARN", "WARNING", "ERROR", "log4j", "setLogLevel", "at org.apache", "Exception", "Py4J")

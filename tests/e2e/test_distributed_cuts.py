@@ -22,7 +22,8 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import Dbs, assert_no_traceback, changefeed_cli, drop_slots, killed_by_fault, start_changefeed, wait_for
+from support.feeds import assert_no_traceback, changefeed_cli, killed_by_fault, start_changefeed, wait_for
+from support.servers import Dbs, drop_slots
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 ACCOUNTS, BALANCE = 100, 1_000

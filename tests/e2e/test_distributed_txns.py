@@ -27,15 +27,8 @@ from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.local.postgres import LocalPostgres
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    drop_slots,
-    killed_by_fault,
-    start_changefeed,
-    wait_for,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, killed_by_fault, start_changefeed, wait_for
+from support.servers import Dbs, drop_slots
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 50, 1_000

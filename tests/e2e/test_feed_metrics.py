@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Dbs, changefeed_cli, free_port, start_changefeed, wait_for
+from support.feeds import changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

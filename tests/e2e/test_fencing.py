@@ -14,7 +14,9 @@ import pytest
 
 from changefeed.postgres import lease
 from changefeed.sinks.replica import ledger as replica_ledger
-from conftest import WRITE_PAUSE, Dbs, assert_no_traceback, changefeed_cli, fingerprint, start_changefeed, wait_for
+from support.feeds import assert_no_traceback, changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.writers import WRITE_PAUSE
 
 pytestmark = pytest.mark.timeout(600)
 

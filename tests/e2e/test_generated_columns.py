@@ -14,7 +14,9 @@ import pyarrow as pa
 import pytest
 
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import Dbs, assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for, writing
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.servers import Dbs
+from support.writers import writing
 
 pytestmark = pytest.mark.timeout(600)
 ROWS = 300

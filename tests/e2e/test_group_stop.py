@@ -13,19 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    fingerprint,
-    money_tables,
-    moving_money,
-    process_tree,
-    replicated,
-    start_changefeed,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, process_tree, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.writers import money_tables, moving_money, replicated, writing
 
 ACCOUNTS = 20
 

@@ -15,7 +15,8 @@ import pytest
 
 from changefeed.core.hlc import physical_ms
 from changefeed.core.lsn import parse_lsn
-from conftest import Dbs, start_changefeed, wait_for
+from support.feeds import start_changefeed, wait_for
+from support.servers import Dbs
 
 pytestmark = pytest.mark.timeout(600)
 

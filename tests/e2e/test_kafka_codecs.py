@@ -32,7 +32,10 @@ from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.sinks.kafka.log import PartitionReader
 from changefeed.sinks.kafka.records import CODECS, batches
 from changefeed.spec.state import FeedState
-from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
+from support.feeds import changefeed_cli, kill_runs
+from support.kafka import kafka_partitions
+from support.servers import Dbs
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(600)
 SNAPSHOT = 2100  # rows: the first batch sends over 2000 messages, which the sink_write fault point counts

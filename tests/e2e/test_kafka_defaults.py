@@ -27,7 +27,10 @@ import pytest
 
 from changefeed.core.lsn import parse_lsn
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import WRITE_PAUSE, Dbs, changefeed_cli, kafka_partitions, kill_runs, writing
+from support.feeds import changefeed_cli, kill_runs
+from support.kafka import kafka_partitions
+from support.servers import Dbs
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 COUNTERS = 25

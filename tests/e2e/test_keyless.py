@@ -18,16 +18,9 @@ import pytest
 
 from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.local.postgres import bin_dir
-from conftest import (
-    Dbs,
-    Receiver,
-    assert_no_traceback,
-    changefeed_cli,
-    kill_running,
-    killed_by_fault,
-    start_changefeed,
-    wait_for,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, killed_by_fault, start_changefeed, wait_for
+from support.servers import Dbs
+from support.webhooks import Receiver
 
 pytestmark = pytest.mark.timeout(600)
 TABLES = "public.pgbench_history,public.pgbench_tellers,public.pgbench_branches"

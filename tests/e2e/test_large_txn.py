@@ -17,7 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, changefeed_cli, fingerprint, process_tree, start_changefeed
+from support.feeds import changefeed_cli, process_tree, start_changefeed
+from support.servers import Dbs, fingerprint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -12,25 +12,12 @@ from typing import Any
 
 import pytest
 
-from conftest import (
-    Dbs,
-    Receiver,
-    assert_no_traceback,
-    changefeed_cli,
-    fingerprint,
-    kafka_partitions,
-    kafka_sink,
-    kill_group,
-    kill_runs,
-    money_tables,
-    most_sub_windows,
-    moving_money,
-    replicated,
-    start_changefeed,
-    taken_over_while_frozen,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_group, kill_runs, start_changefeed, wait_for
+from support.kafka import kafka_partitions, kafka_sink
+from support.servers import Dbs, fingerprint
+from support.standby import taken_over_while_frozen
+from support.webhooks import Receiver
+from support.writers import money_tables, most_sub_windows, moving_money, replicated, writing
 
 ACCOUNTS = 40
 SNAPSHOT_ROWS = 3000  # rows the snapshot delivers (in micro-batches) before the feed follows the slot

@@ -22,17 +22,9 @@ from changefeed.local.postgres import LocalPostgres
 from changefeed.sinks.registry import validated
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-from conftest import (
-    WRITE_PAUSE,
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    drop_slots,
-    fingerprint,
-    start_changefeed,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs, drop_slots, fingerprint
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(900)
 NODES = ("n1", "n2", "n3")

@@ -28,17 +28,9 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    fingerprint,
-    killed_by_fault,
-    start_changefeed,
-    terminating,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, killed_by_fault, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.writers import terminating, writing
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 

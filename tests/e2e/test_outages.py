@@ -29,20 +29,10 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import (
-    WRITE_PAUSE,
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    fingerprint,
-    free_port,
-    kafka_partitions,
-    start_changefeed,
-    status_of,
-    terminating,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, start_changefeed, status_of, wait_for
+from support.kafka import kafka_partitions
+from support.servers import Dbs, fingerprint, free_port
+from support.writers import WRITE_PAUSE, terminating, writing
 from tcp_proxy import TcpProxy
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

@@ -14,16 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import (
-    WRITE_PAUSE,
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    kill_running,
-    start_changefeed,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.servers import Dbs
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(600)
 SPAN = 10000  # ids per partition

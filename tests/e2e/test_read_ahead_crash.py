@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Dbs, changefeed_cli, fingerprint, kill_runs
+from support.feeds import changefeed_cli, kill_runs
+from support.servers import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(600)
 

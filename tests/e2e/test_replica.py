@@ -10,7 +10,7 @@ import pytest
 from changefeed.control.runner import run
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-from conftest import Dbs, fingerprint
+from support.servers import Dbs, fingerprint
 
 SCHEMA = """
 CREATE TABLE kinds (id int PRIMARY KEY, i int, b bigint, n numeric(30,8), t text, flag bool, ts timestamptz,

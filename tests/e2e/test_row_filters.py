@@ -19,7 +19,9 @@ import psycopg
 import pytest
 
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import Dbs, changefeed_cli, kill_running, killed_by_fault, start_changefeed, wait_for, writing
+from support.feeds import changefeed_cli, kill_running, killed_by_fault, start_changefeed, wait_for
+from support.servers import Dbs
+from support.writers import writing
 
 pytestmark = pytest.mark.timeout(600)
 FILTER = "region = 'eu' AND qty >= 0"

@@ -15,7 +15,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import Dbs, assert_no_traceback, changefeed_cli, start_changefeed, wait_for, writing
+from support.feeds import assert_no_traceback, changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs
+from support.writers import writing
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import changefeed_cli, start_changefeed, wait_for
+from support.feeds import changefeed_cli, start_changefeed, wait_for
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -23,17 +23,9 @@ import pyarrow as pa
 import pytest
 
 from changefeed.local.kafka import LocalKafka, committed, read_partition
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    free_port,
-    kill_running,
-    moving_money,
-    start_changefeed,
-    status_of,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, kill_running, start_changefeed, status_of, wait_for
+from support.servers import Dbs, free_port
+from support.writers import moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 20, 1000

@@ -18,7 +18,9 @@ from changefeed.postgres import snapshot as snap_pg
 from changefeed.sinks.replica import ReplicaSink
 from changefeed.spec.definition import FeedSpec
 from changefeed.spec.state import FeedState
-from conftest import Dbs, changefeed_cli, fingerprint, killed_by_fault, start_changefeed, wait_for, writing
+from support.feeds import changefeed_cli, killed_by_fault, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.writers import writing
 
 pytestmark = pytest.mark.timeout(900)
 ROWS, CHUNK, ACCOUNTS = 40_000, 1_500, 40

@@ -17,7 +17,9 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from conftest import WRITE_PAUSE, Dbs, changefeed_cli, killed_by_fault, start_changefeed, writing
+from support.feeds import changefeed_cli, killed_by_fault, start_changefeed
+from support.servers import Dbs
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(900)
 ROWS, CHUNK = 20_000, 2_000

@@ -21,7 +21,9 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import WRITE_PAUSE, Dbs, assert_no_traceback, fingerprint, start_changefeed, wait_for, writing
+from support.feeds import assert_no_traceback, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -82,7 +84,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _moving_money_across_failover(uri: str, stop: threading.Event, written: list[int]) -> None:
-    """A `writing` worker: as conftest.moving_money (transaction n appends ledger row n and moves
+    """A `writing` worker: as support.writers.moving_money (transaction n appends ledger row n and moves
     AMOUNT between two accounts), reconnecting to whichever server is the primary. After a
     reconnection it goes on LEAP rows past the last one that server holds: the commits the old
     primary had not shipped when it died are gone, and a replica that got one anyway keeps a row

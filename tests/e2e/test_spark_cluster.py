@@ -18,18 +18,9 @@ import pytest
 
 from changefeed.local.postgres import LocalPostgres
 from changefeed.spark.spark_home import use_linked_home
-from conftest import (
-    Dbs,
-    changefeed_cli,
-    drop_slots,
-    fingerprint,
-    free_port,
-    most_sub_windows,
-    moving_money,
-    start_changefeed,
-    wait_for,
-    writing,
-)
+from support.feeds import changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs, drop_slots, fingerprint, free_port
+from support.writers import most_sub_windows, moving_money, writing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NODES = ("n1", "n2", "n3")

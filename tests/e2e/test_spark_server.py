@@ -17,16 +17,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    fingerprint,
-    process_tree,
-    processes,
-    start_changefeed,
-    wait_for,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, process_tree, processes, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,19 +16,10 @@ import psycopg
 import pytest
 
 from changefeed.postgres import lease
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    fingerprint,
-    kill_running,
-    moving_money,
-    replicated,
-    start_changefeed,
-    taken_over_while_frozen,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.standby import taken_over_while_frozen
+from support.writers import moving_money, replicated, writing
 
 pytestmark = pytest.mark.timeout(900)
 

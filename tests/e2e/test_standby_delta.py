@@ -17,19 +17,10 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    kill_running,
-    kill_turns,
-    moving_money,
-    standby_starter,
-    start_changefeed,
-    turn_env,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.servers import Dbs
+from support.standby import kill_turns, standby_starter, turn_env
+from support.writers import moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS, BALANCE = 20, 1000

@@ -16,21 +16,11 @@ from changefeed.errors import LeaseLost
 from changefeed.local.kafka import LocalKafka, committed, read_partition
 from changefeed.sinks.kafka.batch import KafkaBatch, claim, committed_progress
 from changefeed.sinks.kafka.options import KafkaOptions
-from conftest import (
-    Dbs,
-    assert_no_traceback,
-    changefeed_cli,
-    kafka_sink,
-    kill_running,
-    kill_turns,
-    money_tables,
-    moving_money,
-    standby_starter,
-    start_changefeed,
-    turn_env,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.kafka import kafka_sink
+from support.servers import Dbs
+from support.standby import kill_turns, standby_starter, turn_env
+from support.writers import money_tables, moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS = 20

@@ -13,17 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (
-    Dbs,
-    Receiver,
-    assert_no_traceback,
-    changefeed_cli,
-    kill_running,
-    moving_money,
-    start_changefeed,
-    wait_for,
-    writing,
-)
+from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
+from support.servers import Dbs
+from support.webhooks import Receiver
+from support.writers import moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
 ACCOUNTS = 20

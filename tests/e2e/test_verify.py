@@ -12,7 +12,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from conftest import WRITE_PAUSE, Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for, writing
+from support.feeds import changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
+from support.writers import WRITE_PAUSE, writing
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("warm_spark")]
 

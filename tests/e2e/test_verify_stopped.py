@@ -14,7 +14,8 @@ import psycopg
 import pytest
 
 from changefeed.local.postgres import LocalPostgres
-from conftest import Dbs, changefeed_cli, fingerprint, start_changefeed, wait_for
+from support.feeds import changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from conftest import Dbs, Receiver, changefeed_cli, start_changefeed, wait_for
+from support.feeds import changefeed_cli, start_changefeed, wait_for
+from support.servers import Dbs
+from support.webhooks import Receiver
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import psycopg
 
 from changefeed.demo.workload import committed_end
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def _decoded_commits(c: psycopg.Connection, slot: str, upto: int) -> int:

@@ -12,7 +12,7 @@ from changefeed.core.lsn import parse_lsn
 from changefeed.local.postgres import bin_dir
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
-from conftest import Dbs
+from support.servers import Dbs
 
 SLOT, PUB = "caught_up_slot", "caught_up_pub"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from changefeed.core.snapshot import Cursor
 from changefeed.postgres import source as src
 from changefeed.postgres.snapshot import chunk_boundary, last_key
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def plan_all(dbs: Dbs, table: str, rows: int) -> list[tuple[object, object]]:

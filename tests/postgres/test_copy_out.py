@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from changefeed.core import change as ch
 from changefeed.postgres import copy_out
 from changefeed.postgres import snapshot as snap_pg
-from conftest import Dbs
+from support.servers import Dbs
 
 QUERY = "COPY (SELECT * FROM awkward ORDER BY id) TO STDOUT"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import psycopg
 
 from changefeed.postgres import slots
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def test_failover_slots_on_request(dbs: Dbs) -> None:

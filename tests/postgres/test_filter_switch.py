@@ -13,7 +13,7 @@ from changefeed.errors import ConfigError
 from changefeed.postgres import filter_switch, row_filter
 from changefeed.postgres import source as src
 from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
-from conftest import Dbs
+from support.servers import Dbs
 
 pytestmark = pytest.mark.timeout(300)
 

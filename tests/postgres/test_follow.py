@@ -20,7 +20,8 @@ from changefeed.postgres.decode.builder import ChangeBuilder
 from changefeed.postgres.follow import FOLLOWED, Follower
 from changefeed.postgres.replication import BLOCK_MESSAGES
 from changefeed.spec.definition import SourceNode
-from conftest import Dbs, decoded
+from support.servers import Dbs
+from support.windows import decoded
 
 pytestmark = pytest.mark.timeout(300)
 # The big transaction's rows: more messages than two blocks of the stream hold, so that it never

@@ -7,7 +7,7 @@ import psycopg
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.key_ranges import KeyOrder
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def test_keys_fall_in_ranges_by_their_types_order_not_their_text(dbs: Dbs) -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from changefeed.core.lsn import format_lsn, parse_lsn
 from changefeed.postgres import keyless_cut
 from changefeed.postgres import snapshot as snap_pg
-from conftest import Dbs
+from support.servers import Dbs
 
 BIG = "".join(f"{i:05d}" for i in range(3000))  # stored out of line (TOAST), so left out of an update
 

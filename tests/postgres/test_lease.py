@@ -8,7 +8,7 @@ import time
 import psycopg
 
 from changefeed.postgres import lease
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def test_a_lease_is_held_until_it_ends_then_taken_in_a_new_term(dbs: Dbs) -> None:

@@ -17,7 +17,7 @@ from changefeed.core.outbox import OutboxSpec, parse_columns
 from changefeed.errors import ConfigError, ConnectionFailed, DefiniteError, SourceNotReady
 from changefeed.postgres.connect import insert_lsn
 from changefeed.postgres.outbox import OutboxCleanup, check_outbox_table
-from conftest import Dbs
+from support.servers import Dbs
 
 pytestmark = pytest.mark.timeout(120)
 

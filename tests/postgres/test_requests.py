@@ -8,7 +8,7 @@ from pathlib import Path
 
 from changefeed.core.requests import SnapshotRequests
 from changefeed.postgres.requests import SourceRequests
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def test_requests_are_numbered_per_feed_and_read_above_a_number(dbs: Dbs) -> None:

@@ -12,7 +12,7 @@ from changefeed.postgres import row_filter
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.decode import pgoutput as po
-from conftest import Dbs
+from support.servers import Dbs
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import threading
 import psycopg
 
 from changefeed.postgres.connect import connect, missing, shared_ddl
-from conftest import Dbs
+from support.servers import Dbs
 
 RUNNERS, ROUNDS = 3, 15
 DDLS = [f"CREATE SCHEMA IF NOT EXISTS ddl_turn; CREATE TABLE IF NOT EXISTS ddl_turn.t{i} (id int PRIMARY KEY)"

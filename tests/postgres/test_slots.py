@@ -8,7 +8,7 @@ from changefeed.core.lsn import Lsn
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import insert_lsn
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def test_a_slot_moves_forward_only_and_its_positions_are_lsns(dbs: Dbs) -> None:

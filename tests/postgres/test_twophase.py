@@ -19,7 +19,7 @@ from changefeed.postgres import slots as pgslots
 from changefeed.postgres import source as src
 from changefeed.postgres.decode.builder import ChangeBuilder
 from changefeed.postgres.source import column_catalog
-from conftest import Dbs
+from support.servers import Dbs
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ from changefeed.postgres.connect import connect
 from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.postgres.wal_reader import wal_reader
 from changefeed.spec.definition import SourceNode
-from conftest import Dbs, decoded
+from support.servers import Dbs
+from support.windows import decoded
 
 pytestmark = pytest.mark.timeout(600)
 

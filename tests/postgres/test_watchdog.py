@@ -12,7 +12,7 @@ from changefeed.errors import ConnectionFailed
 from changefeed.postgres import watchdog
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.watchdog import WATCHDOG
-from conftest import Dbs
+from support.servers import Dbs
 from tcp_proxy import TcpProxy
 
 

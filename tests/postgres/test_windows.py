@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from changefeed.postgres import slots
 from changefeed.postgres import source as src
 from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
-from conftest import Dbs
+from support.servers import Dbs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -27,7 +27,8 @@ from changefeed.sinks.kafka.batch import committed_progress
 from changefeed.sinks.kafka.options import KafkaOptions
 from changefeed.sinks.kafka.writer import KafkaWriter
 from changefeed.sinks.messages import MessageStream
-from conftest import Dbs, followed_batches, sub_window_ends
+from support.servers import Dbs
+from support.windows import followed_batches, sub_window_ends
 
 pytestmark = pytest.mark.timeout(300)
 

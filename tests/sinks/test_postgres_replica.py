@@ -20,7 +20,7 @@ from changefeed.postgres import source as src
 from changefeed.postgres.decode.builder import HEARTBEAT_PREFIX, ChangeBuilder
 from changefeed.sinks.replica import apply as replica
 from changefeed.sinks.replica import insert_run, ledger, merge
-from conftest import Dbs, fingerprint
+from support.servers import Dbs, fingerprint
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,8 @@ from changefeed.core import change as ch
 from changefeed.errors import LeaseLost
 from changefeed.sinks.replica import apply as replica
 from changefeed.sinks.replica import ledger
-from conftest import Dbs, wait_for
+from support.feeds import wait_for
+from support.servers import Dbs
 
 
 def _progress(end_lsn: int) -> ch.Progress:

@@ -25,7 +25,8 @@ from changefeed.sinks.batch_input import BatchInput, Task
 from changefeed.sinks.replica import ledger, merge
 from changefeed.sinks.replica.ledger import ReplicaLedger
 from changefeed.sinks.replica.writer import ReplicaWriter
-from conftest import Dbs, fingerprint, followed_batches, sub_window_ends
+from support.servers import Dbs, fingerprint
+from support.windows import followed_batches, sub_window_ends
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ from pyspark import cloudpickle
 from changefeed.core import change as ch
 from changefeed.sinks.replica import ledger
 from changefeed.spark import reads as feed_reads
-from conftest import Dbs
+from support.servers import Dbs
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,7 @@ from changefeed.core.hlc import ceiling_of_ms
 from changefeed.core.offsets import Offset
 from changefeed.core.snapshot import Cursor
 from changefeed.spark.source import ChangeStreamReader
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def test_a_query_run_again_before_its_first_batch_committed_starts_where_it_did(dbs: Dbs, tmp_path: Path) -> None:

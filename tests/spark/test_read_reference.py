@@ -23,7 +23,7 @@ from changefeed.sinks.base import Sink
 from changefeed.sinks.registry import sink_of
 from changefeed.spark import reads
 from changefeed.spec.definition import SourceNode
-from conftest import Dbs
+from support.servers import Dbs
 
 
 def _packed(tags: list[int]) -> Any:
