@@ -23,7 +23,7 @@ test: install
 
 # The inner loop: every test that needs no Spark (pure units, real PostgreSQL and broker servers).
 test-fast: install
-	$(BIN)/pytest -q -n 2 tests/core tests/spec tests/postgres tests/sinks tests/control tests/cli/test_docs_links.py
+	$(BIN)/pytest -q -n 2 -m "pure or server"
 
 # Lint: ruff (style, imports), import-linter (the layers, no import circles), mypy --strict
 # (settings of all three in pyproject.toml); test files need unique names (the tests folders are not packages).

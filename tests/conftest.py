@@ -21,6 +21,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 # those that start a Spark session, then the rest; in each, the tests marked slow first. Only the
 # order changes; every test still runs.
 _FIRST = ("tests/e2e/", "tests/spark/")
+# Each test's tier, a marker by its folder (registered in pyproject.toml): `-m "pure or server"`
+# is the inner loop (`make test-fast`), `-m e2e` the feeds run as users run them.
+_TIERS = {"core": "pure", "spec": "pure", "postgres": "server", "sinks": "server", "control": "server",
+          "local": "server", "spark": "spark", "cli": "e2e", "e2e": "e2e", "cli/test_docs_links.py": "pure"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -29,4 +33,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         first = next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
         return first, item.get_closest_marker("slow") is None  # the slow ones (a minute or more) first
 
+    for item in items:
+        parts = item.nodeid.split("::")[0].split("/")
+        tier = _TIERS.get("/".join(parts[1:3])) or _TIERS.get(parts[1]) if parts[0] == "tests" else None
+        if tier:
+            item.add_marker(tier)
     items.sort(key=rank)
