@@ -9,8 +9,11 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
+import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
@@ -69,6 +72,44 @@ def _open_path_for(path: Path, user_kwargs: _RunAs) -> None:
             os.chmod(name, os.stat(name).st_mode | 0o044)
 
 
+STOP_WAIT_S = 60  # how long an earlier server's postmaster may take to go before a start gives up
+
+
+class ServerCommandFailed(subprocess.CalledProcessError):
+    """initdb or pg_ctl failed: the message carries what it said, and the end of the server's log."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{self.stderr or ''}{self.output or ''}".rstrip()
+
+
+def _pg(args: list[str], datadir: Path, kw: _RunAs) -> None:
+    """Run a server command; a failure raises ServerCommandFailed with its output and log's end."""
+    done = subprocess.run(args, capture_output=True, text=True, **kw)
+    if done.returncode:
+        log = datadir / "server.log"
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        raise ServerCommandFailed(done.returncode, args, f"server.log ends:\n{tail}" if tail else "",
+                                  (done.stderr or done.stdout)[-1500:])
+
+
+def _postmaster(datadir: Path) -> int | None:
+    """The pid of the postmaster running in `datadir`, if one is."""
+    try:
+        pid = int((datadir / "postmaster.pid").read_text().split("\n", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, OSError):
+        return None  # no pid file, one left by a crash, or a process gone: the server clears it itself
+    return pid
+
+
+def _postmaster_gone(datadir: Path, timeout: float = STOP_WAIT_S) -> None:
+    """Wait until no postmaster holds `datadir` (an immediate stop asked for may still be under way
+    on a busy machine: a start meanwhile finds its lock file)."""
+    deadline = time.monotonic() + timeout
+    while _postmaster(datadir) is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @dataclass
 class LocalPostgres:
     """One PostgreSQL server in `datadir`, reachable at 127.0.0.1:`port`."""
@@ -102,11 +143,8 @@ class LocalPostgres:
             pwfile = datadir.parent / f".{datadir.name}.pw"
             pwfile.write_text(server.password + "\n")
             os.chmod(pwfile, 0o644)
-            subprocess.run(
-                [str(bin_dir() / "initdb"), "-D", str(datadir), "-U", SUPERUSER, "--pwfile", str(pwfile),
-                 "--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8", "--no-sync"],
-                check=True, capture_output=True, **kw,
-            )
+            _pg([str(bin_dir() / "initdb"), "-D", str(datadir), "-U", SUPERUSER, "--pwfile", str(pwfile),
+                 "--auth-local=trust", "--auth-host=scram-sha-256", "--encoding=UTF8", "--no-sync"], datadir, kw)
             pwfile.unlink()
         conf = {
             "listen_addresses": "'127.0.0.1'",
@@ -126,11 +164,9 @@ class LocalPostgres:
         (datadir / "postgresql.auto.conf").write_text("".join(f"{k} = {v}\n" for k, v in conf.items()))
         if kw:
             shutil.chown(datadir / "postgresql.auto.conf", SYSTEM_USER, SYSTEM_USER)
-        subprocess.run(
-            [str(bin_dir() / "pg_ctl"), "-D", str(datadir), "-l", str(datadir / "server.log"), "-w", "-t", "60",
-             "start"],
-            check=True, capture_output=True, **kw,
-        )
+        _postmaster_gone(datadir)
+        _pg([str(bin_dir() / "pg_ctl"), "-D", str(datadir), "-l", str(datadir / "server.log"), "-w", "-t", "60",
+             "start"], datadir, kw)
         return server
 
     def standby(self, datadir: Path | str, slot: str, settings: dict[str, str] | None = None) -> LocalPostgres:
@@ -163,10 +199,16 @@ class LocalPostgres:
                        check=True, capture_output=True, **_run_as())
 
     def stop(self, mode: str = "fast") -> None:
+        """Stop the server and wait until its postmaster is gone (a server not running: nothing)."""
         subprocess.run(
             [str(bin_dir() / "pg_ctl"), "-D", str(self.datadir), "-m", mode, "-w", "stop"],
             check=False, capture_output=True, **_run_as(),
         )
+        pid = _postmaster(self.datadir)
+        if pid is not None:  # (pg_ctl gave up or missed it: the signal its mode stands for, as pg_ctl sends)
+            with suppress(OSError):
+                os.kill(pid, {"smart": signal.SIGTERM, "fast": signal.SIGINT}.get(mode, signal.SIGQUIT))
+            _postmaster_gone(self.datadir)
 
 
 def main(argv: list[str] | None = None) -> int:
