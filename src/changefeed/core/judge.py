@@ -125,15 +125,6 @@ class Judge:
         return list(self.covered.get(table, ())) + [(lo, hi) for lo, hi, snap in self.reads.get(table, ())
                                                      if snap.sees(xid)]
 
-    def to_json(self) -> dict[str, Any]:
-        return {"reads": {t: [[lo, hi, s.to_text()] for lo, hi, s in v] for t, v in self.reads.items()},
-                "covered": {t: [list(r) for r in v] for t, v in self.covered.items()}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Judge:
-        return cls({t: tuple((lo, hi, Snap.parse(s)) for lo, hi, s in v) for t, v in d.get("reads", {}).items()},
-                   {t: tuple((lo, hi) for lo, hi in v) for t, v in d.get("covered", {}).items()})
-
 
 def everything(ranges: Sequence[tuple[Key | None, Key | None]]) -> bool:
     """Whether the ranges hold every key (a table still to be read whole)."""
