@@ -2,11 +2,16 @@
 key's own order and collation, and chunk reads in the planner's exported snapshot."""
 from __future__ import annotations
 
-import psycopg
+from typing import Any
 
+import psycopg
+import pyarrow as pa
+
+from changefeed.core.judge import Judge
+from changefeed.core.visibility import Snap
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
-from changefeed.postgres.key_ranges import KeyOrder
+from changefeed.postgres.key_ranges import Judging, KeyOrder
 from support.servers import Dbs
 
 
@@ -50,3 +55,38 @@ def test_chunks_read_in_the_exported_snapshot_see_what_it_saw_and_a_gone_one_rea
         assert {line.split(b"\t")[1] for r in rows for line in r.column("after").to_pylist() if line} == {b"1"}
         assert reader.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
+
+
+def _rows(*changes: tuple[str, int, bytes | None, bytes | None, bytes | None]) -> Any:
+    """A window's record batch of table public.m (id int key, v int): its `R` row, then
+    (op, xid, after, before, old_key) in commit order."""
+    from changefeed.core import change as ch
+
+    shape = ch.TableShape("public", "m", ("id", "v"), ("integer", "integer"), ("id",), "d")
+    rows = [{"op": ch.RELATION, "schema": "public", "table": "m", "meta": shape.to_meta()}]
+    rows += [{"op": op, "schema": "public", "table": "m", "lsn": 100 + n, "seq": 0, "xid": xid, "after": after,
+              "before": before, "old_key": old} for n, (op, xid, after, before, old) in enumerate(changes)]
+    return pa.RecordBatch.from_pylist(rows, schema=ch.arrow_schema())
+
+
+def test_a_key_change_with_one_half_seen_becomes_the_other_and_a_truncate_ends_what_reads_leave_out(
+        dbs: Dbs) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE m (id int PRIMARY KEY, v int)")
+    judge = Judge({"public.m": ((None, ["10"], Snap.parse("50:50:")),)}, {})  # keys up to 10, read seeing xid < 50
+    judging = Judging(judge, lambda: psycopg.connect(dbs.source, autocommit=True))
+    try:
+        out = judging.apply(_rows(("c", 7, b"3\t0", None, None),  # seen, in the range: left out
+                                  ("c", 60, b"4\t0", None, None),  # not seen: kept
+                                  ("u", 8, b"20\t1", b"5\t0", b"5"),  # 5 (seen) -> 20 (past the range)
+                                  ("u", 9, b"2\t2", b"30\t1", b"30"),  # 30 -> 2 (seen)
+                                  ("u", 9, b"6\t1", b"1\t0", b"1"),  # both halves seen: left out
+                                  ("c", 12, b"40\t0", None, None),  # past the range: kept
+                                  ("t", 13, None, None, None),
+                                  ("c", 14, b"8\t0", None, None)))  # after the truncate: kept
+    finally:
+        judging.close()
+    got = [(r["op"], r["after"], r["before"], r["old_key"]) for r in out.to_pylist()[1:]]
+    assert got == [("c", b"4\t0", None, None), ("c", b"20\t1", None, None), ("d", None, b"30\t1", None),
+                   ("c", b"40\t0", None, None), ("t", None, None, None), ("c", b"8\t0", None, None)]
+    assert judging.dropped == 2

@@ -119,11 +119,13 @@ class Judge:
     def tables(self) -> frozenset[str]:
         return frozenset(self.reads) | frozenset(self.covered)
 
-    def ranges(self, table: str, xid: int) -> list[tuple[Key | None, Key | None]]:
+    def ranges(self, table: str, xid: int, read: bool = True) -> list[tuple[Key | None, Key | None]]:
         """The ranges of `table` in which a change of transaction `xid` is dropped: those still
-        to be read, and those of reads whose snapshot saw it."""
+        to be read, and (`read`) those of reads whose snapshot saw it. Past a TRUNCATE of the
+        table, not those of reads: the truncate empties their rows in the sinks, so what a read
+        saw after it must come again."""
         return list(self.covered.get(table, ())) + [(lo, hi) for lo, hi, snap in self.reads.get(table, ())
-                                                     if snap.sees(xid)]
+                                                     if read and snap.sees(xid)]
 
 
 def everything(ranges: Sequence[tuple[Key | None, Key | None]]) -> bool:

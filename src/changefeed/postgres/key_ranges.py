@@ -75,6 +75,7 @@ class Judging:
         self._conn: psycopg.Connection[Any] | None = None
         self._orders: dict[str, KeyOrder] = {}
         self._shapes: dict[str, ch.TableShape] = {}
+        self._truncated: set[str] = set()  # tables truncated earlier in the window (Judge.ranges)
         self.dropped = 0
 
     def close(self) -> None:
@@ -100,6 +101,10 @@ class Judging:
             schema, table = rows.column("schema")[i].as_py(), rows.column("table")[i].as_py()
             self._shapes[f"{schema}.{table}"] = ch.TableShape.from_meta(schema, table, rows.column("meta")[i].as_py())
         names = pc.binary_join_element_wise(rows.column("schema"), rows.column("table"), ".")
+        truncated = {name: -1 for name in self._truncated}  # table -> the row of its first truncate
+        for i in np.flatnonzero(pc.equal(ops, "t").to_numpy(zero_copy_only=False)).tolist():
+            truncated.setdefault(names[i].as_py(), i)
+        self._truncated |= truncated.keys()
         judged = pc.and_(pc.is_in(ops, pa.array(sorted(DROPPABLE))),
                          pc.is_in(names, pa.array(sorted(self.judge.tables()))))
         at = np.flatnonzero(pc.fill_null(judged, False).to_numpy(zero_copy_only=False)).tolist()
@@ -109,7 +114,7 @@ class Judging:
         new_out: set[int] = set()  # rows whose new key's half is left out (an insert's, an update's)
         old_out: set[int] = set()  # rows whose old key's half is (a delete's, a key change's)
         for name, ids in candidates.items():
-            new, old = self._judged(name, ids, rows)
+            new, old = self._judged(name, ids, rows, truncated.get(name, len(rows)))
             new_out |= new
             old_out |= old
         if not new_out and not old_out:
@@ -149,15 +154,16 @@ class Judging:
                 rows = rows.set_column(rows.schema.get_field_index(column), column, values)
         return rows if keep.all() else rows.filter(pa.array(keep))
 
-    def _judged(self, name: str, at: list[int], rows: Any) -> tuple[set[int], set[int]]:
+    def _judged(self, name: str, at: list[int], rows: Any, truncated: int) -> tuple[set[int], set[int]]:
         """Of the changes at `at` to table `name`, those whose new key's half and those whose old
-        key's half the judge leaves out."""
+        key's half the judge leaves out (past row `truncated`, a truncate of the table: by the
+        ranges still to be read only)."""
         shape = self._shapes[name]
         columns = [shape.columns.index(k) for k in shape.key]
         ops, xids = rows.column("op").take(at).to_pylist(), rows.column("xid").take(at).to_pylist()
         halves: dict[tuple[Any, ...], list[tuple[int, bool, Key | None]]] = {}
         for i, op, xid in zip(at, ops, xids):
-            ranges = self.judge.ranges(name, xid)
+            ranges = self.judge.ranges(name, xid, read=i < truncated)
             if not ranges:
                 continue
             spec = tuple((tuple(lo or ()), tuple(hi or ()), lo is None, hi is None) for lo, hi in ranges)
