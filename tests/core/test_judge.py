@@ -69,3 +69,17 @@ def test_a_first_read_stays_first_through_its_chunks_and_a_request_after_it_is_n
         assert Cursor.from_offset({"snap": cursor.to_json()}) == cursor
         assert all(Chunk.from_json(c.to_json()) == c for c in chunks)
     assert seen == [("s.a", True), ("s.a", True), ("s.b", True), ("s.b", True), ("s.a", False), ("s.a", False)]
+
+
+def test_a_read_is_carried_only_if_its_table_held_its_storage_by_the_window_end() -> None:
+    from changefeed.core.judge import Truncates
+
+    t = Truncates()
+    assert not t.steady("s.a", "1", 100)  # never noted: not known
+    t.note("s.a", "1", 50)
+    t.note("s.a", "1", 80)  # (the earliest note of a storage counts)
+    assert t.steady("s.a", "1", 50) and t.steady("s.a", "1", 100) and not t.steady("s.a", "1", 49)
+    assert not t.steady("s.a", "2", 100)  # the read saw a truncate the planner had not noted
+    t.note("s.a", "2", 120)
+    assert t.steady("s.a", "2", 120) and not t.steady("s.a", "2", 100)  # truncated between 100 and 120
+    assert not t.steady("s.a", "", 200)

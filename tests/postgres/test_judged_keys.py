@@ -90,3 +90,16 @@ def test_a_key_change_with_one_half_seen_becomes_the_other_and_a_truncate_ends_w
     assert got == [("c", b"4\t0", None, None), ("c", b"20\t1", None, None), ("d", None, b"30\t1", None),
                    ("c", b"40\t0", None, None), ("t", None, None, None), ("c", b"8\t0", None, None)]
     assert judging.dropped == 2
+
+
+def test_a_tables_storage_is_new_after_a_truncate_a_partitioned_ones_too(dbs: Dbs) -> None:
+    with dbs.src() as c:
+        c.execute("CREATE TABLE plain (id int PRIMARY KEY)")
+        c.execute("CREATE TABLE parts (id int PRIMARY KEY) PARTITION BY RANGE (id)")
+        c.execute("CREATE TABLE parts_a PARTITION OF parts FOR VALUES FROM (0) TO (10)")
+        c.execute("VACUUM plain")  # (storage is not a row count: a vacuum keeps it)
+        before = {t: snap_pg.storage(c, "public", t) for t in ("plain", "parts")}
+        assert all(before.values()) and snap_pg.storage(c, "public", "plain") == before["plain"]
+        c.execute("TRUNCATE plain, parts")
+        after = {t: snap_pg.storage(c, "public", t) for t in ("plain", "parts")}
+        assert all(after[t] != before[t] for t in after), (before, after)

@@ -131,3 +131,25 @@ class Judge:
 def everything(ranges: Sequence[tuple[Key | None, Key | None]]) -> bool:
     """Whether the ranges hold every key (a table still to be read whole)."""
     return any(lo is None and hi is None for lo, hi in ranges)
+
+
+class Truncates:
+    """Whether a read's table can have been truncated after its batch's window end, seen by the
+    read (its storage, postgres.snapshot.storage, is new with each TRUNCATE): then the truncate
+    comes in a later window and empties the rows the read gave the sinks, so the changes the read
+    saw after it must come again, and the read is not carried into later windows. The planner
+    notes each table's storage with the WAL insert position at the time; a read is carried only
+    if its storage was noted at or before its window's end (no truncate between)."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, tuple[str, int]] = {}  # entry -> (storage, the earliest LSN it was noted at)
+
+    def note(self, entry: str, storage: str, lsn: int) -> None:
+        seen = self._since.get(entry)
+        if seen is None or seen[0] != storage:
+            self._since[entry] = (storage, lsn)
+
+    def steady(self, entry: str, storage: str, end: int) -> bool:
+        """Whether `entry`'s table held `storage` already at WAL position `end`."""
+        seen = self._since.get(entry)
+        return bool(storage) and seen is not None and seen[0] == storage and seen[1] <= end

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -165,15 +165,28 @@ class Exported:
     id: str
     snap: str
     hw: int
+    files: Mapping[str, str]  # entry -> its table's storage in the snapshot (`storage`)
 
 
-def export(conn: psycopg.Connection[Any]) -> Exported:
+def export(conn: psycopg.Connection[Any], tables: Sequence[tuple[str, str, str]] = ()) -> Exported:
     """Open a transaction on `conn` (autocommit) in a snapshot that misses no written commit and
     export it: the batch's chunks are read in it, so the offset that plans them can say what they
-    saw (core.judge) before they are read. It lasts until `conn`'s transaction ends."""
+    saw (core.judge) before they are read, with the storage of `tables` ((entry, schema, table))
+    there. It lasts until `conn`'s transaction ends."""
     _stable_snapshot(conn)
     ident, snap = one_row(conn.execute("SELECT pg_export_snapshot(), pg_current_snapshot()::text"))
-    return Exported(str(ident), str(snap), insert_lsn(conn))
+    return Exported(str(ident), str(snap), insert_lsn(conn), {name: storage(conn, schema, table)
+                                                               for name, schema, table in tables})
+
+
+def storage(conn: psycopg.Connection[Any], schema: str, table: str) -> str:
+    """The files that hold a table's rows (its partitions' for a partitioned one), as the
+    connection's snapshot sees them: a TRUNCATE gives the table new ones."""
+    qualified = sql.Identifier(schema, table).as_string(conn)
+    row = conn.execute("SELECT string_agg(c.relfilenode::text, ',' ORDER BY c.oid) FROM pg_class c "
+                       "WHERE c.oid = %(t)s::regclass OR c.oid IN (SELECT relid FROM pg_partition_tree(%(t)s))",
+                       {"t": qualified}).fetchone()
+    return str(row[0]) if row and row[0] else ""
 
 
 def _imported(conn: psycopg.Connection[Any], ident: str | None) -> bool:

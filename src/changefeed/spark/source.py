@@ -28,6 +28,7 @@ import psycopg
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
+from changefeed import faults
 from changefeed.core import barrier as bar
 from changefeed.core import change as ch
 from changefeed.core import distributed as dist
@@ -42,7 +43,7 @@ from changefeed.postgres import cut as nodes_cut
 from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.connect import connect, insert_lsn, lost_connection
 from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
@@ -137,6 +138,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
         self._exports: dict[str, Any] = {}  # node -> the connection holding the last batch's exported snapshot
+        self._truncates = judge.Truncates()  # the storage of tables a first read judges, as noted
         self._marks: dict[str, slots.RestartMark] = {}  # per node (postgres.slots.RestartMark)
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
         self._available_now: Readings | None = None  # an AvailableNow run's end
@@ -207,6 +209,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @carried("source")
     @lost_connection("source")
     def prepareForTriggerAvailableNow(self) -> None:
+        self._note_storage(self._judged_tables([snapshot.Chunk(0, e, None, None, (), True)
+                                                for e in self.snapshot_entries]))  # (before the run's end is fixed)
         self._available_now = self._readings()
 
     def _readings(self) -> Readings:
@@ -347,6 +351,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 and not idle:  # (a followed batch is not judged: core.judge)
             self._planned_at = time.monotonic()
             return replace(start, cursor=cursor, chunks=(), follow=start.follow + 1).to_json()
+        judged = self._judged_tables(chunks)
+        self._note_storage(judged)  # (before the window's end is fixed: core.judge.Truncates)
         readings = self._take_readings(start, bool(chunks))
         if readings is None:
             return start_json
@@ -361,24 +367,50 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if end is None:
             return start_json
         self._planned_at = time.monotonic()
-        return self._judged(start, end).to_json()
+        return self._judged(start, end, judged).to_json()
 
-    def _judged(self, start: Offset, end: Offset) -> Offset:
+    def _judged_tables(self, chunks: Sequence[snapshot.Chunk]) -> dict[str, list[tuple[str, str, str]]]:
+        """Per node, the tables of `chunks` a first read judges (core.judge): (entry, schema, table)."""
+        out: dict[str, list[tuple[str, str, str]]] = {}
+        for entry in sorted({c.table for c in chunks if c.first and not c.only and not self._keyless(c.table)}):
+            node, table = snapshot.node_of(entry, DEFAULT_NODE)
+            if node in self.nodes:
+                t = self._described(node, table)
+                out.setdefault(node, []).append((entry, t.schema, t.name))
+        return out
+
+    def _note_storage(self, tables: Mapping[str, Sequence[tuple[str, str, str]]]) -> None:
+        """Note the storage of `tables` now (core.judge.Truncates)."""
+        for node, named in tables.items():
+            with self._on(node):
+                conn = self.conn(node)
+                for entry, schema, table in named:
+                    stored = snap_pg.storage(conn, schema, table)  # (then the position: it held there)
+                    self._truncates.note(entry, stored, insert_lsn(conn))
+
+    def _judged(self, start: Offset, end: Offset, tables: Mapping[str, Sequence[tuple[str, str, str]]]) -> Offset:
         """`end` with the snapshot reads its windows are judged against (core.judge): those of
-        earlier batches the stream has not passed, and its own chunks', each node's read in a
-        snapshot exported now (after the window's end is fixed) that the chunks import."""
-        keyless = {c.table for c in end.chunks if self._keyless(c.table)}
-        nodes = {snapshot.node_of(c.table, DEFAULT_NODE)[0] for c in end.chunks
-                 if not c.only and c.table not in keyless}
-        exported = {}
-        for node in sorted(nodes & self.nodes.keys()):
+        earlier batches the stream has not passed, and its own chunks' (of `tables`), each node's
+        read in a snapshot exported now (after the window's end is fixed) that the chunks import.
+        A read of a table that may have been truncated after the window's end judges its own
+        batch's window only (core.judge.Truncates)."""
+        exported: dict[str, snap_pg.Exported] = {}
+        if tables:
+            faults.reach("snapshot_export")  # crash tests: the window's end fixed, its read not begun
+        for node, named in sorted(tables.items()):
             with self._on(node):
                 conn = self._exports.get(node)
                 if conn is None or conn.closed:
                     conn = self._exports[node] = connect(self.nodes[node].uri, self._role(node))
-                exported[node] = snap_pg.export(conn)
-        reads = judge.carried(start.reads, start.lsns, DEFAULT_NODE) + judge.reads_of(
-            end.chunks, {n: (e.snap, e.hw) for n, e in exported.items()}, DEFAULT_NODE, keyless)
+                exported[node] = snap_pg.export(conn, named)
+        files = {e: f for x in exported.values() for e, f in x.files.items()}
+        keyless = {c.table for c in end.chunks if self._keyless(c.table)}
+        own = judge.reads_of(end.chunks, {n: (e.snap, e.hw) for n, e in exported.items()}, DEFAULT_NODE, keyless)
+        ends = {n: end.lsns.get(n, 0) for n in tables}
+        reads = judge.carried(start.reads, start.lsns, DEFAULT_NODE) + [
+            r if self._truncates.steady(r.entry, files.get(r.entry, ""),
+                                        ends.get(snapshot.node_of(r.entry, DEFAULT_NODE)[0], 0))
+            else replace(r, hw=0) for r in own]
         return replace(end, reads=tuple(reads), exports={n: e.id for n, e in exported.items()})
 
     def _end_exports(self, close: bool = False) -> None:
