@@ -146,14 +146,15 @@ def _same(key: str, given: Any, stored: Any) -> bool:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from changefeed.control.runner import run
+    from changefeed.control.runner import run, stop_on_signals
 
+    stop = stop_on_signals(threading.Event())  # first: a stop while the definition is read is clean too
     state = FeedState(args.state, args.name)
     if args.standby and state.load() is None and not (args.sink or args.tables):
         spec = _standing_by(args)
     else:
         spec = _spec_from_args(args, state)
-    run(spec, state, standby=args.standby, **_running(args))
+    run(spec, state, standby=args.standby, stop_event=stop, **_running(args))
     return 0
 
 

@@ -24,7 +24,7 @@ import pytest
 from changefeed.local.kafka import LocalKafka, committed, read_partition
 from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, status_of, wait_for
 from support.servers import Dbs, free_port
-from support.standby import kill_turns, standby_starter, turn_env
+from support.standby import kill_turns, standby_starter, stop_both, turn_env
 from support.writers import moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
@@ -414,9 +414,7 @@ def test_a_standby_takes_over_a_feed_of_three_sinks(dbs: Dbs, tmp_path: Path, ka
             active = kill_turns(STANDBY_KILLS, runners, logs, faults, standby, sinks.least, written,
                                 lambda turn, text: takeovers.append(text))
         wait_for("every row in every sink", lambda: sinks.least() >= written[0], logs[active], timeout=240)
-        for i in (1 - active, active):
-            runners[i].send_signal(signal.SIGTERM)
-            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+        stop_both(runners, logs, active)
     finally:
         kill_running(runners)
     assert "lack the last batch the others recorded" in takeovers[0], takeovers[0][-3000:]

@@ -19,7 +19,7 @@ import pytest
 
 from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
 from support.servers import Dbs
-from support.standby import kill_turns, standby_starter, turn_env
+from support.standby import kill_turns, standby_starter, stop_both, turn_env
 from support.writers import moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
@@ -80,9 +80,7 @@ def test_a_standby_takes_over_a_delta_feed_exactly_once(dbs: Dbs, tmp_path: Path
             active = kill_turns(KILLS, runners, logs, faults, standby, lambda: _top(lake), written,
                                 lambda turn, text: takeovers.append(text))
         wait_for("every row in the lake", lambda: _top(lake) >= written[0], logs[active], timeout=180)
-        for i in (1 - active, active):  # the standby first: else it takes over from the clean stop
-            runners[i].send_signal(signal.SIGTERM)
-            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+        stop_both(runners, logs, active)
     finally:
         kill_running(runners)
     # the first takeover on a host without a checkpoint, later ones on a host whose checkpoint is stale

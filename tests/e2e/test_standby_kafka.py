@@ -4,7 +4,6 @@ read_committed reader gets every change once; a runner of an earlier term is ref
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -19,7 +18,7 @@ from changefeed.sinks.kafka.options import KafkaOptions
 from support.feeds import assert_no_traceback, changefeed_cli, kill_running, start_changefeed, wait_for
 from support.kafka import kafka_sink
 from support.servers import Dbs
-from support.standby import kill_turns, standby_starter, turn_env
+from support.standby import kill_turns, standby_starter, stop_both, turn_env
 from support.writers import money_tables, moving_money, writing
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,9 +60,7 @@ def test_a_standby_takes_over_a_kafka_feed_exactly_once(dbs: Dbs, tmp_path: Path
             active = kill_turns(KILLS, runners, logs, faults, standby, lambda: max(_ids(kafka, topic), default=0),
                                 written)
         wait_for("every row in Kafka", lambda: max(_ids(kafka, topic), default=0) >= written[0], logs[active])
-        for i in (1 - active, active):  # the standby first: else it takes over from the clean stop
-            runners[i].send_signal(signal.SIGTERM)
-            assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+        stop_both(runners, logs, active)
     finally:
         kill_running(runners)
     ids = sorted(_ids(kafka, topic))  # (snapshot rows arrive after the window they were read in)

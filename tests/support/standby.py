@@ -38,6 +38,17 @@ def taken_over_while_frozen(dbs: Dbs, frozen: subprocess.Popen[bytes], logs: lis
     return int(claimed[0]), claimed[1]
 
 
+def stop_both(runners: list[subprocess.Popen[bytes]], logs: list[Path], active: int) -> None:
+    """Stop the two runners of kill_turns cleanly (SIGTERM, exit 0): the standby first, else it takes
+    over from the clean stop, and only once it stands by (a runner just restarted may not have
+    reached its signal handlers yet, and would end by the signal)."""
+    wait_for("the standby to wait", lambda: "standing by; active: pid " in logs[1 - active].read_text(),
+             logs[1 - active])
+    for i in (1 - active, active):
+        runners[i].send_signal(signal.SIGTERM)
+        assert runners[i].wait(timeout=120) == 0, logs[i].read_text()[-3000:]
+
+
 def standby_starter(name: str, source: str, states: list[Path], logs: list[Path]
                     ) -> Callable[[int, dict[str, str]], subprocess.Popen[bytes]]:
     """kill_turns' `restart`: `run --standby` of feed `name` on host `host` (its own state folder

@@ -68,7 +68,7 @@ def run(spec: FeedSpec, state: FeedState, *, available_now: bool = False, master
     retry = Retry(retry_max_backoff_s, give_up_after_s)
     lag = lag_budget.Lag.load(state)
     if handle_signals and threading.current_thread() is threading.main_thread():
-        _stop_on_signals(stop)
+        stop_on_signals(stop)
     from changefeed.spark.connect import Held, is_remote
     from changefeed.spark.job import spark_session
     from changefeed.spec.secrets import executor_env
@@ -244,10 +244,10 @@ def _take_turn(spec: FeedSpec, spark: Any, stop: threading.Event, report: Callab
     return ran
 
 
-def _stop_on_signals(stop: threading.Event) -> None:
+def stop_on_signals(stop: threading.Event) -> threading.Event:
     """SIGINT/SIGTERM stop the feed cleanly at its next step, from the start on (a runner that waits
     for a verify, connects or starts Spark finishes that step, then stops); a second one ends the
-    process at once."""
+    process at once. Returns `stop`."""
     def handle(sig: int, _frame: Any) -> None:
         if stop.is_set():
             signal.signal(sig, signal.SIG_DFL)
@@ -256,6 +256,7 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle)
+    return stop
 
 
 def _warn_if_readable(state: FeedState, report: Callable[[str], None]) -> None:
