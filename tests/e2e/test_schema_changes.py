@@ -268,3 +268,28 @@ def test_capture_ddl_applies_each_change_in_order_across_a_kill(dbs: Dbs, tmp_pa
     with dbs.src() as c:
         assert c.execute("SELECT count(*) FROM pg_event_trigger WHERE evtname LIKE %s",
                          (f"changefeed_ddl%{dbs.name}",)).fetchone() == (0,)
+
+
+def test_a_table_renamed_while_the_feed_is_stopped_keeps_its_rows_on_the_replica(dbs: Dbs, tmp_path: Path,
+                                                                                 spark_server: str) -> None:
+    """The runner that starts after the source renamed a table (the rename still in the slot)
+    captures it under its new name and makes that table on the replica; when the rename's message
+    is applied, the empty new table gives way to the old one, renamed with its rows (they stayed
+    behind under the old name before, "missing on the sink")."""
+    with dbs.src() as c:
+        c.execute("CREATE TABLE r_t (id int PRIMARY KEY, v int)")
+        c.execute("INSERT INTO r_t SELECT g, g FROM generate_series(1, 200) g")
+    name, first = _feed(dbs, tmp_path, ["r_t"])
+    out = changefeed_cli("run", *first, "--capture-ddl", "--available-now", "--master", spark_server)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with dbs.src() as c:
+        c.execute("INSERT INTO r_t VALUES (201, 201)")
+        c.execute("ALTER TABLE r_t RENAME TO r_u")
+        c.execute("INSERT INTO r_u VALUES (202, 202)")
+    out = changefeed_cli("run", *name, "--available-now", "--master", spark_server)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with dbs.dst() as d:
+        assert d.execute("SELECT count(*), sum(v) FROM r_u").fetchone() == (202, sum(range(1, 203)))
+        assert d.execute("SELECT to_regclass('public.r_t')").fetchone() == (None,)
+    rc, report, err = _verify(name)
+    assert rc == 0 and report["equal"], err + json.dumps(report)[:3000]

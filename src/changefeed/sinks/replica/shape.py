@@ -76,6 +76,21 @@ class Follower:
         self._followed[key] = shape
 
 
+def _gives_way(conn: psycopg.Connection[Any], old: tuple[str, str], new: tuple[str, str]) -> bool:
+    """Whether nothing is in the way of renaming `old` to `new`: no table `new`, or an empty one,
+    dropped here. A `new` with rows stops the feed (whose rows are whose, only the user knows)."""
+    if read(conn, *new) is None:
+        return True
+    if conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(sql.Identifier(*new))).fetchone() is not None:
+        raise UnfollowableChange(
+            f"table {'.'.join(old)} was renamed to {'.'.join(new)} on the source, but the replica has both, "
+            f"with rows in each; nothing past the rename was applied",
+            f"keep the rows you want in {'.'.join(old)} on the replica and drop {'.'.join(new)} there (or the "
+            "other way round, then drop the old one), and run the feed again")
+    conn.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(*new)))
+    return True
+
+
 def read(conn: psycopg.Connection[Any], schema: str, table: str) -> Current | None:
     """The replica table's columns, types and primary key; None if there is no such table."""
     rows = conn.execute(
@@ -126,8 +141,10 @@ def _move_key(conn: psycopg.Connection[Any], shape: TableShape, key: Sequence[st
 def rename(conn: psycopg.Connection[Any], old: tuple[str, str], new: tuple[str, str],
            columns: Sequence[tuple[str, str]]) -> None:
     """Rename the replica table `old` to `new` and its columns (old, new) as the source did; what is
-    renamed already (a batch replayed) stays."""
-    if old != new and read(conn, *old) is not None and read(conn, *new) is None:
+    renamed already (a batch replayed) stays. An empty `new` beside `old` is the one a runner made
+    for the feed's tables under their new names, started after the source's rename but before this
+    message was applied: it gives way (else `old`'s rows would stay behind under the old name)."""
+    if old != new and read(conn, *old) is not None and _gives_way(conn, old, new):
         conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(new[0])))
         if old[0] != new[0]:
             conn.execute(sql.SQL("ALTER TABLE {} SET SCHEMA {}").format(sql.Identifier(*old), sql.Identifier(new[0])))
