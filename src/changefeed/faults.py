@@ -1,14 +1,16 @@
 """Named fault points for crash tests: SIGKILL (or freeze) the whole feed at an awkward moment.
 
-`CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the n-th
-time (default 1st) execution reaches `point`: node_created (a feed's publication and slot exist on
-one more source node), startup, read, pending (a node's window ended with a prepared part undecided
-on it), snapshot_chunk (a chunk was read), sink_write (a message sink wrote another 1000 messages of
-a batch), insert_run (the replica COPYed a run of inserts into its target, inside the batch's
-transaction), delta_files_written (a Delta writer task wrote its files), delta_term_checked (the
-driver checked a Delta table's lease term, about to commit to it), delta_table_committed (it
-committed one table of the batch), webhook_request (a webhook request is due, its lease not checked
-yet), before_sink_commit or after_sink_commit. `CHANGEFEED_STOP_AT=point[:n]` freezes it
+`CHANGEFEED_KILL_AT=point[:n]` kills the feed's process group (driver, JVM, Python workers) the
+n-th time (default 1st) execution reaches `point`: node_created (a feed's publication and slot
+exist on one more source node), startup, read, snapshot_export (the planner fixed a snapshot
+batch's window end and is about to export the snapshot its first read is read in), pending (a
+node's window ended with a prepared part undecided on it), snapshot_chunk (a chunk was read),
+sink_write (a message sink wrote another 1000 messages of a batch), insert_run (the replica COPYed
+a run of inserts into its target, inside the batch's transaction), delta_files_written (a Delta
+writer task wrote its files), delta_term_checked (the driver checked a Delta table's lease term,
+about to commit to it), delta_table_committed (it committed one table of the batch),
+webhook_request (a webhook request is due, its lease not checked yet), before_sink_commit or
+after_sink_commit. `CHANGEFEED_STOP_AT=point[:n]` freezes it
 there instead (SIGSTOP; the process groups stopped are written to `.stopped-groups` in the fault
 folder, for the test to SIGCONT). `CHANGEFEED_FAIL_AT=point[:n]` instead raises
 an unexpected error there, once (the n-th time): a task failing for a reason changefeed has no type

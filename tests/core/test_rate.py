@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from changefeed.core.rate import BURST_S, NAP_S, Allowance, Pace, share
+from changefeed.core.rate import BURST_S, CATCH_UP, NAP_S, Allowance, Pace, share
 
 
 class Clock:
@@ -60,13 +60,30 @@ def test_a_rate_is_shared_by_the_reads_that_run_at_once() -> None:
     assert share(0, 4, 2) == 0
 
 
-def test_a_credit_is_read_at_once_then_the_rate_holds() -> None:
+def test_a_credit_is_spent_a_little_above_the_rate_then_the_rate_holds() -> None:
     clock = Clock()
     pace = Pace(100, credit=50, clock=clock, sleep=clock.sleep)
-    pace.took(50)
-    assert clock.now == 100.0  # the credit: no sleep
+    pace.took(110)
+    assert abs(clock.now - 101.0) < 1e-9  # at CATCH_UP times the rate: 110 in a second, not 50 at once
+    pace.took(440)
+    assert abs(clock.now - 105.0) < 1e-9  # 550 in 5 s: the credit is spent (550 - 50 = 100 a second)
     pace.took(100)
-    assert abs(clock.now - 101.0) < 1e-9  # then 100 a second
+    assert abs(clock.now - 106.0) < 1e-9  # then 100 a second
+
+
+@given(st.floats(1, 1e6), st.floats(0, 1e6), st.lists(st.floats(0.01, 1e5), min_size=1, max_size=50))
+def test_no_read_runs_more_than_catch_up_times_its_rate_nor_above_it_past_its_credit(
+        per_s: float, credit: float, pieces: list[float]) -> None:
+    clock = Clock()
+    pace = Pace(per_s, credit=credit, clock=clock, sleep=clock.sleep)
+    began, done = clock.now, 0.0
+    for n in pieces:
+        pace.took(n)
+        done += n
+        elapsed = clock.now - began
+        slack = NAP_S * per_s * CATCH_UP  # (a read naps only once it is this far ahead)
+        assert done <= per_s * CATCH_UP * elapsed + slack + 1e-6 * done
+        assert done - credit <= per_s * elapsed + slack + 1e-6 * done
 
 
 def test_the_saved_up_rows_are_split_over_a_batch_s_reads_and_spent() -> None:

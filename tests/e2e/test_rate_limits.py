@@ -73,3 +73,23 @@ def test_rates_hold_and_change_on_a_running_feed(dbs: Dbs, tmp_path: Path) -> No
     finally:
         kill_running([runner])
     assert_no_traceback(log.read_text())
+
+
+def test_no_snapshot_read_runs_much_above_the_rate_while_it_makes_up_for_lost_time(dbs: Dbs, tmp_path: Path) -> None:
+    rows, rate, chunk = 100_000, 10_000, 25_000
+    with psycopg.connect(dbs.source, autocommit=True) as c:
+        c.execute("CREATE TABLE wide (id int PRIMARY KEY, pad text)")
+        c.execute("INSERT INTO wide SELECT g, repeat('x', 50) FROM generate_series(1, %s) g", (rows,))
+    done = changefeed_cli("run", "--name", dbs.name, "--state", str(tmp_path / "state"), "--source", dbs.source,
+                          "--sink", dbs.sink, "--tables", "public.wide", "--snapshot-rate", str(rate),
+                          "--snapshot-chunk-rows", str(chunk), "--snapshot-chunks-per-batch", "1",
+                          "--snapshot-reads", "parallel", "--available-now")
+    assert done.returncode == 0, done.stderr[-3000:]
+    with psycopg.connect(dbs.sink) as c:  # each chunk's rows over its read's time (the task that read it)
+        reads = c.execute(
+            "SELECT s.rows, (r->>'ended')::float8 - (r->>'began')::float8 FROM changefeed.snapshot_chunks s "
+            "JOIN changefeed.progress p ON p.feed = s.feed AND p.batch_id = s.batch_id, "
+            "jsonb_array_elements(p.reads) r WHERE s.feed = %s AND (r->>'task')::bigint = s.read_task "
+            "ORDER BY s.chunk_no", (dbs.name,)).fetchall()
+    assert sum(n for n, _ in reads) == rows and len(reads) == rows // chunk, reads
+    assert all(n / s <= rate * 1.15 for n, s in reads), [round(n / s) for n, s in reads]  # (the burst: ~1.1 x)

@@ -11,7 +11,9 @@ see core.distributed), per node the prepared parts its windows deliver (`parts`:
 start of their COMMIT PREPARED) and those still open at its end (`open`, which the next plan
 starts from). Version 2 (two-phase slots read from a hold) is refused: its feed must be created
 again. A followed batch (`run --low-latency`, core.followed) adds `follow`, its number among them:
-its LSN and ts are where it starts, its end is only known once its sink recorded it.
+its LSN and ts are where it starts, its end is only known once its sink recorded it. While a
+snapshot is read, `reads` (the snapshot reads its windows are judged against, core.judge) and
+`exports` (per node, the exported snapshot its chunks are read in) are added.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from changefeed.core.distributed import Part
+from changefeed.core.judge import Read
 from changefeed.core.lsn import Lsn
 from changefeed.core.nodes import DEFAULT_NODE
 from changefeed.core.snapshot import Chunk, Cursor
@@ -47,6 +50,8 @@ class Offset:
     parts: Mapping[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)  # node -> (gid, xid, lsn)
     open: Mapping[str, tuple[Part, ...]] = field(default_factory=dict)  # node -> parts prepared, undecided at its end
     follow: int = 0  # a followed batch's number (core.followed): `lsns` and `ts` are where it starts
+    reads: tuple[Read, ...] = ()  # the snapshot reads its windows are judged against (core.judge)
+    exports: Mapping[str, str] = field(default_factory=dict)  # node -> the snapshot its chunks import
 
     @property
     def lsn(self) -> Lsn:
@@ -82,6 +87,10 @@ class Offset:
             out["open"] = {n: [p.to_json() for p in v] for n, v in sorted(self.open.items()) if v}
         if self.follow:
             out["follow"] = self.follow
+        if self.reads:
+            out["reads"] = [r.to_json() for r in self.reads]
+        if self.exports:
+            out["exports"] = dict(sorted(self.exports.items()))
         return out
 
     @classmethod
@@ -104,7 +113,8 @@ class Offset:
             opened = {str(n): tuple(Part.from_json(p) for p in v) for n, v in (d.get("open") or {}).items()}
             return cls(lsns, int(d.get("ts", 0)), Cursor.from_offset(d),
                        tuple(Chunk.from_json(c) for c in d.get("chunks", ())), int(d.get("theta", 0)), parts, opened,
-                       int(d.get("follow", 0)))
+                       int(d.get("follow", 0)), tuple(Read.from_json(r) for r in d.get("reads", ())),
+                       {str(n): str(i) for n, i in (d.get("exports") or {}).items()})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, OffsetError):
                 raise

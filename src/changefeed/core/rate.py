@@ -4,7 +4,8 @@
 source, across all its reads: each of the batch's reads that run at once gets its share, and a
 `Pace` makes a read sleep whenever it got ahead of its share since it began (the COPY then waits
 in the server too: the socket fills). A rows limit also keeps an `Allowance` on the driver, so
-the time between batches (planning, the sink's commit) is made up by the next batch's reads.
+the time between batches (planning, the sink's commit) is made up by the next batch's reads, at
+most CATCH_UP times their share (no read presses the source much above the limit).
 `--max-rate` caps the changes per second the stream delivers: an `Allowance` (a token bucket
 filled at that rate, holding at most `BURST_S` of it) says how many changes the next batch may
 carry, and the batch's window is cut after that many (postgres.source.lsn_after_changes). Both
@@ -17,21 +18,24 @@ from collections.abc import Callable
 
 BURST_S = 1.0  # the most an idle feed saves up for its next batch, in seconds of --max-rate
 NAP_S = 0.01  # a read sleeps once it is this far ahead of its rate (not after every row)
+CATCH_UP = 1.1  # a read spends its credit at most this much faster than its rate
 
 
 class Pace:
     """Keeps one reader at `per_s` units per second on average since it began, after a `credit`
-    it may take at once (what the feed's reads left unused between batches: `Allowance`)."""
+    (what the feed's reads left unused between batches: `Allowance`), which it spends by reading
+    at most CATCH_UP times faster: the source never sees a read much above the limit."""
 
     def __init__(self, per_s: float, credit: float = 0.0, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         assert per_s > 0
         self.per_s, self.clock, self.sleep = per_s, clock, sleep
-        self.began, self.done = clock(), -credit
+        self.began, self.credit, self.done = clock(), max(0.0, credit), 0.0
 
     def took(self, amount: float) -> None:
         self.done += amount
-        ahead = self.done / self.per_s - (self.clock() - self.began)
+        due = max((self.done - self.credit) / self.per_s, self.done / (self.per_s * CATCH_UP))
+        ahead = due - (self.clock() - self.began)
         if ahead >= NAP_S:
             self.sleep(ahead)
 

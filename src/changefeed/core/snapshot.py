@@ -67,13 +67,15 @@ class Chunk:
     lo: Key | None
     hi: Key | None
     only: tuple[str, ...] = ()  # the sinks it is read for (a sink added to the feed); () = all of them
+    first: bool = False  # part of a first read: the sinks held nothing of the table before it (core.judge)
 
     def to_json(self) -> list[Any]:
-        return [self.no, self.table, self.lo, self.hi, *([list(self.only)] if self.only else [])]
+        tail: list[Any] = [list(self.only), True] if self.first else [list(self.only)] if self.only else []
+        return [self.no, self.table, self.lo, self.hi, *tail]
 
     @classmethod
     def from_json(cls, v: Sequence[Any]) -> "Chunk":
-        return cls(int(v[0]), str(v[1]), v[2], v[3], tuple(v[4]) if len(v) > 4 else ())
+        return cls(int(v[0]), str(v[1]), v[2], v[3], tuple(v[4]) if len(v) > 4 else (), len(v) > 5 and bool(v[5]))
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,10 @@ class Cursor:
     requests: int = 0
     only: tuple[str, ...] = ()  # aligned with `pending`; () when every table is read for all sinks
     upto: Key | None = None  # (a cursor of an older version has none: its table is read to its end)
+    # how many of the first pending tables are first reads: those of the feed's first run, whose
+    # slot was made with it, so no sink holds anything of them yet (their windows are judged,
+    # core.judge); a request is read again after them
+    first: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pending": list(self.pending), "after": self.after, "no": self.next_no,
@@ -98,13 +104,15 @@ class Cursor:
             out["only"] = list(self.only)
         if self.upto is not None:
             out["upto"] = self.upto
+        if self.first:
+            out["first"] = self.first
         return out
 
     @classmethod
     def from_offset(cls, offset: Mapping[str, Any]) -> "Cursor":
         s = offset.get("snap") or {}
         return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)),
-                   tuple(s.get("only", ())), s.get("upto"))
+                   tuple(s.get("only", ())), s.get("upto"), int(s.get("first", 0)))
 
     def _targets(self) -> list[str]:
         return list(self.only) if self.only else [""] * len(self.pending)
@@ -140,7 +148,7 @@ class Cursor:
 
         out: list[Chunk] = []
         pending, targets, after, no = list(self.pending), self._targets(), self.after, self.next_no
-        upto, used = self.upto, Fraction(0)
+        upto, used, first = self.upto, Fraction(0), self.first
         while pending and not (out and (used + share(pending[0]) > 1 or alone(pending[0]) or alone(out[-1].table))):
             used += share(pending[0])
             if after is None and upto is None:
@@ -148,15 +156,18 @@ class Cursor:
             hi = boundary(pending[0], after, rows, upto)
             ends = hi is None
             hi = upto if ends else hi
-            out.append(Chunk(no, pending[0], after, hi, tuple(targets[0].split(",")) if targets[0] else ()))
+            out.append(Chunk(no, pending[0], after, hi, tuple(targets[0].split(",")) if targets[0] else (),
+                             first > 0))
             no += 1
             if ends:
                 pending.pop(0)
                 targets.pop(0)
                 after = upto = None
+                first = max(0, first - 1)
             else:
                 after = hi
-        return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else (), upto)
+        return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else (), upto,
+                           first)
 
 
 def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: float | None, budget: int = 1,

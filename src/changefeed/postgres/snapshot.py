@@ -7,24 +7,27 @@ upserts (op `r`), in the same transaction as that window's changes. Read with an
 S, a chunk holds each key's state after exactly the transactions S sees. If S sees every
 transaction whose commit record starts before `end` (everything the replica holds once this batch
 is applied), each chunk row is its key's state at some point at or after `end`, and every change
-S does not see commits later, so it reaches the replica in a later batch and overwrites the row
-in commit order. A change S does see but that commits at or after `end` is applied once more
-later: a full row image that leads, change by change, to the same state (an unchanged TOAST
-value is taken from the row before it, which already holds that value). So no change is lost,
-each key ends equal to the source, and once the stream has passed the chunk's read position the
-replica is again a consistent cut.
+S does not see commits later, so it reaches the sinks in a later batch, after the row, in commit
+order. A change S does see but that commits at or after `end` is left out of the windows that
+bring it (core.judge), so each key's changes reach a sink once; where it is not (a batch read
+again after a restart, whose S is gone: the read takes a snapshot of its own), it is a full row
+image that leads, change by change, to the same state (an unchanged TOAST value is taken from
+the row before it, which already holds that value). So no change is lost, each key ends equal to
+the source, and once the stream has passed the chunk's read position the replica is again a
+consistent cut.
 
-S is taken after `end` was planned (at a flushed position), so S misses a transaction committed
+S is taken by the planner once `end` was fixed (at a flushed position) and exported to the
+batch's chunk reads (`export`), so S misses a transaction committed
 before `end` only if that transaction's commit record was written but it is not yet visible: it
 is still in S's in-progress list while the commit log already says committed (a commit waiting
-for a synchronous standby). The first statement of the read checks for exactly that and, if
+for a synchronous standby). The first statement in S checks for exactly that and, if
 found, tries again with a new snapshot.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +158,53 @@ def _stable_snapshot(conn: psycopg.Connection[Any]) -> None:
 
 
 @dataclass(frozen=True)
+class Exported:
+    """A snapshot a planner's transaction holds for a batch's chunk reads to import (`id`), its
+    pg_current_snapshot() text, and a WAL position by which every commit it sees was written."""
+
+    id: str
+    snap: str
+    hw: int
+    files: Mapping[str, str]  # entry -> its table's storage in the snapshot (`storage`)
+
+
+def export(conn: psycopg.Connection[Any], tables: Sequence[tuple[str, str, str]] = ()) -> Exported:
+    """Open a transaction on `conn` (autocommit) in a snapshot that misses no written commit and
+    export it: the batch's chunks are read in it, so the offset that plans them can say what they
+    saw (core.judge) before they are read, with the storage of `tables` ((entry, schema, table))
+    there. It lasts until `conn`'s transaction ends."""
+    _stable_snapshot(conn)
+    ident, snap = one_row(conn.execute("SELECT pg_export_snapshot(), pg_current_snapshot()::text"))
+    return Exported(str(ident), str(snap), insert_lsn(conn), {name: storage(conn, schema, table)
+                                                               for name, schema, table in tables})
+
+
+def storage(conn: psycopg.Connection[Any], schema: str, table: str) -> str:
+    """The files that hold a table's rows (its partitions' for a partitioned one), as the
+    connection's snapshot sees them: a TRUNCATE gives the table new ones."""
+    qualified = sql.Identifier(schema, table).as_string(conn)
+    row = conn.execute("SELECT string_agg(c.relfilenode::text, ',' ORDER BY c.oid) FROM pg_class c "
+                       "WHERE c.oid = %(t)s::regclass OR c.oid IN (SELECT relid FROM pg_partition_tree(%(t)s))",
+                       {"t": qualified}).fetchone()
+    return str(row[0]) if row and row[0] else ""
+
+
+def _imported(conn: psycopg.Connection[Any], ident: str | None) -> bool:
+    """Begin the read's transaction in the exported snapshot `ident`; False when it is gone (its
+    planner ended: a batch read again after a restart), the transaction then not begun."""
+    if ident is None:
+        return False
+    conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    try:
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(ident)))
+    except (psycopg.errors.UndefinedObject, psycopg.errors.InvalidParameterValue,
+            psycopg.errors.ObjectNotInPrerequisiteState):
+        conn.execute("ROLLBACK")
+        return False
+    return True
+
+
+@dataclass(frozen=True)
 class Cut:
     """A batch's window end on a node, with the node's slots (its own, then its lag slot) and
     publication (postgres.keyless_cut)."""
@@ -166,22 +216,27 @@ class Cut:
 
 @dataclass
 class ChunkRead:
-    """What reading a chunk found: its rows, and a WAL position by which every commit its
-    snapshot saw had been written (the replica is a consistent cut again once past it)."""
+    """What reading a chunk found: its rows, a WAL position by which every commit its
+    snapshot saw had been written (the replica is a consistent cut again once past it), and the
+    snapshot (pg_current_snapshot() text; whether it was the planner's, `imported`)."""
 
     rows: int = 0
     read_lsn: int = 0
+    snap: str = ""
+    imported: bool = False
 
 
 def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi: Key | None,
                lsn: int, ts: int, result: ChunkRead, rows_per_batch: int,
                bytes_per_batch: int = 32 << 20, where: str | None = None, columns: list[str] | None = None,
-               rate: tuple[float, float, float] = (0, 0, 0), cut: Cut | None = None) -> Iterator[Any]:
+               rate: tuple[float, float, float] = (0, 0, 0), cut: Cut | None = None,
+               exported: str | None = None) -> Iterator[Any]:
     """The chunk's rows as Arrow record batches of `r` changes, an `R` row first; fills `result`.
     `rate`: at most so many (rows, bytes) per second, 0 = no limit, after so many rows at once (core.rate).
     `cut`: where the batch's window ends, and the slot that tells what changed since; a table
     without a key is turned back to it (postgres.keyless_cut). Without it (or with a key), rows
-    are as the snapshot saw them.
+    are as the snapshot saw them: `exported`, the planner's (see `export`), while it lasts, else
+    one of its own (a batch read again after a restart: the read saw more, core.judge).
 
     `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
     so a replayed batch skips them, and its resolved ts).
@@ -191,8 +246,11 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
     cut_slot = f"cfcut_{uuid.uuid4().hex[:16]}" if cut is not None and not table.key else None
     if cut is not None and cut_slot is not None:
         keyless_cut.prepare_copy(conn, cut.slots, cut_slot, cut.window_end)
-    _stable_snapshot(conn)
+    result.imported = cut_slot is None and _imported(conn, exported)
+    if not result.imported:
+        _stable_snapshot(conn)
     try:
+        result.snap = one_row(conn.execute("SELECT pg_current_snapshot()::text"))[0]
         if cut is not None:  # the filter the stream applies where this snapshot reads (alter --where changes it)
             held, published = row_filter.published(conn, cut.publication, qualified)
             where = published if held else where

@@ -28,6 +28,7 @@ from changefeed import faults
 from changefeed.core import change as ch
 from changefeed.core import distributed as dist
 from changefeed.core import sink_scope, snapshot
+from changefeed.core.judge import Judge
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.offsets import Offset
 from changefeed.errors import carried
@@ -36,6 +37,7 @@ from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
 from changefeed.postgres.connect import connect, lost_connection
 from changefeed.postgres.decode import pgoutput as po
+from changefeed.postgres.key_ranges import Judging
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import wal_reader
 from changefeed.spec.definition import SourceNode, node_role
@@ -74,9 +76,10 @@ class BatchPartition(InputPartition):
 
 class WindowPartition(BatchPartition):
     """One node's share of a batch: what starts in its WAL [start, end), but the changes to
-    `held` (core.snapshot.held_back)."""
+    `held` (core.snapshot.held_back) and those snapshot reads hold already (`judge`, core.judge)."""
 
     held: frozenset[str] = frozenset()
+    judge: Judge = Judge({}, {})
 
 
 class ChunkPartition(BatchPartition):
@@ -87,6 +90,7 @@ class ChunkPartition(BatchPartition):
                  rate: tuple[float, float, float] = (0, 0, 0)) -> None:
         super().__init__(node, start, end, rows_per_batch, multi_node)
         self.chunk = chunk
+        self.exported: str | None = None  # the planner's snapshot to read it in (postgres.snapshot.export)
         self.rate = rate  # its share of --snapshot-rate: (rows, bytes) per second (0 = no limit), rows at once
         self.where = where  # the table's row filter (spec.row_filters)
         self.columns = columns  # its column list (spec.column_lists)
@@ -170,6 +174,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
     node, began = partition.node, time.time()
     role = node_role(node.name, partition.positions is not None)
     conn = connect(node.uri, role, autocommit=False)
+    judging = Judging(partition.judge, lambda: connect(node.uri, role))
     try:
         with lost_connection(role):
             # The slot is at `start` already (latestOffset released it before planning); a slot
@@ -192,7 +197,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                 blocks = _then(blocks, lambda: read_ahead.begin(node, role, end, ahead))
             with closing(blocks):  # type: ignore[type-var]  # a generator, typed as the Iterator it is used as
                 for rb in builder.batches(blocks, partition.rows_per_batch):
-                    yield ch.pack(snapshot.held_back(rb, partition.held))
+                    yield ch.pack(judging.apply(snapshot.held_back(rb, partition.held)))
                     yield from push_through()
                     faults.reach("read")
             if builder.undecided:
@@ -202,6 +207,7 @@ def _read_window(partition: WindowPartition) -> Iterator[Any]:
                      f"and {format_lsn(partition.end_lsn)}: {e.message}")
         raise
     finally:
+        judging.close()
         conn.close()
 
 
@@ -271,12 +277,13 @@ def _read_chunk(part: ChunkPartition, sources: Sources) -> Iterator[Any]:
         # In pieces of SNAPSHOT_PIECE_BYTES: the sink applies one while the next is being read.
         for rb in snap_pg.read_chunk(conn, table, chunk.lo, chunk.hi, part.start_lsn, part.end.ts, found,
                                      part.rows_per_batch, SNAPSHOT_PIECE_BYTES, part.where, part.columns,
-                                     part.rate, cut):
+                                     part.rate, cut, part.exported):
             yield ch.pack(sink_scope.mark(rb, chunk.only))
         yield from push_through()
     read = {**reader(began), "ended": time.time()}
     named = {"no": chunk.no, "table": chunk.table, "rows": found.rows, "read_lsn": found.read_lsn,
-             "task": read["task"], **({"only": list(chunk.only)} if chunk.only else {})}
+             "snap": found.snap, "imported": found.imported, "task": read["task"],
+             **({"only": list(chunk.only)} if chunk.only else {})}
     done = ch.Progress(part.end_lsn, part.end.ts, None, found.rows, named, part.part, part.parts, node.name,
                        part.positions, read, offset=part.end.to_json())
     yield ch.pack(ch.progress_batch(done))

@@ -24,13 +24,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxBytes, ReadMaxRows
 
+from changefeed import faults
 from changefeed.core import barrier as bar
 from changefeed.core import change as ch
 from changefeed.core import distributed as dist
-from changefeed.core import followed, snapshot
+from changefeed.core import followed, judge, snapshot
 from changefeed.core.hlc import window_end_ts
 from changefeed.core.lsn import Lsn, format_lsn
 from changefeed.core.nodes import DEFAULT_NODE, classic
@@ -41,7 +43,7 @@ from changefeed.postgres import cut as nodes_cut
 from changefeed.postgres import read_ahead, slots
 from changefeed.postgres import snapshot as snap_pg
 from changefeed.postgres import source as src
-from changefeed.postgres.connect import connect, lost_connection
+from changefeed.postgres.connect import connect, insert_lsn, lost_connection
 from changefeed.postgres.requests import SourceRequests
 from changefeed.postgres.wal_reader import DEFAULT as DEFAULT_WAL_READER
 from changefeed.postgres.wal_reader import WalReader, wal_reader
@@ -135,6 +137,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                       lambda entry: snapshot.node_of(entry, DEFAULT_NODE)[0])
         self._planned_at = float("-inf")  # monotonic time the last batch was planned
         self._conns: dict[str, Any] = {}
+        self._exports: dict[str, Any] = {}  # node -> the connection holding the last batch's exported snapshot
+        self._truncates = judge.Truncates()  # the storage of tables a first read judges, as noted
         self._marks: dict[str, slots.RestartMark] = {}  # per node (postgres.slots.RestartMark)
         self._released: dict[str, int] = {}  # per node: its slot is known to be at or past this LSN
         self._available_now: Readings | None = None  # an AvailableNow run's end
@@ -192,7 +196,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                start_over_hint(self.feed))
         if self.resume is not None:  # (a node the sink's last batch did not read yet: from its slot)
             return replace(self.resume, lsns={**lsns, **self.resume.lsns}).to_json()
-        return Offset(lsns, 0, snapshot.Cursor(pending=self.snapshot_entries)).to_json()
+        entries = self.snapshot_entries  # a first read each: the sinks hold nothing yet (core.judge)
+        return Offset(lsns, 0, snapshot.Cursor(pending=entries, first=len(entries))).to_json()
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_changes:
@@ -204,6 +209,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @carried("source")
     @lost_connection("source")
     def prepareForTriggerAvailableNow(self) -> None:
+        self._note_storage(self._judged_tables([snapshot.Chunk(0, e, None, None, (), True)
+                                                for e in self.snapshot_entries]))  # (before the run's end is fixed)
         self._available_now = self._readings()
 
     def _readings(self) -> Readings:
@@ -257,6 +264,13 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Node `node`'s tables without a key whose snapshot (for every sink) is still to come at
         the batch's start: their changes wait for it (core.snapshot.held_back)."""
         return frozenset(t for t, every in start.cursor.waiting(node) if every and not self._described(node, t).key)
+
+    def _judge(self, end: Offset, node: str) -> judge.Judge:
+        """What node `node`'s window of the batch ending at `end` is judged against (core.judge)."""
+        if not end.reads and not end.cursor.first:
+            return judge.Judge({}, {})
+        keyless = [t for t, _ in end.cursor.waiting(node) if not self._described(node, t).key]
+        return judge.Judge.of(node if self.multi_node else DEFAULT_NODE, end.reads, end.cursor, keyless)
 
     def _sequential(self, end: Offset) -> bool:
         """Whether the batch must be read in one task, its window before its chunks: it carries a
@@ -318,6 +332,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         logged = self._joined(Offset.from_json(start_json))
         start = followed.started(logged, self.follow_end)
         self._release(start)
+        self._end_exports()  # (the batch that read in them is committed)
         replayed = next((e for e in self._replay if e.order > start.order), None)
         if replayed is not None:  # what a sink lacks: exactly the batches the others recorded
             return replayed.to_json()
@@ -332,9 +347,12 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Low-latency mode follows the slot in every batch but one after a followed batch that
         # recorded nothing: an idle feed's batch of heartbeats moves its resolved ts and slot.
         idle = logged.follow and start == logged
-        if self.follow_s and not chunks and barrier is None and self._available_now is None and not idle:
+        if self.follow_s and not chunks and not start.reads and barrier is None and self._available_now is None \
+                and not idle:  # (a followed batch is not judged: core.judge)
             self._planned_at = time.monotonic()
             return replace(start, cursor=cursor, chunks=(), follow=start.follow + 1).to_json()
+        judged = self._judged_tables(chunks)
+        self._note_storage(judged)  # (before the window's end is fixed: core.judge.Truncates)
         readings = self._take_readings(start, bool(chunks))
         if readings is None:
             return start_json
@@ -349,7 +367,66 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if end is None:
             return start_json
         self._planned_at = time.monotonic()
-        return end.to_json()
+        return self._judged(start, end, judged).to_json()
+
+    def _judged_tables(self, chunks: Sequence[snapshot.Chunk]) -> dict[str, list[tuple[str, str, str]]]:
+        """Per node, the tables of `chunks` a first read judges (core.judge): (entry, schema, table)."""
+        out: dict[str, list[tuple[str, str, str]]] = {}
+        for entry in sorted({c.table for c in chunks if c.first and not c.only and not self._keyless(c.table)}):
+            node, table = snapshot.node_of(entry, DEFAULT_NODE)
+            if node in self.nodes:
+                t = self._described(node, table)
+                out.setdefault(node, []).append((entry, t.schema, t.name))
+        return out
+
+    def _note_storage(self, tables: Mapping[str, Sequence[tuple[str, str, str]]]) -> None:
+        """Note the storage of `tables` now (core.judge.Truncates)."""
+        for node, named in tables.items():
+            with self._on(node):
+                conn = self.conn(node)
+                for entry, schema, table in named:
+                    stored = snap_pg.storage(conn, schema, table)  # (then the position: it held there)
+                    self._truncates.note(entry, stored, insert_lsn(conn))
+
+    def _judged(self, start: Offset, end: Offset, tables: Mapping[str, Sequence[tuple[str, str, str]]]) -> Offset:
+        """`end` with the snapshot reads its windows are judged against (core.judge): those of
+        earlier batches the stream has not passed, and its own chunks' (of `tables`), each node's
+        read in a snapshot exported now (after the window's end is fixed) that the chunks import.
+        A read of a table that may have been truncated after the window's end judges its own
+        batch's window only (core.judge.Truncates)."""
+        exported: dict[str, snap_pg.Exported] = {}
+        if tables:
+            faults.reach("snapshot_export")  # crash tests: the window's end fixed, its read not begun
+        for node, named in sorted(tables.items()):
+            with self._on(node):
+                conn = self._exports.get(node)
+                if conn is None or conn.closed:
+                    conn = self._exports[node] = connect(self.nodes[node].uri, self._role(node))
+                exported[node] = snap_pg.export(conn, named)
+        files = {e: f for x in exported.values() for e, f in x.files.items()}
+        keyless = {c.table for c in end.chunks if self._keyless(c.table)}
+        own = judge.reads_of(end.chunks, {n: (e.snap, e.hw) for n, e in exported.items()}, DEFAULT_NODE, keyless)
+        ends = {n: end.lsns.get(n, 0) for n in tables}
+        reads = judge.carried(start.reads, start.lsns, DEFAULT_NODE) + [
+            r if self._truncates.steady(r.entry, files.get(r.entry, ""),
+                                        ends.get(snapshot.node_of(r.entry, DEFAULT_NODE)[0], 0))
+            else replace(r, hw=0) for r in own]
+        return replace(end, reads=tuple(reads), exports={n: e.id for n, e in exported.items()})
+
+    def _end_exports(self, close: bool = False) -> None:
+        """End the transactions that held the last batch's exported snapshots (and with `close`
+        their connections; a lost one is dropped: it holds nothing any more)."""
+        for node, conn in list(self._exports.items()):
+            try:
+                if close:
+                    conn.close()
+                elif conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                    conn.execute("ROLLBACK")
+            except psycopg.Error:  # (a lost connection: a new one for the next export)
+                self._exports.pop(node)
+                conn.close()
+        if close:
+            self._exports.clear()
 
     def _take_readings(self, start: Offset, chunks: bool) -> Readings | None:
         """The readings a batch is planned from; None when there is nothing to plan."""
@@ -455,6 +532,9 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             part.part, part.parts = i, len(parts)
             if isinstance(part, WindowPartition):
                 part.held = self._held_back(start, part.node.name)
+                part.judge = self._judge(end, part.node.name)
+            elif isinstance(part, ChunkPartition) and not part.chunk.only and not self._keyless(part.chunk.table):
+                part.exported = end.exports.get(part.node.name)
             seen = self._seen.get(part.node.name)
             if isinstance(part, WindowPartition) and not self.multi_node and part.wal == "peek" and seen:
                 frontier, fixed = seen
@@ -492,6 +572,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 self._released[name] = lsn
 
     def stop(self) -> None:
+        self._end_exports(close=True)
         self._ahead.close()
         for conn in self._conns.values():
             conn.close()
