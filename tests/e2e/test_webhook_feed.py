@@ -191,8 +191,8 @@ def test_capture_ddl_sends_the_schema_change_between_the_rows_around_it(dbs: Dbs
     p = start_changefeed("run", "--name", dbs.name, "--state", str(tmp_path / "state"), "--source", dbs.source,
                          "--sink", f"{url}?flush_messages=10", "--tables", "public.t", "--capture-ddl", log=log)
     try:
-        wait_for("the feed running", lambda: "running (until stopped)" in log.read_text(), log)
-        with dbs.src() as c:
+        wait_for("the (empty) snapshot read", lambda: "snapshot public.t: done" in log.read_text(), log)
+        with dbs.src() as c:  # (rows a snapshot read sees come as `r`, their inserts left out)
             c.execute("INSERT INTO t VALUES (1, 1, 'x')")
             with c.transaction():  # the change and the rows around it, in one transaction
                 c.execute("INSERT INTO t VALUES (2, 2, 'y')")

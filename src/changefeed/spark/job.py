@@ -64,6 +64,12 @@ def _register_sources(spark: Any) -> None:
     spark.dataSource.register(SinkSource)
 
 
+def _unjudged(spec: FeedSpec) -> str:
+    """The tables whose snapshot reads are not judged (core.judge): the outbox (core.outbox), whose
+    events are its inserts: a read that saw an event inserted and deleted again lacks it."""
+    return spec.outbox
+
+
 def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: bool = False,
                 parallel_reads: bool = False, resync: tuple[str, ...] = (), epoch: int | None = None,
                 resume: Offset | None = None, until: Offset | None = None,
@@ -100,6 +106,7 @@ def start_query(spark: Any, spec: FeedSpec, state: FeedState, *, available_now: 
               .option("read_in_writer", str(shape.takes_rows_as_read).lower())
               .option("resolved_interval_s", str(spec.resolved_interval_s))
               .option("snapshot_tables", "" if spec.snapshot == "never" else ",".join(spec.tables))
+              .option("unjudged_tables", _unjudged(spec))
               .option("snapshot_chunk_rows", str(spec.snapshot_chunk_rows))
               .option("snapshot_chunks_per_batch", str(spec.snapshot_chunks_per_batch))
               .option("snapshot_budget", str(min(sink.snapshot_budget for _, _, sink in sinks_of(spec))))

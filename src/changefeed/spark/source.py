@@ -116,6 +116,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.read_in_writer = options.get("read_in_writer") == "true"
         self.resolved_interval = float(options.get("resolved_interval_s") or 0)
         tables = [t for t in (options.get("snapshot_tables") or "").split(",") if t]
+        self.unjudged = frozenset(t for t in (options.get("unjudged_tables") or "").split(",") if t)
         self.snapshot_entries = snapshot.entries(tables, list(self.nodes))
         self.chunk_rows = int(options.get("snapshot_chunk_rows") or DEFAULT_CHUNK_ROWS)
         self.chunks_per_batch = int(options.get("snapshot_chunks_per_batch") or DEFAULT_CHUNKS_PER_BATCH)  # 0: auto
@@ -269,8 +270,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """What node `node`'s window of the batch ending at `end` is judged against (core.judge)."""
         if not end.reads and not end.cursor.first:
             return judge.Judge({}, {})
-        keyless = [t for t, _ in end.cursor.waiting(node) if not self._described(node, t).key]
-        return judge.Judge.of(node if self.multi_node else DEFAULT_NODE, end.reads, end.cursor, keyless)
+        unjudged = [t for t, _ in end.cursor.waiting(node) if t in self.unjudged or not self._described(node, t).key]
+        return judge.Judge.of(node if self.multi_node else DEFAULT_NODE, end.reads, end.cursor, unjudged)
 
     def _sequential(self, end: Offset) -> bool:
         """Whether the batch must be read in one task, its window before its chunks: it carries a
@@ -323,6 +324,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         node, table = snapshot.node_of(entry, DEFAULT_NODE)
         return not self._described(node, table).key
 
+    def _unjudged(self, entry: str) -> bool:
+        """Whether a read of `entry` is not judged (core.judge): read in a snapshot of its own (a
+        table without a key), or not a sink's image of its rows (an outbox's reads send no events)."""
+        return entry in self.unjudged or self._keyless(entry)
+
     @carried("source")
     @lost_connection("source")
     def latestOffset(self, start_json: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
@@ -372,7 +378,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _judged_tables(self, chunks: Sequence[snapshot.Chunk]) -> dict[str, list[tuple[str, str, str]]]:
         """Per node, the tables of `chunks` a first read judges (core.judge): (entry, schema, table)."""
         out: dict[str, list[tuple[str, str, str]]] = {}
-        for entry in sorted({c.table for c in chunks if c.first and not c.only and not self._keyless(c.table)}):
+        for entry in sorted({c.table for c in chunks if c.first and not c.only and not self._unjudged(c.table)}):
             node, table = snapshot.node_of(entry, DEFAULT_NODE)
             if node in self.nodes:
                 t = self._described(node, table)
@@ -404,8 +410,8 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     conn = self._exports[node] = connect(self.nodes[node].uri, self._role(node))
                 exported[node] = snap_pg.export(conn, named)
         files = {e: f for x in exported.values() for e, f in x.files.items()}
-        keyless = {c.table for c in end.chunks if self._keyless(c.table)}
-        own = judge.reads_of(end.chunks, {n: (e.snap, e.hw) for n, e in exported.items()}, DEFAULT_NODE, keyless)
+        unjudged = {c.table for c in end.chunks if self._unjudged(c.table)}
+        own = judge.reads_of(end.chunks, {n: (e.snap, e.hw) for n, e in exported.items()}, DEFAULT_NODE, unjudged)
         ends = {n: end.lsns.get(n, 0) for n in tables}
         reads = judge.carried(start.reads, start.lsns, DEFAULT_NODE) + [
             r if self._truncates.steady(r.entry, files.get(r.entry, ""),
@@ -533,7 +539,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             if isinstance(part, WindowPartition):
                 part.held = self._held_back(start, part.node.name)
                 part.judge = self._judge(end, part.node.name)
-            elif isinstance(part, ChunkPartition) and not part.chunk.only and not self._keyless(part.chunk.table):
+            elif isinstance(part, ChunkPartition) and not part.chunk.only and not self._unjudged(part.chunk.table):
                 part.exported = end.exports.get(part.node.name)
             seen = self._seen.get(part.node.name)
             if isinstance(part, WindowPartition) and not self.multi_node and part.wal == "peek" and seen:

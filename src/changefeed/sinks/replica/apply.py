@@ -248,6 +248,7 @@ class BatchApplier:
         return self._direct.rows
 
     def _new_part(self, shape: ch.TableShape) -> merge.Part:
+        self._end_run()  # (an open COPY holds the connection: no other statement waits behind it)
         staging = merge.ident(f"changefeed_stage_{len(self._parts)}")
         target_types = [sql.SQL("{} {}").format(merge.ident(c), sql.SQL(t)) for c, t in zip(shape.columns, shape.types)]
         key_types = [sql.SQL("{} {}").format(merge.ident(f"_ok_{i}"), sql.SQL(shape.types[shape.columns.index(k)]))
