@@ -183,9 +183,13 @@ def storage(conn: psycopg.Connection[Any], schema: str, table: str) -> str:
     """The files that hold a table's rows (its partitions' for a partitioned one), as the
     connection's snapshot sees them: a TRUNCATE gives the table new ones."""
     qualified = sql.Identifier(schema, table).as_string(conn)
-    row = conn.execute("SELECT string_agg(c.relfilenode::text, ',' ORDER BY c.oid) FROM pg_class c "
-                       "WHERE c.oid = %(t)s::regclass OR c.oid IN (SELECT relid FROM pg_partition_tree(%(t)s))",
-                       {"t": qualified}).fetchone()
+    # (pg_inherits, not pg_partition_tree, which locks every partition until the transaction ends:
+    # the planner's export transaction lasts a batch, and a DDL queued behind it would hold the
+    # batch's own reads behind it)
+    row = conn.execute("WITH RECURSIVE tree(oid) AS (SELECT %s::regclass::oid UNION ALL "
+                       "SELECT i.inhrelid FROM pg_inherits i JOIN tree ON i.inhparent = tree.oid) "
+                       "SELECT string_agg(c.relfilenode::text, ',' ORDER BY c.oid) FROM pg_class c "
+                       "JOIN tree USING (oid)", (qualified,)).fetchone()
     return str(row[0]) if row and row[0] else ""
 
 
