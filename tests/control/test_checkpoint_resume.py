@@ -1,6 +1,7 @@
 """spark.checkpoint.resume against ledgers, without Spark: where a query without a usable checkpoint starts."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +108,35 @@ def test_a_followed_batch_the_sink_recorded_more_of_is_told_apart_from_another_r
     _record(ledger, 6, replace(_offset(300), follow=8))  # a standby's next followed batch
     assert resume(state, ledger, said.append) == replace(_offset(300), follow=8)
     assert "another runner moved the feed on" in said[-1]
+
+
+def test_a_batch_in_flight_with_judged_reads_no_sink_recorded_is_planned_anew(tmp_path: Path) -> None:
+    """Its reads' export is gone with the planner: replayed, each read would take a later snapshot
+    than its offset records (core.judge) and repeat what only it saw; planned anew it is read in a
+    fresh export. Recorded by the sink, or without judged reads, it is replayed as planned."""
+    from dataclasses import replace
+
+    state, said = FeedState(tmp_path, "f"), []
+    ledger = Recorded(tmp_path / "ledger.jsonl")
+    judged = replace(_offset(150), exports={"n1": "00000003-0000002A-1"})
+    _plan(state, 0, judged, committed=False)  # the first batch, nothing recorded anywhere
+    assert resume(state, ledger, said.append) is None
+    assert not state.checkpoint.exists() and (state.dir / "checkpoint.replaced" / "offsets" / "0").exists()
+    assert "first batch was in flight with snapshot reads no sink recorded" in said[-1]
+    _record(ledger, 0, _offset(100))
+    _plan(state, 0, _offset(100))
+    _plan(state, 1, judged, committed=False)
+    (state.checkpoint / "offsets" / ".1.crc").write_bytes(b"crc")
+    assert resume(state, ledger, said.append) is None  # Spark plans batch 1 again from batch 0's end
+    assert sorted(p.name for p in (state.checkpoint / "offsets").iterdir()) == ["0"]
+    assert "last batch was in flight with snapshot reads no sink recorded" in said[-1]
+    shutil.rmtree(state.checkpoint)
+    _plan(state, 0, judged, committed=False)  # a query's first batch (it started from the sink)
+    assert resume(state, ledger, said.append) == _offset(100)
+    assert not state.checkpoint.exists() and "in flight with snapshot reads no sink recorded" in said[-1]
+    _plan(state, 0, _offset(100))
+    _plan(state, 1, _offset(150), committed=False)  # no judged reads: replayed
+    assert resume(state, ledger, said.append) is None and state.checkpoint.exists()
+    _plan(state, 1, judged, committed=False)
+    _record(ledger, 1, judged)  # the sink holds the earlier read's rows: replayed as planned
+    assert resume(state, ledger, said.append) is None and (state.checkpoint / "offsets" / "1").exists()

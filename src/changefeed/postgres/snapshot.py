@@ -195,7 +195,8 @@ def storage(conn: psycopg.Connection[Any], schema: str, table: str) -> str:
 
 def _imported(conn: psycopg.Connection[Any], ident: str | None) -> bool:
     """Begin the read's transaction in the exported snapshot `ident`; False when it is gone (its
-    planner ended: a batch read again after a restart), the transaction then not begun."""
+    planner ended: a batch a sink recorded, replayed after a restart; spark.checkpoint.resume
+    plans the others anew), the transaction then not begun."""
     if ident is None:
         return False
     conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -240,7 +241,7 @@ def read_chunk(conn: psycopg.Connection[Any], qualified: str, lo: Key | None, hi
     `cut`: where the batch's window ends, and the slot that tells what changed since; a table
     without a key is turned back to it (postgres.keyless_cut). Without it (or with a key), rows
     are as the snapshot saw them: `exported`, the planner's (see `export`), while it lasts, else
-    one of its own (a batch read again after a restart: the read saw more, core.judge).
+    one of its own (a batch a sink recorded, replayed after a restart: the read saw more, core.judge).
 
     `conn` must be in autocommit mode; `lsn` and `ts` label the rows (the batch window's start,
     so a replayed batch skips them, and its resolved ts).

@@ -112,12 +112,47 @@ def resyncing(state: FeedState, requests: Requests) -> tuple[str, ...]:
     return tuple(sorted({t for r in requests.after(taken) for t in r.tables}))
 
 
+def _judged_unrecorded(state: FeedState, ledger: Ledger, recorded: dict[str, Any] | None, end: Offset | None,
+                       committed: bool) -> bool:
+    """Whether the checkpoint's last batch is in flight, reads snapshot chunks in an export that its
+    offset records (core.judge), and no sink recorded it (nor, without a sink's offset, any batch)."""
+    if end is None or committed or not end.exports:
+        return False
+    offsets = _each_offset(ledger)
+    furthest = offsets[-1][1] if offsets else Offset.from_json(recorded) if recorded is not None else None
+    if furthest is None:
+        return ledger.checkpoint() is None and committed_end(state) is None
+    return furthest.order < end.order
+
+
+def _each_offset(ledger: Ledger) -> list[tuple[str, Offset]]:
+    """Each sink's position, least far first, for a feed of several sinks (sinks.ledgers); none else."""
+    from changefeed.sinks.ledgers import SinkLedgers  # (the sinks' package: not in the planner's imports)
+
+    return ledger.offsets() if isinstance(ledger, SinkLedgers) else []  # (each sink's ledger asked once)
+
+
+def _drop_last_batch(state: FeedState) -> None:
+    """Take the last batch (in flight, not the first) out of the checkpoint's offset log: Spark
+    then plans it anew from the end of the one before, under the same query and batch id. Its
+    checksum goes first: a crash between the two leaves the batch without one, which Spark reads."""
+    last = str(_batches(state.checkpoint)[-1])
+    (state.checkpoint / "offsets" / f".{last}.crc").unlink(missing_ok=True)
+    (state.checkpoint / "offsets" / last).unlink()
+
+
+def _move_aside(state: FeedState) -> Path:
+    """Move the checkpoint to `checkpoint.replaced` (the one before it dropped)."""
+    aside = state.checkpoint.with_name("checkpoint.replaced")
+    shutil.rmtree(aside, ignore_errors=True)
+    state.checkpoint.rename(aside)
+    return aside
+
+
 def resume_until(state: FeedState, ledger: Ledger, report: Callable[[str], None]) -> Offset | None:
     """Where the first batch of a query that starts from the sinks' ledgers (`resume`) ends: the
     furthest sink's position, when a feed's several sinks disagree (sinks.ledgers), else None."""
-    from changefeed.sinks.ledgers import SinkLedgers
-
-    offsets = ledger.offsets() if isinstance(ledger, SinkLedgers) else []  # (each sink's ledger asked once)
+    offsets = _each_offset(ledger)
     if len(offsets) < 2 or offsets[-1][1].order <= offsets[0][1].order:
         return None
     end = offsets[-1][1]
@@ -141,11 +176,32 @@ def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None], *, i
     holds (its plan was made later, over more WAL), and a smaller replay would cut that part into
     other requests, under other idempotency keys. Planned anew, the batch holds at least as much.
 
+    A batch in flight whose snapshot reads are judged (core.judge) and that no sink recorded is
+    planned anew too: replayed as planned, its reads would each take a snapshot of their own (the
+    planner's export is gone with its process), later than the one its plan recorded, and a change
+    only the new read saw would reach the sinks twice; planned anew, it is read in a fresh export
+    that its offset records. It is taken out of the offset log (Spark plans it again from the batch
+    before, same query, same batch id); a query's first batch is planned anew by a new query from
+    where the sinks stand (the checkpoint moved aside). A batch a sink recorded is replayed as
+    planned: that sink holds the rows of the earlier read, and the recorded snapshot, earlier
+    still, drops nothing they lack.
+
     A stale checkpoint is moved aside to `checkpoint.replaced` (a copy for inspection; the one
     before it is dropped). A sink that does not record its batches' offsets with the batch itself
     cannot say where the feed stands: CheckpointLost, nothing changed."""
     recorded = ledger.resume_offset()
     end, committed = logged_end(state)
+    reread = not in_parts and _judged_unrecorded(state, ledger, recorded, end, committed)
+    if reread and _batches(state.checkpoint)[-1] > 0:
+        _drop_last_batch(state)
+        report(f"feed {state.dir.name}: the checkpoint's last batch was in flight with snapshot reads no sink "
+               "recorded; it is planned anew")
+        return None
+    if reread and recorded is None:
+        aside = _move_aside(state)
+        report(f"feed {state.dir.name}: the checkpoint's first batch was in flight with snapshot reads no sink "
+               f"recorded; it is planned anew (the checkpoint moved aside to {aside})")
+        return None
     if recorded is None:
         delivered = ledger.checkpoint()
         if delivered is not None and (end is None or any(lsn > end.lsns.get(node, 0) for node, lsn in
@@ -158,17 +214,16 @@ def resume(state: FeedState, ledger: Ledger, report: Callable[[str], None], *, i
                 "to start the feed over, changefeed remove --name NAME and create it again")
         return None
     offset = Offset.from_json(recorded)
-    in_flight = in_parts and end is not None and not committed and offset.order < end.order
+    in_flight = (in_parts or reread) and end is not None and not committed and offset.order < end.order
     if end is not None and offset.order <= end.order and not in_flight:
         return None
     if end is not None:
-        aside = state.checkpoint.with_name("checkpoint.replaced")
-        shutil.rmtree(aside, ignore_errors=True)
-        state.checkpoint.rename(aside)
+        aside = _move_aside(state)
         # (a batch that follows the slot, low-latency mode, is logged with where it starts, and its
         # sink records its sub-windows as it goes: a sink ahead within that batch is its own work)
         own = end.follow > 0 and offset.follow == end.follow
-        why = ("its last batch was in flight (parts of it may have been sent by another runner since)" if in_flight
+        why = ("its last batch was in flight with snapshot reads no sink recorded" if in_flight and reread
+               else "its last batch was in flight (parts of it may have been sent by another runner since)" if in_flight
                else "its last batch followed the slot, and the sink recorded more of it than Spark logged" if own
                else "older than the sink (another runner moved the feed on)")
         report(f"feed {state.dir.name}: the checkpoint in {state.checkpoint}: {why}; moved aside to {aside}, "
