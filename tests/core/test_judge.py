@@ -71,6 +71,29 @@ def test_a_first_read_stays_first_through_its_chunks_and_a_request_after_it_is_n
     assert seen == [("s.a", True), ("s.a", True), ("s.b", True), ("s.b", True), ("s.a", False), ("s.a", False)]
 
 
+def test_a_table_brought_into_the_feed_is_a_first_read_behind_a_request_being_read() -> None:
+    """alter --add-tables while a request of a table the sinks hold is read (core.requests.Request.first):
+    the new table's read is first, wherever it waits; a request of it again, for all sinks, is
+    merged into it, and one read again after it began is not first."""
+    cursor = Cursor(pending=("s.a",), after=["5"], upto=["9"]).request(["s.n"], 1, first=True)
+    assert cursor.pending == ("s.a", "s.n") and cursor.first_reads() == (False, True)
+    assert Cursor.from_offset({"snap": cursor.to_json()}) == cursor
+    judge = Judge.of("main", [], cursor)
+    assert judge.tables() == {"s.n"} and everything(judge.ranges("s.n", 1)) and not judge.ranges("s.a", 1)
+    assert cursor.request(["s.n"], 2).pending == cursor.pending  # (pending: merged into the first read)
+    assert not Cursor(pending=("s.a",)).request(["s.n"], 1, ["lake"], first=True).fresh  # (for some sinks: not first)
+    seen: list[tuple[str, bool]] = []
+    while cursor.pending:
+        chunks, cursor = cursor.plan(lambda t, after, rows, upto: None if after else ["5"], 1, 10,
+                                     last=lambda t: ["9"])
+        seen += [(c.table, c.first) for c in chunks]
+        if cursor.pending == ("s.n",) and cursor.after and cursor.fresh:  # a request while its read is under way
+            cursor = cursor.request(["s.n"], 3)
+            assert cursor.pending == ("s.n", "s.n") and cursor.first_reads() == (True, False)
+    assert seen == [("s.a", False), ("s.n", True), ("s.n", True), ("s.n", False), ("s.n", False)]
+    assert not cursor.fresh and "fresh" not in cursor.to_json()
+
+
 def test_a_read_is_carried_only_if_its_table_held_its_storage_by_the_window_end() -> None:
     from changefeed.core.judge import Truncates
 

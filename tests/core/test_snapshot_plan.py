@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from changefeed.core.requests import SnapshotRequests
+from changefeed.core.requests import Request, SnapshotRequests
 from changefeed.core.snapshot import (
     MAX_AUTO_CHUNKS,
     PACED_BATCH_S,
@@ -102,8 +102,9 @@ def test_requests_are_numbered_and_read_in_order(tmp_path) -> None:  # type: ign
     reqs = SnapshotRequests(tmp_path / "requests")
     assert reqs.after(0) == []
     assert reqs.add(["s.a"]) == 1 and reqs.add(["s.b", "s.c"]) == 2
-    assert reqs.after(0) == [(1, ["s.a"], (), ()), (2, ["s.b", "s.c"], (), ())]
-    assert reqs.after(1) == [(2, ["s.b", "s.c"], (), ())]
+    assert reqs.after(0) == [Request(1, ["s.a"]), Request(2, ["s.b", "s.c"])]
+    assert reqs.after(1) == [Request(2, ["s.b", "s.c"])]
+    assert reqs.add(["s.d"], first=True) == 3 and reqs.after(2) == [Request(3, ["s.d"], first=True)]
     assert not [p for p in (tmp_path / "requests").iterdir() if p.suffix == ".tmp"]
 
 

@@ -158,15 +158,16 @@ def _differ(a: dict[int, int], b: dict[int, int]) -> int:
     return len(set(a.items()) ^ set(b.items()))
 
 
-def _three_sinks(dbs: Dbs, tmp_path: Path, kafka: Any) -> tuple[Path, str, list[str], list[str]]:
-    """The churn table set up, and a feed of it into a replica, a Delta change log and Kafka:
+def _three_sinks(dbs: Dbs, tmp_path: Path, kafka: Any, tables: str = "public.churn"
+                 ) -> tuple[Path, str, list[str], list[str]]:
+    """The churn table set up, and a feed of `tables` into a replica, a Delta change log and Kafka:
     (the lake, Kafka's topic prefix, the run command of a feed that exists, the first run's)."""
     _setup(dbs)
     lake = tmp_path / "lake"
     topics, prefix, _ = kafka_sink(kafka.bootstrap, 2)
     base = ["run", "--name", dbs.name, "--state", str(tmp_path / "state")]
     first = [*base, "--source", dbs.source, "--sink", f"dr={dbs.sink}", "--sink", f"lake=delta://{lake}?mode=changelog",
-             "--sink", f"events={topics}", "--tables", "public.churn", "--snapshot-chunk-rows", str(CHUNK),
+             "--sink", f"events={topics}", "--tables", tables, "--snapshot-chunk-rows", str(CHUNK),
              "--snapshot-chunks-per-batch", "2"]
     return lake, prefix, base, first
 
@@ -230,6 +231,43 @@ def test_killed_while_its_chunks_are_read_each_change_still_reaches_each_sink_on
     _check_sinks(dbs, lake, kafka.bootstrap, prefix)
     for said in [log.read_text() for log in logs[1:]] + [done.stdout + done.stderr]:
         assert "snapshot reads no sink recorded" in said, "each restart plans the batch in flight anew"
+
+
+def test_a_table_added_to_a_running_feed_while_it_is_written_reaches_each_sink_once(
+        dbs: Dbs, tmp_path: Path, kafka: Any) -> None:
+    """alter --add-tables on a running feed while the application churns the table: the request is
+    made with the table's publication, so the batch whose window first brings its changes has
+    taken it in, and its read is a first read: no change before it or seen by it comes again."""
+    lake, prefix, base, first = _three_sinks(dbs, tmp_path, kafka, tables="public.other")
+    with dbs.src() as c:
+        c.execute("CREATE TABLE other (id int PRIMARY KEY)")
+    log, written = tmp_path / "run.log", [0]
+    p = start_changefeed(*first, log=log)
+    try:
+        with writing(_churning, dbs.source, written):
+            with dbs.src() as c:
+                c.execute("INSERT INTO other VALUES (1)")
+            wait_for("the feed to run", lambda: _replica_count(dbs, "other") == 1, log)
+            altered = changefeed_cli("alter", "--name", dbs.name, "--state", str(tmp_path / "state"),
+                                     "--add-tables", "public.churn")
+            assert altered.returncode == 0, altered.stderr
+            wait_for("the added table's read", lambda: _replica_count(dbs, "churn") >= ROWS * 0.8, log, 300)
+            time.sleep(1)  # (changes after the read, too)
+        assert written[0] > 50, written
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
+    done = changefeed_cli(*base, "--available-now")
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check_sinks(dbs, lake, kafka.bootstrap, prefix)
+
+
+def _replica_count(dbs: Dbs, table: str) -> int:
+    with dbs.dst() as c:
+        try:
+            return int(c.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # type: ignore[index]
+        except psycopg.errors.UndefinedTable:
+            return 0
 
 
 def test_a_truncate_between_a_window_end_and_its_read_leaves_no_row_out(dbs: Dbs, tmp_path: Path) -> None:

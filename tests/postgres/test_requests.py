@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from changefeed.core.requests import SnapshotRequests
+from changefeed.core.requests import Request, SnapshotRequests
 from changefeed.postgres.requests import SourceRequests
 from support.servers import Dbs
 
@@ -18,9 +18,9 @@ def test_requests_are_numbered_per_feed_and_read_above_a_number(dbs: Dbs) -> Non
         assert mine.add(["public.a"]) == 1
         assert mine.add(["public.b", "public.c"]) == 2
         assert other.add(["public.z"]) == 1
-        assert mine.after(0) == [(1, ["public.a"], (), ()), (2, ["public.b", "public.c"], (), ())]
-        assert mine.after(1) == [(2, ["public.b", "public.c"], (), ())] and mine.after(2) == []
-        assert other.after(0) == [(1, ["public.z"], (), ())]
+        assert mine.after(0) == [Request(1, ["public.a"]), Request(2, ["public.b", "public.c"])]
+        assert mine.after(1) == [Request(2, ["public.b", "public.c"])] and mine.after(2) == []
+        assert other.after(0) == [Request(1, ["public.z"])]
 
 
 def test_hosts_adding_at_once_never_share_a_number(dbs: Dbs) -> None:
@@ -54,10 +54,10 @@ def test_a_state_folders_requests_are_taken_in_with_their_numbers(dbs: Dbs, tmp_
     old.add(["public.b"])
     with dbs.src() as c:
         requests = SourceRequests(lambda: c, dbs.name, folder)
-        assert requests.after(1) == [(2, ["public.b"], (), ())]  # read from the folder while the source has no table
+        assert requests.after(1) == [Request(2, ["public.b"])]  # read from the folder while the source has no table
         assert requests.add(["public.c"]) == 3  # the folder's two first, then the new one
-        assert SourceRequests(lambda: c, dbs.name).after(0) == [(1, ["public.a"], (), ()), (2, ["public.b"], (), ()),
-                                                                 (3, ["public.c"], (), ())]
+        assert SourceRequests(lambda: c, dbs.name).after(0) == [Request(1, ["public.a"]), Request(2, ["public.b"]),
+                                                                 Request(3, ["public.c"])]
 
 
 def test_a_request_made_for_a_later_batch_is_due_only_from_there_and_an_older_table_takes_the_column(
@@ -75,3 +75,6 @@ def test_a_request_made_for_a_later_batch_is_due_only_from_there_and_an_older_ta
         assert not second.due({"n1": 499, "n2": 70}) and not second.due({"n1": 500})
         assert second.due({"n1": 500, "n2": 71})
         assert requests.add(["public.c"], only=("lake",)) == 3 and requests.after(2)[0].only == ("lake",)
+        assert requests.add(["public.d"], first=True) == 4
+        assert requests.after(3) == [Request(4, ["public.d"], first=True)]
+        assert not any(r.first for r in requests.after(0)[:3])  # (the column added, older requests unchanged)

@@ -108,7 +108,13 @@ def remove(spec: FeedSpec, state: FeedState) -> list[str]:
 
 def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, snapshot: bool = True) -> FeedSpec:
     """Bring `tables` into the feed, running or not: target tables, publication, then a request
-    for their existing rows (the stream carries their changes from the publication change on)."""
+    for their existing rows (the stream carries their changes from the publication change on).
+
+    On a feed of one node the request is made in the transaction that publishes the tables: a
+    batch whose window brings a change of them has taken the request in (spark.source plans it
+    once the window's end is fixed), so the sinks get nothing of them before their read, which
+    is a first read (core.judge): no change it saw comes again. A feed of several nodes cannot
+    publish on all of them at once; its reads are not judged (a change a read saw may repeat)."""
     new = tuple(t for t in tables if t not in spec.tables)
     if not new:
         raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
@@ -122,12 +128,16 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
+        together = snapshot and not spec.multi_node
         for (node, conn), node_tables in zip(conns, described):
-            src.ensure_publication(conn, node.publication, node_tables, grown.row_filters, grown.column_lists)
+            with conn.transaction():
+                src.ensure_publication(conn, node.publication, node_tables, grown.row_filters, grown.column_lists)
+                if together:  # (one node: where the feed's requests are, postgres.requests)
+                    requests.SourceRequests(lambda: conns[0][1], spec.name, state.requests).add(new, first=True)
             if spec.capture_ddl:  # the new tables' shapes
                 ddl_capture.install(conn, spec.name, node.publication)
     state.save(grown)
-    if snapshot:
+    if snapshot and not together:
         _request(spec, state, new)
     return grown
 

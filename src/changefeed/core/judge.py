@@ -7,8 +7,9 @@ chunk already: sent again, a change log would show it twice) or not (it follows 
 key, the changes S saw come first: a transaction that writes a key another one wrote waits for
 it to end, so it cannot be seen while the other is not.
 
-Only first reads are judged (core.snapshot.Cursor.first: the feed's first run, whose sinks held
-nothing of the table before). There every change S saw is left out, deletes included: the sink
+Only first reads are judged (core.snapshot.Cursor.first_reads: the tables of the feed's first run,
+and a table brought into the feed whose request was taken in before any change of it was sent:
+the sinks held nothing of the table before). There every change S saw is left out, deletes included: the sink
 has no row to delete, the read none to give, and a key a seen transaction deleted and inserted
 again is in the read. A read of a table the sinks hold already (a request, a new row filter, an
 attached partition, a sink added) is not: S may lack a key the sink holds, and only its seen
@@ -106,9 +107,10 @@ class Judge:
                 by_table.setdefault(table, []).append((r.lo, r.hi, Snap.parse(r.snap)))
         covered: dict[str, list[tuple[Key | None, Key | None]]] = {}
         skip = set(keyless)
-        for i, (entry, every) in enumerate(zip(cursor.pending[:cursor.first], cursor.only or ("",) * cursor.first)):
+        for i, (entry, every, first) in enumerate(zip(cursor.pending, cursor.only or ("",) * len(cursor.pending),
+                                                      cursor.first_reads())):
             on, table = node_of(entry, node)
-            if on != node or every or table in skip:
+            if not first or on != node or every or table in skip:
                 continue
             covered.setdefault(table, []).append((cursor.after, cursor.upto) if i == 0 else (None, None))
         return cls({t: tuple(v) for t, v in by_table.items()}, {t: tuple(v) for t, v in covered.items()})

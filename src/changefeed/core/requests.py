@@ -27,6 +27,10 @@ class Request(NamedTuple):
     # per node, a WAL position its batch must start at or after (a row filter changed there: its
     # snapshot must not land before the change, see postgres.filter_switch); () = any batch
     after: tuple[tuple[str, int], ...] = ()
+    # the sinks hold nothing of its tables yet: a table brought into the feed, whose request was
+    # made in the transaction that published it (control.lifecycle.add_tables), so its reads are
+    # first reads (core.judge) when the request is taken in before any of its changes was sent
+    first: bool = False
 
     def fits(self, nodes: Collection[str], sinks: Collection[str]) -> bool:
         """Whether a query over `nodes` feeding `sinks` can take the request in (a node or sink
@@ -39,9 +43,10 @@ class Request(NamedTuple):
 
 
 class Requests(Protocol):
-    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None) -> int:
-        """Queue a request of `tables` (for the sinks `only`, or all; for a batch from `after` on);
-        its number (one above the last)."""
+    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None,
+            first: bool = False) -> int:
+        """Queue a request of `tables` (for the sinks `only`, or all; for a batch from `after` on;
+        `first`: see Request.first); its number (one above the last)."""
         ...
 
     def after(self, taken: int) -> list[Request]:
@@ -60,14 +65,16 @@ class SnapshotRequests:
             return []
         return sorted(int(p.stem) for p in self.folder.glob("*.json") if p.stem.isdigit())
 
-    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None) -> int:
+    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None,
+            first: bool = False) -> int:
         """Queue a request; returns its number."""
         self.folder.mkdir(parents=True, exist_ok=True)
         while True:
             no = (self._numbers() or [0])[-1] + 1
             tmp = self.folder / f".{no:06d}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps({"tables": list(tables), **({"only": list(only)} if only else {}),
-                                       **({"after": dict(after)} if after else {})}))
+                                       **({"after": dict(after)} if after else {}),
+                                       **({"first": True} if first else {})}))
             try:
                 os.link(tmp, self.folder / f"{no:06d}.json")  # fails if another request took `no`
                 return no
@@ -79,5 +86,5 @@ class SnapshotRequests:
     def after(self, taken: int) -> list[Request]:
         """Requests numbered above `taken`, in order."""
         found = [(no, json.loads((self.folder / f"{no:06d}.json").read_text())) for no in self._numbers() if no > taken]
-        return [Request(no, d["tables"], tuple(d.get("only", ())), tuple(d.get("after", {}).items()))
-                for no, d in found]
+        return [Request(no, d["tables"], tuple(d.get("only", ())), tuple(d.get("after", {}).items()),
+                        bool(d.get("first"))) for no, d in found]

@@ -96,6 +96,10 @@ class Cursor:
     # slot was made with it, so no sink holds anything of them yet (their windows are judged,
     # core.judge); a request is read again after them
     first: int = 0
+    # pending tables after those whose read is a first read too: tables brought into the feed
+    # (alter --add-tables) whose request was taken in before the stream brought any change of
+    # them (control.lifecycle.add_tables); each entry's first place in `pending`
+    fresh: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pending": list(self.pending), "after": self.after, "no": self.next_no,
@@ -106,28 +110,40 @@ class Cursor:
             out["upto"] = self.upto
         if self.first:
             out["first"] = self.first
+        if self.fresh:
+            out["fresh"] = list(self.fresh)
         return out
 
     @classmethod
     def from_offset(cls, offset: Mapping[str, Any]) -> "Cursor":
         s = offset.get("snap") or {}
         return cls(tuple(s.get("pending", ())), s.get("after"), int(s.get("no", 0)), int(s.get("req", 0)),
-                   tuple(s.get("only", ())), s.get("upto"), int(s.get("first", 0)))
+                   tuple(s.get("only", ())), s.get("upto"), int(s.get("first", 0)), tuple(s.get("fresh", ())))
+
+    def first_reads(self) -> tuple[bool, ...]:
+        """Per pending table, whether its read is a first read (core.judge)."""
+        return tuple(i < self.first or (t in self.fresh and self.pending.index(t) == i)
+                     for i, t in enumerate(self.pending))
 
     def _targets(self) -> list[str]:
         return list(self.only) if self.only else [""] * len(self.pending)
 
-    def request(self, tables: Sequence[str], last_no: int, only: Sequence[str] = ()) -> "Cursor":
+    def request(self, tables: Sequence[str], last_no: int, only: Sequence[str] = (), first: bool = False
+                ) -> "Cursor":
         """Take in requests up to number `last_no` for `tables` (for the sinks `only`, or all): each
         is read (again) from its start, after what is pending; a table being read now finishes
-        first and is then read again (unless a later read for all sinks is pending already)."""
+        first and is then read again (unless a later read for all sinks is pending already).
+        `first`: the sinks hold nothing of `tables` yet, so their reads are first reads."""
         pending, targets, scope = list(self.pending), self._targets(), ",".join(only)
+        fresh = list(self.fresh)
         for t in tables:
+            if first and not only and t not in pending:
+                fresh.append(t)
             if not any(p == t and s in ("", scope) for p, s in zip(pending[1:], targets[1:])):
                 pending.append(t)
                 targets.append(scope)
         return replace(self, pending=tuple(pending), requests=max(self.requests, last_no),
-                       only=tuple(targets) if any(targets) else ())
+                       only=tuple(targets) if any(targets) else (), fresh=tuple(fresh))
 
     def waiting(self, node: str) -> list[tuple[str, bool]]:
         """Node `node`'s tables still to be read, each with whether it is read for every sink."""
@@ -148,7 +164,7 @@ class Cursor:
 
         out: list[Chunk] = []
         pending, targets, after, no = list(self.pending), self._targets(), self.after, self.next_no
-        upto, used, first = self.upto, Fraction(0), self.first
+        upto, used, first, fresh = self.upto, Fraction(0), self.first, list(self.fresh)
         while pending and not (out and (used + share(pending[0]) > 1 or alone(pending[0]) or alone(out[-1].table))):
             used += share(pending[0])
             if after is None and upto is None:
@@ -157,17 +173,20 @@ class Cursor:
             ends = hi is None
             hi = upto if ends else hi
             out.append(Chunk(no, pending[0], after, hi, tuple(targets[0].split(",")) if targets[0] else (),
-                             first > 0))
+                             first > 0 or pending[0] in fresh))
             no += 1
             if ends:
-                pending.pop(0)
+                done = pending.pop(0)
                 targets.pop(0)
                 after = upto = None
-                first = max(0, first - 1)
+                if first:
+                    first -= 1
+                elif done in fresh:
+                    fresh.remove(done)
             else:
                 after = hi
         return out, Cursor(tuple(pending), after, no, self.requests, tuple(targets) if any(targets) else (), upto,
-                           first)
+                           first, tuple(fresh))
 
 
 def auto_chunks(parallel: bool, max_bytes: int, chunk_rows: int, row_bytes: float | None, budget: int = 1,

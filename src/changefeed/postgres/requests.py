@@ -36,8 +36,9 @@ CREATE TABLE IF NOT EXISTS changefeed.snapshot_requests (
     PRIMARY KEY (feed, no)
 );
 ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS only_sinks jsonb;
-ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS after_lsns jsonb"""
-_COLUMNS = ("only_sinks", "after_lsns")  # added after the table's first version
+ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS after_lsns jsonb;
+ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS first_read boolean"""
+_COLUMNS = ("only_sinks", "after_lsns", "first_read")  # added after the table's first version
 
 
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
@@ -72,10 +73,13 @@ class SourceRequests:
         self._adopted = self._made = False
         self._present: set[str] = set()
 
-    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None) -> int:
-        """Queue a request (for the sinks `only`, or all; for a batch from `after` on); its number."""
+    def add(self, tables: Sequence[str], only: Sequence[str] = (), after: Mapping[str, int] | None = None,
+            first: bool = False) -> int:
+        """Queue a request (for the sinks `only`, or all; for a batch from `after` on; `first`: see
+        core.requests.Request.first); its number."""
         conn = self.conn()
-        extra = {"only_sinks": Jsonb(list(only)) if only else None, "after_lsns": Jsonb(dict(after)) if after else None}
+        extra = {"only_sinks": Jsonb(list(only)) if only else None, "after_lsns": Jsonb(dict(after)) if after else None,
+                 "first_read": True if first else None}
         extra = {k: v for k, v in extra.items() if v is not None}
         if not self._exists(conn) or not set(extra) <= self._columns(conn):
             shared_ddl(conn, DDL)
@@ -85,13 +89,14 @@ class SourceRequests:
         values = sql.SQL("").join(sql.SQL(", {}").format(sql.Placeholder(k)) for k in extra)
         while True:
             try:
-                row = conn.execute(sql.SQL(
-                    "INSERT INTO changefeed.snapshot_requests (feed, no, tables{}) SELECT %(feed)s, "
-                    "coalesce(max(no), 0) + 1, %(tables)s{} FROM changefeed.snapshot_requests WHERE feed = %(feed)s "
-                    "RETURNING no").format(names, values),
-                    {"feed": self.feed, "tables": Jsonb(list(tables)), **extra}).fetchone()
-                assert row is not None, "an INSERT ... RETURNING of one row"
-                return int(row[0])
+                with conn.transaction():  # (a savepoint inside a caller's transaction: lifecycle.add_tables)
+                    row = conn.execute(sql.SQL(
+                        "INSERT INTO changefeed.snapshot_requests (feed, no, tables{}) SELECT %(feed)s, "
+                        "coalesce(max(no), 0) + 1, %(tables)s{} FROM changefeed.snapshot_requests "
+                        "WHERE feed = %(feed)s RETURNING no").format(names, values),
+                        {"feed": self.feed, "tables": Jsonb(list(tables)), **extra}).fetchone()
+                    assert row is not None, "an INSERT ... RETURNING of one row"
+                    return int(row[0])
             except psycopg.errors.UniqueViolation:
                 continue  # another request took that number at the same time
 
@@ -103,8 +108,8 @@ class SourceRequests:
         self._adopt(conn)
         present = self._columns(conn)
         chosen = sql.SQL(", ").join(sql.Identifier(c) if c in present else sql.NULL for c in _COLUMNS)
-        return [Request(int(no), list(tables), tuple(only or ()), tuple((after or {}).items()))
-                for no, tables, only, after in conn.execute(sql.SQL(
+        return [Request(int(no), list(tables), tuple(only or ()), tuple((after or {}).items()), bool(first))
+                for no, tables, only, after, first in conn.execute(sql.SQL(
                     "SELECT no, tables, {} FROM changefeed.snapshot_requests WHERE feed = %s AND no > %s "
                     "ORDER BY no").format(chosen), (self.feed, taken))]
 

@@ -268,7 +268,7 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _judge(self, end: Offset, node: str) -> judge.Judge:
         """What node `node`'s window of the batch ending at `end` is judged against (core.judge)."""
-        if not end.reads and not end.cursor.first:
+        if not end.reads and not any(end.cursor.first_reads()):
             return judge.Judge({}, {})
         unjudged = [t for t, _ in end.cursor.waiting(node) if t in self.unjudged or not self._described(node, t).key]
         return judge.Judge.of(node if self.multi_node else DEFAULT_NODE, end.reads, end.cursor, unjudged)
@@ -279,14 +279,22 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         webhook's idempotency keys) must find where they were when the batch is read again."""
         return any(self._keyless(c.table) for c in end.chunks)
 
-    def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
-        cursor = start.cursor
+    def _requested(self, start: Offset, cursor: snapshot.Cursor) -> snapshot.Cursor:
+        """`cursor` with the snapshot requests a batch from `start` takes in. A request of tables
+        the sinks hold nothing of (core.requests.Request.first) is a first read unless the batch
+        before was followed: that one's window was not fixed when it was planned, so it may
+        have brought their changes already."""
         for r in self.requests.after(cursor.requests):
             if not r.fits(self.nodes, self.sinks):
                 break  # a node or sink added since this query started: its next query takes the request in
             if not r.due(start.lsns):
                 break  # a row filter changed past this batch's start: the batch after that takes it in
-            cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only)
+            cursor = cursor.request(snapshot.entries(r.tables, list(self.nodes)), r.no, r.only,
+                                    r.first and not start.follow)
+        return cursor
+
+    def _plan_snapshot(self, start: Offset) -> tuple[list[snapshot.Chunk], snapshot.Cursor]:
+        cursor = self._requested(start, start.cursor)
         chunks, after = cursor.plan(self._boundary_key, self.chunks_per_batch or self._auto_chunks, self.chunk_rows,
                                     self._keyless, self._last_key)
         if chunks:  # the next batch's boundaries, found while this one is applied (spark.boundaries_ahead)
@@ -372,6 +380,11 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             end = self._plan_one(start, readings, limit, barrier, cursor, tuple(chunks))
         if end is None:
             return start_json
+        # Requests made since the planning above are taken in too, now that the window's end is
+        # fixed: one made with the publication of its tables (control.lifecycle.add_tables) and
+        # not seen here committed after the end, so no window before the one that takes it in
+        # brings a change of them.
+        end = replace(end, cursor=self._requested(start, end.cursor))
         self._planned_at = time.monotonic()
         return self._judged(start, end, judged).to_json()
 
