@@ -10,7 +10,8 @@ key change's update on the key its delete freed, and each update's `v` is one mo
 it replaces. A change the read saw and that came again breaks one of these, and so does a lost
 one; the end must equal the source. Kafka is replayed key by key (a key change's halves are messages
 of two keys). Killed in the middle of snapshot batches, the sinks still end equal to the source
-(a batch read again after a restart may repeat changes its new read saw: never a loss)."""
+(a batch read again after a restart may repeat changes its new read saw: never a loss). A table
+`alter --add-tables` brings into the running feed while it is churned replays strictly too."""
 from __future__ import annotations
 
 import json
