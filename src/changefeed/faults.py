@@ -9,8 +9,9 @@ sink_write (a message sink wrote another 1000 messages of a batch), insert_run (
 a run of inserts into its target, inside the batch's transaction), delta_files_written (a Delta
 writer task wrote its files), delta_term_checked (the driver checked a Delta table's lease term,
 about to commit to it), delta_table_committed (it committed one table of the batch),
-webhook_request (a webhook request is due, its lease not checked yet), before_sink_commit or
-after_sink_commit. `CHANGEFEED_STOP_AT=point[:n]` freezes it
+webhook_request (a webhook request is due, its lease not checked yet), tables_published (`alter
+--add-tables` on a feed of several nodes published the tables on each, their request not made
+yet), before_sink_commit or after_sink_commit. `CHANGEFEED_STOP_AT=point[:n]` freezes it
 there instead (SIGSTOP; the process groups stopped are written to `.stopped-groups` in the fault
 folder, for the test to SIGCONT). `CHANGEFEED_FAIL_AT=point[:n]` instead raises
 an unexpected error there, once (the n-th time): a task failing for a reason changefeed has no type

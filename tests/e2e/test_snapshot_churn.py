@@ -27,10 +27,11 @@ import psycopg
 import pyarrow as pa
 import pytest
 
+from changefeed.local.postgres import LocalPostgres
 from changefeed.sinks.kafka.log import committed
 from support.feeds import changefeed_cli, kill_running, killed_by_fault, start_changefeed, wait_for
 from support.kafka import kafka_partitions, kafka_sink
-from support.servers import Dbs
+from support.servers import Dbs, drop_slots
 from support.writers import WRITE_PAUSE, writing
 
 pytestmark = pytest.mark.timeout(900)
@@ -187,11 +188,13 @@ def _killed_runs(dbs: Dbs, tmp_path: Path, base: list[str], first: list[str], ki
     return logs
 
 
-def _check_sinks(dbs: Dbs, lake: Path, bootstrap: str, prefix: str, strict: bool = True) -> None:
-    """Every sink equals the source; with `strict`, Kafka and the change log replay strictly too."""
+def _check_sinks(dbs: Dbs, lake: Path | None, bootstrap: str, prefix: str, strict: bool = True) -> None:
+    """Every sink equals the source; with `strict`, Kafka and the change log (if `lake`) replay
+    strictly too."""
     source, replica = _sinks(dbs)
     assert replica == source, f"replica: {_differ(replica, source)} rows differ"
-    for sink, (state, broken) in (("the change log", _replayed(lake)), ("Kafka", _kafka(bootstrap, prefix))):
+    logs = [("the change log", _replayed(lake))] if lake else []
+    for sink, (state, broken) in [*logs, ("Kafka", _kafka(bootstrap, prefix))]:
         assert not strict or not broken, f"{sink}: {len(broken)} changes break the rules, e.g. {broken[:5]}"
         assert state == source, f"{sink}: {_differ(state, source)} rows differ"
 
@@ -242,6 +245,41 @@ def test_a_table_added_to_a_running_feed_while_it_is_written_reaches_each_sink_o
     lake, prefix, base, first = _three_sinks(dbs, tmp_path, kafka, tables="public.other")
     with dbs.src() as c:
         c.execute("CREATE TABLE other (id int PRIMARY KEY)")
+    _added_while_churned(dbs, tmp_path, base, first)
+    _check_sinks(dbs, lake, kafka.bootstrap, prefix)
+
+
+def test_a_table_added_to_a_running_feed_of_two_nodes_while_it_is_written_reaches_each_sink_once(
+        dbs: Dbs, tmp_path: Path, kafka: Any, servers: tuple[LocalPostgres, LocalPostgres]) -> None:
+    """The same on a feed of two nodes (the table churned on one, empty on the other): the
+    publications on both and the request are made under the lock a runner fixes a window's end
+    under (postgres.requests.publishing). `alter` is frozen for a while between the publications
+    and the request: the runner plans no window meanwhile that would bring the table's changes."""
+    with psycopg.connect(servers[0].uri(), autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {dbs.name}_n2")
+    n2 = servers[0].uri(f"{dbs.name}_n2")
+    try:
+        _setup(dbs)
+        with psycopg.connect(n2, autocommit=True) as c:
+            c.execute("CREATE TABLE churn (id bigint PRIMARY KEY, v int NOT NULL)")
+        for uri in (dbs.source, n2):
+            with psycopg.connect(uri, autocommit=True) as c:
+                c.execute("CREATE TABLE other (id int PRIMARY KEY)")
+        topics, prefix, _ = kafka_sink(kafka.bootstrap, 2)
+        base = ["run", "--name", dbs.name, "--state", str(tmp_path / "state")]
+        first = [*base, "--source", f"n1={dbs.source}", "--source", f"n2={n2}", "--sink", f"dr={dbs.sink}",
+                 "--sink", f"events={topics}", "--tables", "public.other", "--snapshot-chunk-rows", str(CHUNK),
+                 "--snapshot-chunks-per-batch", "2"]
+        _added_while_churned(dbs, tmp_path, base, first, frozen=True)
+        _check_sinks(dbs, None, kafka.bootstrap, prefix)
+    finally:
+        drop_slots(servers[0].uri(), f"{dbs.name}_n2")
+
+
+def _added_while_churned(dbs: Dbs, tmp_path: Path, base: list[str], first: list[str], frozen: bool = False) -> None:
+    """A feed of `other` run (`first`) while the churn table is written, the churn table added to
+    it (`frozen`: `alter` stopped for a while once it published the table), read and written on;
+    then stopped and run once more to the end (`base`)."""
     log, written = tmp_path / "run.log", [0]
     p = start_changefeed(*first, log=log)
     try:
@@ -249,9 +287,7 @@ def test_a_table_added_to_a_running_feed_while_it_is_written_reaches_each_sink_o
             with dbs.src() as c:
                 c.execute("INSERT INTO other VALUES (1)")
             wait_for("the feed to run", lambda: _replica_count(dbs, "other") == 1, log)
-            altered = changefeed_cli("alter", "--name", dbs.name, "--state", str(tmp_path / "state"),
-                                     "--add-tables", "public.churn")
-            assert altered.returncode == 0, altered.stderr
+            _alter(tmp_path, dbs.name, frozen)
             wait_for("the added table's read", lambda: _replica_count(dbs, "churn") >= ROWS * 0.8, log, 300)
             time.sleep(1)  # (changes after the read, too)
         assert written[0] > 50, written
@@ -260,7 +296,25 @@ def test_a_table_added_to_a_running_feed_while_it_is_written_reaches_each_sink_o
         assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
     done = changefeed_cli(*base, "--available-now")
     assert done.returncode == 0, done.stderr[-3000:]
-    _check_sinks(dbs, lake, kafka.bootstrap, prefix)
+
+
+def _alter(tmp_path: Path, name: str, frozen: bool) -> None:
+    """alter --add-tables public.churn; `frozen`: stopped (SIGSTOP) at tables_published for 3 s."""
+    args = ("alter", "--name", name, "--state", str(tmp_path / "state"), "--add-tables", "public.churn")
+    if not frozen:
+        altered = changefeed_cli(*args)
+        assert altered.returncode == 0, altered.stderr
+        return
+    faults, log = tmp_path / "alter-faults", tmp_path / "alter.log"
+    faults.mkdir()
+    p = start_changefeed(*args, log=log, env={"CHANGEFEED_STOP_AT": "tables_published",
+                                              "CHANGEFEED_FAULT_DIR": str(faults)})
+    groups = wait_for("alter to freeze", lambda: (faults / ".stopped-groups").is_file()
+                      and (faults / ".stopped-groups").read_text().split(), log, 60)
+    time.sleep(3)  # (the writer goes on, and the feed would plan windows)
+    for g in groups:
+        os.killpg(int(g), signal.SIGCONT)
+    assert p.wait(timeout=120) == 0, log.read_text()[-3000:]
 
 
 def _replica_count(dbs: Dbs, table: str) -> int:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Sequence
-from contextlib import ExitStack, closing, suppress
+from contextlib import ExitStack, closing, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from psycopg import sql
 
+from changefeed import faults
 from changefeed.control.attach import add_source, prepare
 from changefeed.control.runner_lock import holder, run_state
 from changefeed.control.status import holding, paused_elsewhere, runners
@@ -110,11 +111,12 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
     """Bring `tables` into the feed, running or not: target tables, publication, then a request
     for their existing rows (the stream carries their changes from the publication change on).
 
-    On a feed of one node the request is made in the transaction that publishes the tables: a
-    batch whose window brings a change of them has taken the request in (spark.source plans it
-    once the window's end is fixed), so the sinks get nothing of them before their read, which
-    is a first read (core.judge): no change it saw comes again. A feed of several nodes cannot
-    publish on all of them at once; its reads are not judged (a change a read saw may repeat)."""
+    A batch whose window brings a change of them has taken the request in, so the sinks get
+    nothing of them before their read, which is a first read (core.judge): no change it saw comes
+    again. On a feed of one node the request is made in the transaction that publishes the
+    tables, and a runner takes requests in once a window's end is fixed (spark.source); on a feed
+    of several, the publications and the request are made under a lock a runner fixes a window's
+    end under (postgres.requests.publishing)."""
     new = tuple(t for t in tables if t not in spec.tables)
     if not new:
         raise ConfigError(f"feed {spec.name} already captures {', '.join(tables)}", "name tables it does not capture")
@@ -128,17 +130,21 @@ def add_tables(spec: FeedSpec, state: FeedState, tables: tuple[str, ...], *, sna
         ledger = open_ledger(spec, state)
         stack.callback(ledger.close)
         ledger.prepare(described[0][len(spec.tables):])  # before the publications: changes need a target
-        together = snapshot and not spec.multi_node
-        for (node, conn), node_tables in zip(conns, described):
-            with conn.transaction():
-                src.ensure_publication(conn, node.publication, node_tables, grown.row_filters, grown.column_lists)
-                if together:  # (one node: where the feed's requests are, postgres.requests)
-                    requests.SourceRequests(lambda: conns[0][1], spec.name, state.requests).add(new, first=True)
-            if spec.capture_ddl:  # the new tables' shapes
-                ddl_capture.install(conn, spec.name, node.publication)
+        first = conns[0][1]  # (where the feed's requests are: postgres.requests)
+        queued = requests.SourceRequests(lambda: first, spec.name, state.requests)
+        with requests.publishing(first, spec.name) if spec.multi_node else nullcontext():
+            for (node, conn), node_tables in zip(conns, described):
+                with conn.transaction():
+                    src.ensure_publication(conn, node.publication, node_tables, grown.row_filters,
+                                           grown.column_lists)
+                    if snapshot and not spec.multi_node:
+                        queued.add(new, first=True)
+                if spec.capture_ddl:  # the new tables' shapes
+                    ddl_capture.install(conn, spec.name, node.publication)
+            if snapshot and spec.multi_node:  # (once published everywhere: a read must see every change before)
+                faults.reach("tables_published")
+                queued.add(new, first=True)
     state.save(grown)
-    if snapshot and not together:
-        _request(spec, state, new)
     return grown
 
 

@@ -41,6 +41,32 @@ ALTER TABLE changefeed.snapshot_requests ADD COLUMN IF NOT EXISTS first_read boo
 _COLUMNS = ("only_sinks", "after_lsns", "first_read")  # added after the table's first version
 
 
+def _publishing_lock(feed: str) -> str:
+    return f"changefeed:publishing:{feed}"
+
+
+@contextmanager
+def publishing(conn: psycopg.Connection[Any], feed: str) -> Iterator[None]:
+    """Held (on the feed's first node, `conn`) while `alter --add-tables` publishes tables on each
+    node of a feed of several and then queues their request: a runner fixes a batch's window end
+    and takes requests in under the same lock, shared (SourceRequests.planning), so a window either
+    ends before any of the publications or its batch takes the request in. (A feed of one node
+    needs no lock: its request is made in the transaction that publishes the tables.)"""
+    conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (_publishing_lock(feed),))
+    try:
+        yield
+    finally:
+        _unlock(conn, "SELECT pg_advisory_unlock(hashtext(%s))", feed)
+
+
+def _unlock(conn: psycopg.Connection[Any], query: str, feed: str) -> None:
+    """Let the lock go; a session that cannot is closed, which lets it go too."""
+    try:
+        conn.execute(query, (_publishing_lock(feed),))
+    except psycopg.Error:
+        conn.close()
+
+
 def forget(conn: psycopg.Connection[Any], feed: str) -> None:
     """The feed is removed, or made anew under its name: its requests go (a new feed's checkpoint
     counts from 0 and would take in an old one's)."""
@@ -99,6 +125,17 @@ class SourceRequests:
                     return int(row[0])
             except psycopg.errors.UniqueViolation:
                 continue  # another request took that number at the same time
+
+    @contextmanager
+    def planning(self) -> Iterator[None]:
+        """Held while a runner of a feed of several nodes fixes a batch's window end and takes the
+        requests in (see publishing)."""
+        conn = self.conn()
+        conn.execute("SELECT pg_advisory_lock_shared(hashtext(%s))", (_publishing_lock(self.feed),))
+        try:
+            yield
+        finally:
+            _unlock(conn, "SELECT pg_advisory_unlock_shared(hashtext(%s))", self.feed)
 
     def after(self, taken: int) -> list[Request]:
         """Requests numbered above `taken`, in order."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -367,26 +368,31 @@ class ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return replace(start, cursor=cursor, chunks=(), follow=start.follow + 1).to_json()
         judged = self._judged_tables(chunks)
         self._note_storage(judged)  # (before the window's end is fixed: core.judge.Truncates)
+        with self.requests.planning() if self.multi_node else nullcontext():
+            end = self._planned(start, limit, barrier, cursor, chunks)
+        if end is None:
+            return start_json
+        self._planned_at = time.monotonic()
+        return self._judged(start, end, judged).to_json()
+
+    def _planned(self, start: Offset, limit: ReadLimit, barrier: bar.Barrier | None, cursor: snapshot.Cursor,
+                 chunks: Sequence[snapshot.Chunk]) -> Offset | None:
+        """The batch from `start`, its window's end fixed now (None: nothing to plan). Requests
+        made since the planning of `cursor` are taken in too: one made with the publication of its
+        tables (control.lifecycle.add_tables) that is not seen here was made after the end, so no
+        window before the one that takes it in brings a change of them."""
         readings = self._take_readings(start, bool(chunks))
         if readings is None:
-            return start_json
+            return None
         lsns = {n: f.lsn for n, f in readings.frontiers.items()}
         self._seen = {n: (lsn, not chunks and self._available_now is not None) for n, lsn in lsns.items()}
         if all(lsns[n] <= start.lsns.get(n, 0) for n in lsns):  # (never with chunks: fresh heartbeats)
-            return start_json
+            return None
         if self.multi_node:
             end = self._plan_nodes(start, readings, barrier, cursor, tuple(chunks))
         else:
             end = self._plan_one(start, readings, limit, barrier, cursor, tuple(chunks))
-        if end is None:
-            return start_json
-        # Requests made since the planning above are taken in too, now that the window's end is
-        # fixed: one made with the publication of its tables (control.lifecycle.add_tables) and
-        # not seen here committed after the end, so no window before the one that takes it in
-        # brings a change of them.
-        end = replace(end, cursor=self._requested(start, end.cursor))
-        self._planned_at = time.monotonic()
-        return self._judged(start, end, judged).to_json()
+        return None if end is None else replace(end, cursor=self._requested(start, end.cursor))
 
     def _judged_tables(self, chunks: Sequence[snapshot.Chunk]) -> dict[str, list[tuple[str, str, str]]]:
         """Per node, the tables of `chunks` a first read judges (core.judge): (entry, schema, table)."""
