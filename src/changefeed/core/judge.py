@@ -8,12 +8,12 @@ key, the changes S saw come first: a transaction that writes a key another one w
 it to end, so it cannot be seen while the other is not.
 
 Only first reads are judged (core.snapshot.Cursor.first_reads: the tables of the feed's first run,
-and a table brought into the feed whose request was taken in before any change of it was sent:
-the sinks held nothing of the table before). There every change S saw is left out, deletes included: the sink
-has no row to delete, the read none to give, and a key a seen transaction deleted and inserted
-again is in the read. A read of a table the sinks hold already (a request, a new row filter, an
-attached partition, a sink added) is not: S may lack a key the sink holds, and only its seen
-delete removes it; its seen changes are sent again after it, full row images that lead to the
+and a table brought into the feed whose request was taken in before any change of it was sent: the
+sinks held nothing of the table before). There every change S saw is left out, deletes included:
+the sink has no row to delete, the read none to give, and a key a seen transaction deleted and
+inserted again is in the read. A read of a table the sinks hold already (a request, a new row
+filter, an attached partition, a sink added) is not: S may lack a key the sink holds, and only its
+seen delete removes it; its seen changes are sent again after it, full row images that lead to the
 same state (repeats, never a loss).
 
 A batch's windows are judged against:

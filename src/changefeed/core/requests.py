@@ -27,9 +27,9 @@ class Request(NamedTuple):
     # per node, a WAL position its batch must start at or after (a row filter changed there: its
     # snapshot must not land before the change, see postgres.filter_switch); () = any batch
     after: tuple[tuple[str, int], ...] = ()
-    # the sinks hold nothing of its tables yet: a table brought into the feed, whose request was
-    # made in the transaction that published it (control.lifecycle.add_tables), so its reads are
-    # first reads (core.judge) when the request is taken in before any of its changes was sent
+    # the sinks hold nothing of its tables yet: tables brought into the feed, whose request was
+    # made with their publication (control.lifecycle.add_tables), so their reads are first reads
+    # (core.judge) when the request is taken in before any of their changes was sent
     first: bool = False
 
     def fits(self, nodes: Collection[str], sinks: Collection[str]) -> bool:
